@@ -1,0 +1,34 @@
+# Two commands do all the set-up on a fresh machine (see README): `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# JAX picks the accelerator when there is one; on a machine without, say so up front (libtpu,
+# installed for ahead-of-time TPU compiles, would otherwise probe for a TPU at start-up).
+ACCELERATOR := $(wildcard /dev/accel0 /dev/vfio/0 /dev/nvidia0)
+export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
+
+.PHONY: install demo test bench aot clean
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[test,tpu,plots]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python experiments/demo.py $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python experiments/bench_model.py $(ARGS)
+
+aot: $(STAMP)
+	$(BIN)/python experiments/aot_compile.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,44 @@
+"""Multi-host start-up through JAX's own multi-controller runtime (`jax.distributed`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from coa_jax.model.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """How this process joins a multi-host run.
+
+  mode: "off" (single process, the default), "auto" (cluster auto-detection: TPU pod slices,
+  SLURM, ...), or "explicit" (the coordinator address, process count and id below).
+  """
+
+  mode: str = "off"
+  coordinator_address: str = ""
+  num_processes: int = 1
+  process_id: int = 0
+  cpu_collectives: str = "gloo"  # used when the platform is CPU (tests of multi-host code)
+
+
+def initialize(config: DistributedConfig = DistributedConfig()) -> bool:
+  """Joins the multi-host run described by `config`; returns False (a no-op) on one process."""
+  if config.mode == "off" or (config.mode == "explicit" and config.num_processes == 1):
+    return False
+  if config.mode not in ("auto", "explicit"):
+    raise ConfigError(f"distributed mode={config.mode!r}: expected 'off', 'auto' or 'explicit'")
+  if jax.config.jax_platforms and "cpu" in jax.config.jax_platforms.split(","):
+    jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
+  if config.mode == "auto":
+    jax.distributed.initialize()
+    return True
+  if not config.coordinator_address:
+    raise ConfigError("distributed mode='explicit' needs coordinator_address (host:port)")
+  if not 0 <= config.process_id < config.num_processes:
+    raise ConfigError(f"process_id={config.process_id} is outside [0, {config.num_processes})")
+  jax.distributed.initialize(coordinator_address=config.coordinator_address,
+                             num_processes=config.num_processes, process_id=config.process_id)
+  return True

@@ -1,0 +1,29 @@
+"""Masked token-level cross-entropy as a (sum, count) pair."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class LossSums:
+  """A loss as the sum over counted tokens and their count; mean = total / count."""
+
+  total: jax.Array
+  count: jax.Array
+
+  def mean(self) -> jax.Array:
+    """Returns total / count, or 0 when no token is counted."""
+    return self.total / jnp.maximum(self.count, 1)
+
+
+def token_cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
+                        mask_BxT: jax.Array) -> LossSums:
+  """Returns the summed -log p(target) over tokens where mask is nonzero, and their count."""
+  logits = logits_BxTxV.astype(jnp.float32)
+  log_z_BxT = jax.nn.logsumexp(logits, axis=-1)
+  target_logit_BxT = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
+  mask = mask_BxT.astype(jnp.float32)
+  return LossSums(total=jnp.sum((log_z_BxT - target_logit_BxT) * mask), count=jnp.sum(mask))

@@ -1,0 +1,257 @@
+"""Model configuration: one frozen dataclass, named presets, and HF config.json conversion."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+FAMILIES = ("qwen2", "llama")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("xla", "cudnn")
+
+
+class ConfigError(ValueError):
+  """A configuration value is invalid; the message names the field and the problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+  """Llama 3 RoPE frequency scaling (HF `rope_type: llama3`)."""
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture plus numerics of a decoder-only transformer (Qwen2/Qwen2.5 or Llama 3)."""
+
+  family: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int = 0  # 0 means hidden_size // num_heads
+  rope_theta: float = 10_000.0
+  rope_scaling: Llama3RopeScaling | None = None
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  max_position_embeddings: int = 32_768
+  bos_token_id: int | None = None
+  eos_token_id: int | None = None
+  # Numerics and execution (not part of the architecture).
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: str = "none"
+  attention_impl: str = "xla"
+
+  def __post_init__(self):
+    if self.head_dim == 0 and self.num_heads > 0:
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+    self.validate()
+
+  def validate(self) -> None:
+    """Raises ConfigError naming the first invalid field."""
+    if self.family not in FAMILIES:
+      raise ConfigError(f"family={self.family!r}: expected one of {FAMILIES}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                 "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}={value!r}: expected a positive integer")
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ConfigError(f"head_dim={self.head_dim}: RoPE needs an even head dimension")
+    if self.rope_theta <= 0:
+      raise ConfigError(f"rope_theta={self.rope_theta}: expected a positive number")
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ConfigError(
+          f"attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}")
+    for name in ("dtype", "param_dtype"):
+      try:
+        jnp.dtype(getattr(self, name))
+      except TypeError:
+        raise ConfigError(f"{name}={getattr(self, name)!r} is not a dtype name") from None
+
+  def replace(self, **changes: Any) -> "ModelConfig":
+    """Returns a copy with `changes` applied (and validated)."""
+    unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+    if unknown:
+      raise ConfigError(f"unknown ModelConfig field(s): {sorted(unknown)}")
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  @property
+  def params_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.param_dtype)
+
+  def num_params(self) -> int:
+    """Returns the exact number of parameters of this architecture."""
+    d, h = self.hidden_size, self.head_dim
+    q, kv = self.num_heads * h, self.num_kv_heads * h
+    attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
+    mlp = 3 * d * self.intermediate_size
+    per_layer = attn + mlp + 2 * d
+    embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    return self.num_layers * per_layer + embeddings + d
+
+
+_QWEN2_5 = dict(family="qwen2", rope_theta=1_000_000.0, rms_norm_eps=1e-6, qkv_bias=True,
+                max_position_embeddings=32_768, bos_token_id=151643, eos_token_id=151645)
+_LLAMA3 = dict(family="llama", rope_theta=500_000.0, rms_norm_eps=1e-5, qkv_bias=False,
+               max_position_embeddings=131_072, vocab_size=128_256, bos_token_id=128000,
+               eos_token_id=128001)
+
+# Figures of the published HF config.json files (Qwen2.5 *-Instruct, which the CoA recipe
+# fine-tunes; the base checkpoints differ only in max_position_embeddings and, for 14B/32B,
+# rms_norm_eps). Llama 3 figures from meta-llama/Llama-3.2-1B and Llama-3.1-8B.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(family="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
+                 num_layers=2, num_heads=4, num_kv_heads=2, rope_theta=10_000.0,
+                 rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=True,
+                 max_position_embeddings=2048),
+    "qwen2_5_0_5b": dict(_QWEN2_5, vocab_size=151_936, hidden_size=896, intermediate_size=4864,
+                         num_layers=24, num_heads=14, num_kv_heads=2, tie_embeddings=True),
+    "qwen2_5_1_5b": dict(_QWEN2_5, vocab_size=151_936, hidden_size=1536, intermediate_size=8960,
+                         num_layers=28, num_heads=12, num_kv_heads=2, tie_embeddings=True),
+    "qwen2_5_3b": dict(_QWEN2_5, vocab_size=151_936, hidden_size=2048, intermediate_size=11008,
+                       num_layers=36, num_heads=16, num_kv_heads=2, tie_embeddings=True),
+    "qwen2_5_7b": dict(_QWEN2_5, vocab_size=152_064, hidden_size=3584, intermediate_size=18944,
+                       num_layers=28, num_heads=28, num_kv_heads=4, tie_embeddings=False),
+    "qwen2_5_14b": dict(_QWEN2_5, vocab_size=152_064, hidden_size=5120, intermediate_size=13824,
+                        num_layers=48, num_heads=40, num_kv_heads=8, tie_embeddings=False),
+    "qwen2_5_32b": dict(_QWEN2_5, vocab_size=152_064, hidden_size=5120, intermediate_size=27648,
+                        num_layers=64, num_heads=40, num_kv_heads=8, tie_embeddings=False),
+    "llama3_2_1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                        num_heads=32, num_kv_heads=8, head_dim=64, tie_embeddings=True,
+                        rope_scaling=Llama3RopeScaling(factor=32.0)),
+    "llama3_1_8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                        num_heads=32, num_kv_heads=8, head_dim=128, tie_embeddings=False,
+                        rope_scaling=Llama3RopeScaling(factor=8.0)),
+}
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+  """Returns the named preset's ModelConfig with `overrides` applied."""
+  if name not in PRESETS:
+    raise ConfigError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
+  return ModelConfig(**PRESETS[name]).replace(**overrides)
+
+
+_HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+  """Reads rope theta and scaling from either the old or the new (`rope_parameters`) layout."""
+  params = hf.get("rope_parameters") or {}
+  scaling = hf.get("rope_scaling") or params
+  theta = float(hf.get("rope_theta", params.get("rope_theta", 10_000.0)))
+  rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+  if rope_type == "default":
+    return theta, None
+  if rope_type != "llama3":
+    raise ConfigError(f"rope scaling type {rope_type!r} is not supported (only 'llama3')")
+  return theta, Llama3RopeScaling(
+      factor=float(scaling["factor"]),
+      low_freq_factor=float(scaling["low_freq_factor"]),
+      high_freq_factor=float(scaling["high_freq_factor"]),
+      original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+
+
+def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+  """Returns the ModelConfig described by an HF config.json dict."""
+  family = hf.get("model_type")
+  if family not in FAMILIES:
+    raise ConfigError(f"HF model_type {family!r} is not supported; expected one of {FAMILIES}")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ConfigError(f"hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+  try:
+    theta, scaling = _rope_from_hf(hf)
+    num_heads = int(hf["num_attention_heads"])
+    fields = dict(
+        family=family,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or 0),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf["rms_norm_eps"]),
+        qkv_bias=family == "qwen2",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32_768)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=_first(hf.get("eos_token_id")),
+    )
+  except KeyError as e:
+    raise ConfigError(f"HF config is missing the field {e.args[0]!r}") from None
+  if family == "llama" and (hf.get("mlp_bias") or hf.get("attention_bias")):
+    raise ConfigError("Llama configs with mlp_bias or attention_bias set are not supported")
+  return ModelConfig(**fields).replace(**overrides)
+
+
+def _first(value):
+  return value[0] if isinstance(value, list) and value else value
+
+
+def to_hf_config(config: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+  """Returns an HF config.json dict that `transformers` loads as the same architecture."""
+  hf: dict[str, Any] = dict(
+      architectures=[_HF_ARCHITECTURES[config.family]],
+      model_type=config.family,
+      vocab_size=config.vocab_size,
+      hidden_size=config.hidden_size,
+      intermediate_size=config.intermediate_size,
+      num_hidden_layers=config.num_layers,
+      num_attention_heads=config.num_heads,
+      num_key_value_heads=config.num_kv_heads,
+      head_dim=config.head_dim,
+      hidden_act="silu",
+      max_position_embeddings=config.max_position_embeddings,
+      rms_norm_eps=config.rms_norm_eps,
+      rope_theta=config.rope_theta,
+      tie_word_embeddings=config.tie_embeddings,
+      torch_dtype=torch_dtype,
+      use_cache=True,
+      attention_dropout=0.0,
+  )
+  if config.bos_token_id is not None:
+    hf["bos_token_id"] = config.bos_token_id
+  if config.eos_token_id is not None:
+    hf["eos_token_id"] = config.eos_token_id
+  if config.family == "llama":
+    if config.qkv_bias:
+      raise ConfigError("HF Llama has no qkv-only bias; export a qkv_bias=True model as qwen2")
+    hf.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+  elif not config.qkv_bias:
+    raise ConfigError("HF Qwen2 always has qkv bias; export a qkv_bias=False model as llama")
+  else:
+    hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
+  if config.rope_scaling is not None:
+    hf["rope_scaling"] = dict(rope_type="llama3", **dataclasses.asdict(config.rope_scaling))
+  return hf
+
+
+def build_config(spec: Any) -> ModelConfig:
+  """Returns the ModelConfig of a config section: `preset` plus any field overrides."""
+  values = dict(spec)
+  if "preset" not in values:
+    raise ConfigError("the model config section needs a 'preset' name")
+  return get_preset(values.pop("preset"), **values)

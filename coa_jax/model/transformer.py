@@ -1,0 +1,214 @@
+"""Pure-functional Flax Linen decoder-only transformer for the Qwen2/Qwen2.5 and Llama 3 families.
+
+Parameters and main activations carry logical axis names; `coa_jax.sharding` maps them to mesh
+axes through one rules table. Layers are stacked with `nn.scan` (one compiled layer body
+whatever the depth) and optionally rematerialized.
+
+Parameter layout (leading `layers` axis on everything under `layers/`):
+  embedding                     (vocab, embed)
+  layers/input_norm/scale       (layers, embed)
+  layers/attn/{q,k,v}_proj      kernel (layers, embed, heads|kv_heads, head_dim), bias (..., heads, head_dim)
+  layers/attn/o_proj/kernel     (layers, heads, head_dim, embed)
+  layers/post_attn_norm/scale   (layers, embed)
+  layers/mlp/{gate,up}_proj     kernel (layers, embed, mlp)
+  layers/mlp/down_proj/kernel   (layers, mlp, embed)
+  final_norm/scale              (embed,)
+  lm_head                       (embed, vocab)      absent when embeddings are tied
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from coa_jax.model.config import ConfigError, ModelConfig
+from coa_jax.model.rope import apply_rope, inverse_frequencies
+
+# Logical names of activation axes (parameter axes are named in the layout above).
+ACT_BTD = ("act_batch", "act_seq", "act_embed")
+ACT_BTNH = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+ACT_BTKH = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
+ACT_BTF = ("act_batch", "act_seq", "act_mlp")
+ACT_BTV = ("act_batch", "act_seq", "act_vocab")
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _init(stddev: float, names: tuple[str, ...]):
+  return nn.with_logical_partitioning(nn.initializers.normal(stddev), names)
+
+
+def segment_mask(q_segment_ids_BxT: jnp.ndarray, kv_segment_ids_BxS: jnp.ndarray) -> jnp.ndarray:
+  """Returns the (B, 1, T, S) boolean mask that lets a query see only keys of its own segment."""
+  return q_segment_ids_BxT[:, None, :, None] == kv_segment_ids_BxS[:, None, None, :]
+
+
+def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xTxS, *, is_causal: bool,
+           implementation: str) -> jnp.ndarray:
+  """Returns softmax(q k^T / sqrt(H) + masks) v as (B, T, N, H); GQA when K < N.
+
+  This is the seam for the KV-cache decode path: self-attention over a sequence calls it
+  with is_causal=True; a decode step calls it with cached keys/values and a mask built from
+  cache lengths.
+  """
+  return jax.nn.dot_product_attention(
+      q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask_Bx1xTxS, is_causal=is_causal,
+      implementation=implementation)
+
+
+class RMSNorm(nn.Module):
+  """RMS normalization computed in float32, scaled by a learned per-feature weight."""
+
+  eps: float
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                       (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return normed.astype(self.dtype) * scale.astype(self.dtype)
+
+
+class Projection(nn.Module):
+  """A linear map contracting the trailing `len(in_names)` axes of x into `features` axes."""
+
+  features: tuple[int, ...]
+  in_names: tuple[str, ...]
+  out_names: tuple[str, ...]
+  use_bias: bool
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    n_in = len(self.in_names)
+    kernel = self.param("kernel", _init(0.02, self.in_names + self.out_names),
+                        x.shape[-n_in:] + self.features, self.param_dtype)
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
+                            ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+    if self.use_bias:
+      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                             self.out_names),
+                        self.features, self.param_dtype)
+      y = y + bias.astype(self.dtype)
+    return y
+
+
+class Attention(nn.Module):
+  """Grouped-query self-attention with RoPE and optional q/k/v bias."""
+
+  config: ModelConfig
+
+  def _linear(self, name, features, in_names, out_names, use_bias=False) -> Projection:
+    cfg = self.config
+    return Projection(features, in_names, out_names, use_bias, cfg.compute_dtype,
+                      cfg.params_dtype, name=name)
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT):
+    cfg = self.config
+    inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    q_shape, kv_shape = (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
+    q_BxTxNxH = self._linear("q_proj", q_shape, ("embed",), ("heads", "head_dim"),
+                             cfg.qkv_bias)(x_BxTxD)
+    k_BxTxKxH = self._linear("k_proj", kv_shape, ("embed",), ("kv_heads", "head_dim"),
+                             cfg.qkv_bias)(x_BxTxD)
+    v_BxTxKxH = self._linear("v_proj", kv_shape, ("embed",), ("kv_heads", "head_dim"),
+                             cfg.qkv_bias)(x_BxTxD)
+    q_BxTxNxH = nn.with_logical_constraint(apply_rope(q_BxTxNxH, positions_BxT, inv_freq), ACT_BTNH)
+    k_BxTxKxH = nn.with_logical_constraint(apply_rope(k_BxTxKxH, positions_BxT, inv_freq), ACT_BTKH)
+    v_BxTxKxH = nn.with_logical_constraint(v_BxTxKxH, ACT_BTKH)
+    mask = None if segment_ids_BxT is None else segment_mask(segment_ids_BxT, segment_ids_BxT)
+    out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask, is_causal=True,
+                         implementation=cfg.attention_impl)
+    out_BxTxNxH = nn.with_logical_constraint(out_BxTxNxH, ACT_BTNH)
+    return self._linear("o_proj", (cfg.hidden_size,), ("heads", "head_dim"),
+                        ("embed",))(out_BxTxNxH)
+
+
+class Mlp(nn.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+  config: ModelConfig
+
+  def _linear(self, name, features, in_name, out_name) -> Projection:
+    cfg = self.config
+    return Projection((features,), (in_name,), (out_name,), False, cfg.compute_dtype,
+                      cfg.params_dtype, name=name)
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    cfg = self.config
+    gate_BxTxF = self._linear("gate_proj", cfg.intermediate_size, "embed", "mlp")(x_BxTxD)
+    up_BxTxF = self._linear("up_proj", cfg.intermediate_size, "embed", "mlp")(x_BxTxD)
+    hidden_BxTxF = nn.with_logical_constraint(nn.silu(gate_BxTxF) * up_BxTxF, ACT_BTF)
+    return self._linear("down_proj", cfg.hidden_size, "mlp", "embed")(hidden_BxTxF)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); scan-compatible."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT):
+    cfg = self.config
+    norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
+    x_BxTxD = x_BxTxD + Attention(cfg, name="attn")(
+        norm("input_norm")(x_BxTxD), positions_BxT, segment_ids_BxT)
+    x_BxTxD = x_BxTxD + Mlp(cfg, name="mlp")(norm("post_attn_norm")(x_BxTxD))
+    return nn.with_logical_constraint(x_BxTxD, ACT_BTD), None
+
+
+class Transformer(nn.Module):
+  """Decoder-only language model; `__call__` returns float32 logits (B, T, V)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, input_ids_BxT, positions_BxT=None, segment_ids_BxT=None):
+    """Returns next-token logits; positions default to 0..T-1, segment ids to one segment.
+
+    With `segment_ids_BxT` (packed rows; 0 may mark padding) a token attends only to earlier
+    tokens of its own segment, and `positions_BxT` should restart at 0 for every segment.
+    """
+    cfg = self.config
+    if cfg.attention_impl == "cudnn" and jax.default_backend() != "gpu":
+      raise ConfigError(f"attention_impl='cudnn' needs a GPU backend, but JAX runs on "
+                        f"{jax.default_backend()!r}; use attention_impl='xla'")
+    if positions_BxT is None:
+      positions_BxT = jnp.broadcast_to(jnp.arange(input_ids_BxT.shape[1]), input_ids_BxT.shape)
+    embedding_VxD = self.param("embedding", _init(0.02, ("vocab", "embed")),
+                               (cfg.vocab_size, cfg.hidden_size), cfg.params_dtype)
+    # Gather the fsdp-split embed dimension before the lookup (as FSDP does for every weight).
+    lookup_VxD = nn.with_logical_constraint(embedding_VxD, ("vocab", None))
+    x_BxTxD = jnp.take(lookup_VxD, input_ids_BxT, axis=0).astype(cfg.compute_dtype)
+    x_BxTxD = nn.with_logical_constraint(x_BxTxD, ACT_BTD)
+
+    layer = DecoderLayer
+    if cfg.remat != "none":
+      layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    layers = nn.scan(
+        layer, variable_axes={"params": 0}, split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")
+    x_BxTxD, _ = layers(x_BxTxD, positions_BxT, segment_ids_BxT)
+    x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype,
+                      name="final_norm")(x_BxTxD)
+
+    if cfg.tie_embeddings:
+      head_DxV = embedding_VxD.T
+    else:
+      head_DxV = self.param("lm_head", _init(0.02, ("embed", "vocab")),
+                            (cfg.hidden_size, cfg.vocab_size), cfg.params_dtype)
+    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(cfg.compute_dtype),
+                              preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits_BxTxV, ACT_BTV)

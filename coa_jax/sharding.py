@@ -1,0 +1,168 @@
+"""Device mesh, the logical-axis rules table, and helpers that place params, state and batches.
+
+Every parameter and main activation of the model carries logical axis names; `AXIS_RULES` is
+the one table that maps them to the mesh axes `data`, `fsdp` and `tensor`:
+
+- batch is split over `data` x `fsdp` (FSDP ranks see different examples, like data ranks);
+- parameters are split over `fsdp` on their `embed` dimension (ZeRO-3 style) and over
+  `tensor` on heads, MLP width and vocabulary (Megatron style);
+- everything else is replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Iterator, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from coa_jax.model.config import ConfigError, ModelConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+AXIS_RULES: tuple[tuple[str, Any], ...] = (
+    # Parameters.
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("layers", None),
+    # Activations.
+    ("act_batch", BATCH_AXES),
+    ("act_seq", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_head_dim", None),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Sizes of the `data`, `fsdp` and `tensor` axes; one of them may be -1 (all the rest)."""
+
+  data: int = 1
+  fsdp: int = -1
+  tensor: int = 1
+
+  def resolve(self, num_devices: int) -> tuple[int, int, int]:
+    """Returns the concrete (data, fsdp, tensor) shape for `num_devices` devices."""
+    shape = [self.data, self.fsdp, self.tensor]
+    if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
+      raise ConfigError(f"mesh {self}: sizes must be positive, with at most one -1")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+      if num_devices % known:
+        raise ConfigError(f"mesh {self}: {num_devices} devices are not divisible by {known}")
+      shape[shape.index(-1)] = num_devices // known
+    if math.prod(shape) != num_devices:
+      raise ConfigError(
+          f"mesh {self} needs {math.prod(shape)} devices but {num_devices} are available")
+    return tuple(shape)
+
+
+def make_mesh(config: MeshConfig | Sequence[int] = MeshConfig(),
+              devices: Sequence[Any] | None = None) -> Mesh:
+  """Returns a (data, fsdp, tensor) mesh over `devices` (default: all global devices)."""
+  if not isinstance(config, MeshConfig):
+    config = MeshConfig(*config)
+  devices = list(jax.devices() if devices is None else devices)
+  shape = config.resolve(len(devices))
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+def check_model_fits_mesh(config: ModelConfig, mesh: Mesh) -> None:
+  """Raises ConfigError when a model dimension cannot be split evenly over its mesh axis."""
+  tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
+  for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+    if getattr(config, name) % tensor:
+      raise ConfigError(f"{name}={getattr(config, name)} is not divisible by the tensor axis "
+                        f"({tensor}); choose a tensor size that divides it")
+  if config.hidden_size % fsdp:
+    raise ConfigError(f"hidden_size={config.hidden_size} is not divisible by the fsdp axis "
+                      f"({fsdp})")
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh) -> Iterator[None]:
+  """Makes `mesh` and `AXIS_RULES` current, so logical constraints in the model resolve."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(AXIS_RULES):
+    yield
+
+
+def bind_mesh(fn: Callable, mesh: Mesh) -> Callable:
+  """Wraps a jitted function so that calling or lowering it happens under `activate(mesh)`."""
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    with activate(mesh):
+      return fn(*args, **kwargs)
+
+  def lower(*args, **kwargs):
+    with activate(mesh):
+      return fn.lower(*args, **kwargs)
+
+  call.lower = lower
+  return call
+
+
+def logical_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
+  """Returns NamedShardings for a tree whose leaves carry logical axis names (flax boxes)."""
+  specs = nn.get_partition_spec(boxed_tree)
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, AXIS_RULES)
+  _check_even(boxed_tree, shardings)
+  return shardings
+
+
+def _check_even(boxed_tree: Any, shardings: Any) -> None:
+  """Raises ConfigError naming the first array whose dimension does not split evenly."""
+  leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(boxed_tree))
+  for (path, leaf), sharding in zip(leaves, jax.tree_util.tree_leaves(shardings)):
+    for dim, axes in zip(leaf.shape, tuple(sharding.spec) + (None,) * leaf.ndim):
+      axes = (axes,) if isinstance(axes, str) else (axes or ())
+      size = math.prod(sharding.mesh.shape[a] for a in axes)
+      if dim % size:
+        raise ConfigError(f"{jax.tree_util.keystr(path)} of shape {leaf.shape}: dimension "
+                          f"{dim} does not split over mesh axes {axes} of size {size}")
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Returns the sharding of a (batch, ...) array: batch over `data` x `fsdp`."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Returns the fully replicated sharding on `mesh`."""
+  return NamedSharding(mesh, P())
+
+
+def shard_batch(batch: Any, mesh: Mesh) -> Any:
+  """Returns global arrays built from this process's slice of the batch (every leaf (B, ...)).
+
+  On several hosts, each passes only its own rows; the global batch is their concatenation.
+  """
+  sharding = batch_sharding(mesh)
+  ranks = mesh.shape["data"] * mesh.shape["fsdp"]
+  local_ranks = ranks // jax.process_count()
+
+  def put(x):
+    x = np.asarray(x)
+    if x.shape[0] % max(local_ranks, 1):
+      raise ConfigError(f"local batch of {x.shape[0]} rows does not split over the "
+                        f"{local_ranks} local data x fsdp ranks")
+    return jax.make_array_from_process_local_data(sharding, x)
+
+  return jax.tree_util.tree_map(put, batch)

@@ -1,0 +1,1 @@
+"""Train state, optimizer and the jitted, sharded language-model training step."""

@@ -1,0 +1,33 @@
+"""Package `coa-jax`: Chain-of-Agents agent foundation models in JAX/Flax."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="coa-jax",
+    version="0.1.0",
+    description="Chain-of-Agents (multi-agent distillation, observation-masked SFT, DAPO) "
+                "in JAX/Flax, TPU-native",
+    python_requires=">=3.10",
+    packages=find_packages(include=["coa_jax", "coa_jax.*", "tools_env", "tools_env.*"]),
+    install_requires=[
+        "jax>=0.10.2",
+        "flax>=0.12",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12",
+        "transformers>=5.0",
+        "tokenizers>=0.22",
+        "safetensors>=0.7",
+        "ml-collections>=1.1",
+        "absl-py",
+        "grain>=0.2.18",
+        "ml_dtypes",
+        "numpy",
+    ],
+    extras_require={
+        # torch must stay pinned: an unpinned torch pulls a multi-GB CUDA build.
+        "test": ["pytest>=8", "torch==2.13.0"],
+        "tpu": ["jax[tpu]>=0.10.2"],
+        "tfds": ["tensorflow-datasets>=4.9"],
+        "plots": ["matplotlib"],
+    },
+)

@@ -1,0 +1,139 @@
+"""HF checkpoints: logit parity with transformers, sharded loading, export, clear errors."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import transformers
+
+from coa_jax import hf_checkpoint, sharding
+from coa_jax.model import Transformer
+from coa_jax.train.state import param_shardings
+from hf_reference import hf_logits, make_hf_model
+
+LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position_embeddings=16)
+
+CASES = {
+    "qwen2-gqa2-untied": ("qwen2", dict()),
+    "qwen2-mqa-tied": ("qwen2", dict(tie=True, kv_heads=1)),
+    "qwen2-mha-6heads": ("qwen2", dict(hidden=48, heads=6, kv_heads=6, layers=3)),
+    "llama-gqa4-llama3rope": ("llama", dict(heads=8, kv_heads=2, rope_scaling=LLAMA3_SCALING)),
+    "llama-tied-headdim16": ("llama", dict(tie=True, head_dim=16, layers=1)),
+}
+
+
+def _ids(vocab=96, shape=(2, 40), seed=0):
+  return np.random.RandomState(seed).randint(0, vocab, shape)
+
+
+def _ours(config, params, ids):
+  return np.asarray(Transformer(config).apply({"params": params}, ids))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(case, tmp_path):
+  family, kwargs = CASES[case]
+  model = make_hf_model(family, **kwargs)
+  model.save_pretrained(tmp_path)
+  config, params = hf_checkpoint.load_checkpoint(str(tmp_path))
+  ids = _ids()
+  reference = hf_logits(model, ids)
+  assert np.abs(reference).max() > 0.1  # logits are not trivially tiny
+  assert np.abs(_ours(config, params, ids) - reference).max() <= 1e-4
+
+
+def test_llama3_rope_scaling_is_read_from_config(tmp_path):
+  make_hf_model("llama", rope_scaling=LLAMA3_SCALING).save_pretrained(tmp_path)
+  config, _ = hf_checkpoint.load_checkpoint(str(tmp_path))
+  assert config.rope_scaling.factor == 8.0
+  assert config.rope_scaling.original_max_position_embeddings == 16
+
+
+def test_sharded_folder_with_index_loads(tmp_path):
+  model = make_hf_model("qwen2", layers=3)
+  model.save_pretrained(tmp_path, max_shard_size="40KB")
+  assert os.path.isfile(tmp_path / hf_checkpoint.INDEX_FILE)
+  assert len(list(tmp_path.glob("*.safetensors"))) > 1
+  config, params = hf_checkpoint.load_checkpoint(str(tmp_path))
+  ids = _ids()
+  assert np.abs(_ours(config, params, ids) - hf_logits(model, ids)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("family,kwargs", [("qwen2", {}), ("llama", dict(tie=True))])
+def test_export_reloads_in_transformers(family, kwargs, tmp_path):
+  model = make_hf_model(family, **kwargs)
+  model.save_pretrained(tmp_path / "src")
+  config, params = hf_checkpoint.load_checkpoint(str(tmp_path / "src"))
+  files = hf_checkpoint.save_checkpoint(str(tmp_path / "out"), config, params, dtype="float32",
+                                        max_shard_bytes=30_000)
+  assert len(files) > 1 and os.path.isfile(tmp_path / "out" / hf_checkpoint.INDEX_FILE)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  ids = _ids()
+  assert np.abs(hf_logits(reloaded, ids) - _ours(config, params, ids)).max() <= 1e-4
+
+
+def test_load_places_params_with_target_shardings(tmp_path):
+  model = make_hf_model("qwen2", heads=4, kv_heads=4, intermediate=64, vocab=96)
+  model.save_pretrained(tmp_path)
+  mesh = sharding.make_mesh((2, 2, 2))
+  config, params = hf_checkpoint.load_checkpoint(str(tmp_path), mesh)
+  expected = param_shardings(Transformer(config), mesh)
+  got = jax.tree_util.tree_map(lambda a: a.sharding.spec, params)
+  assert got == jax.tree_util.tree_map(lambda s: s.spec, expected)
+  ids = _ids(shape=(4, 16))
+  with sharding.activate(mesh):
+    logits = np.asarray(jax.jit(Transformer(config).apply)({"params": params}, ids))
+  assert np.abs(logits - hf_logits(model, ids)).max() <= 1e-4
+
+
+@pytest.fixture
+def saved_qwen(tmp_path):
+  make_hf_model("qwen2").save_pretrained(tmp_path)
+  return tmp_path
+
+
+def test_missing_config_is_named(tmp_path):
+  with pytest.raises(hf_checkpoint.CheckpointError, match="no config.json"):
+    hf_checkpoint.load_checkpoint(str(tmp_path))
+
+
+def test_missing_tensor_is_named(saved_qwen):
+  config = json.loads((saved_qwen / "config.json").read_text())
+  config["num_hidden_layers"] = 3
+  (saved_qwen / "config.json").write_text(json.dumps(config))
+  with pytest.raises(hf_checkpoint.CheckpointError,
+                     match=r"'model.layers.2.input_layernorm.weight' is missing"):
+    hf_checkpoint.load_checkpoint(str(saved_qwen))
+
+
+def test_shape_mismatch_is_named(saved_qwen):
+  config = json.loads((saved_qwen / "config.json").read_text())
+  config["intermediate_size"] = 80
+  (saved_qwen / "config.json").write_text(json.dumps(config))
+  with pytest.raises(hf_checkpoint.CheckpointError,
+                     match=r"mlp.gate_proj.weight' has shape \(64, 32\), expected \(80, 32\)"):
+    hf_checkpoint.load_checkpoint(str(saved_qwen))
+
+
+def test_missing_safetensors_file_is_named(saved_qwen):
+  (saved_qwen / "model.safetensors").unlink()
+  with pytest.raises(hf_checkpoint.CheckpointError, match="no \\*.safetensors files"):
+    hf_checkpoint.load_checkpoint(str(saved_qwen))
+
+
+def test_truncated_safetensors_is_named(saved_qwen):
+  path = saved_qwen / "model.safetensors"
+  path.write_bytes(path.read_bytes()[:-100])
+  with pytest.raises(ValueError, match="truncated or has bad offsets"):
+    hf_checkpoint.load_checkpoint(str(saved_qwen))
+
+
+def test_unsupported_architecture_is_named(saved_qwen):
+  config = json.loads((saved_qwen / "config.json").read_text())
+  config["model_type"] = "gpt2"
+  (saved_qwen / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+    hf_checkpoint.load_checkpoint(str(saved_qwen))

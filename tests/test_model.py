@@ -1,0 +1,121 @@
+"""The transformer: presets, packing, scan, remat, config errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coa_jax.model import ConfigError, ModelConfig, Transformer, get_preset
+from coa_jax.train.state import abstract_params
+
+
+def _init(config, seed=0):
+  model = Transformer(config)
+  return model, model.init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"]
+
+
+# Parameter counts of the published checkpoints (safetensors totals on the HF hub).
+@pytest.mark.parametrize("preset,count", [
+    ("qwen2_5_0_5b", 494_032_768),
+    ("qwen2_5_7b", 7_615_616_512),
+    ("qwen2_5_32b", 32_763_876_352),
+    ("llama3_2_1b", 1_235_814_400),
+    ("llama3_1_8b", 8_030_261_248),
+])
+def test_preset_matches_published_parameter_count(preset, count):
+  config = get_preset(preset)
+  assert config.num_params() == count
+  shapes = abstract_params(Transformer(config))
+  leaves = jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x.value, shapes,
+                                                            is_leaf=lambda x: hasattr(x, "value")))
+  assert sum(int(np.prod(x.shape)) for x in leaves) == count
+
+
+def test_packed_segments_match_separate_examples():
+  config = get_preset("tiny")
+  model, params = _init(config)
+  rng = np.random.RandomState(0)
+  a, b = rng.randint(0, config.vocab_size, 5), rng.randint(0, config.vocab_size, 7)
+  packed = np.concatenate([a, b, [0, 0]])[None]
+  segments = np.array([[1] * 5 + [2] * 7 + [0, 0]])
+  positions = np.array([list(range(5)) + list(range(7)) + [0, 0]])
+  logits = model.apply({"params": params}, packed, positions, segments)[0]
+  alone_a = model.apply({"params": params}, a[None])[0]
+  alone_b = model.apply({"params": params}, b[None])[0]
+  np.testing.assert_allclose(logits[:5], alone_a, atol=1e-5)
+  np.testing.assert_allclose(logits[5:12], alone_b, atol=1e-5)
+
+
+def test_segments_change_logits_only_after_the_boundary():
+  config = get_preset("tiny")
+  model, params = _init(config)
+  ids = np.arange(10)[None] % config.vocab_size
+  one = model.apply({"params": params}, ids, None, np.ones((1, 10), np.int32))
+  two = model.apply({"params": params}, ids, None, np.array([[1] * 4 + [2] * 6]))
+  np.testing.assert_allclose(one[0, :4], two[0, :4], atol=1e-6)
+  assert np.abs(one[0, 4:] - two[0, 4:]).max() > 1e-3
+
+
+def test_scanned_program_size_does_not_grow_with_depth():
+  ids = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+
+  def hlo_size(layers):
+    model = Transformer(get_preset("tiny", num_layers=layers))
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32)))
+    return len(jax.jit(model.apply).lower(params, ids).as_text())
+
+  assert abs(hlo_size(2) - hlo_size(12)) < 200  # only a loop bound changes
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+def test_remat_policies_give_the_same_gradients(remat):
+  ids = np.random.RandomState(1).randint(0, 512, (2, 12))
+  model, params = _init(get_preset("tiny"))
+
+  def grads(remat_policy):
+    m = Transformer(get_preset("tiny", remat=remat_policy))
+    return jax.grad(lambda p: m.apply({"params": p}, ids).mean())(params)
+
+  for g, ref in zip(jax.tree_util.tree_leaves(grads(remat)),
+                    jax.tree_util.tree_leaves(grads("none"))):
+    np.testing.assert_allclose(g, ref, atol=1e-6)
+
+
+def test_bf16_compute_with_f32_params():
+  config = get_preset("tiny", dtype="bfloat16")
+  model, params = _init(config)
+  assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+  logits = model.apply({"params": params}, np.zeros((1, 4), np.int32))
+  assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
+
+
+def test_cudnn_attention_on_cpu_fails_early_and_clearly():
+  model, params = _init(get_preset("tiny"))
+  cudnn = Transformer(get_preset("tiny", attention_impl="cudnn"))
+  with pytest.raises(ConfigError, match="attention_impl='cudnn' needs a GPU"):
+    cudnn.apply({"params": params}, np.zeros((1, 4), np.int32))
+
+
+def test_unknown_preset_is_named():
+  with pytest.raises(ConfigError, match="unknown model preset 'qwen9'"):
+    get_preset("qwen9")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(num_kv_heads=3), "num_heads=4 is not a multiple of num_kv_heads=3"),
+    (dict(remat="sometimes"), "remat='sometimes'"),
+    (dict(attention_impl="flash"), "attention_impl='flash'"),
+    (dict(dtype="float17"), "dtype='float17' is not a dtype name"),
+    (dict(hidden_size=0), "hidden_size=0"),
+    (dict(colour="blue"), "unknown ModelConfig field"),
+])
+def test_invalid_config_values_are_named(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    get_preset("tiny", **overrides)
+
+
+def test_config_is_frozen():
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    get_preset("tiny").num_layers = 3

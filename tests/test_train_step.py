@@ -1,0 +1,83 @@
+"""The training step, its loss, optimizer pieces and the demo job."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coa_jax import demo, sharding
+from coa_jax.losses import token_cross_entropy
+from coa_jax.model import ConfigError, Transformer, get_preset
+from coa_jax.train import optimizer, state as state_lib, step as step_lib
+from configs import common, demo_tiny
+
+
+def test_cross_entropy_counts_only_masked_tokens():
+  logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1], [1 / 3, 1 / 3, 1 / 3]]]))
+  sums = token_cross_entropy(logits, jnp.array([[0, 1, 2]]), jnp.array([[1, 1, 0]]))
+  np.testing.assert_allclose(sums.total, -np.log(0.5) - np.log(0.8), rtol=1e-6)
+  assert sums.count == 2
+  np.testing.assert_allclose(sums.mean(), (-np.log(0.5) - np.log(0.8)) / 2, rtol=1e-6)
+
+
+def test_next_token_batch_shifts_targets():
+  batch = step_lib.next_token_batch(np.array([[5, 6, 7, 8]]))
+  np.testing.assert_array_equal(batch["input_ids"], [[5, 6, 7]])
+  np.testing.assert_array_equal(batch["targets"], [[6, 7, 8]])
+  np.testing.assert_array_equal(batch["positions"], [[0, 1, 2]])
+
+
+def test_weight_decay_skips_norms_and_biases():
+  params = state_lib.abstract_params(Transformer(get_preset("tiny")))
+  mask = {"/".join(k.key for k in path): v for path, v in
+          jax.tree_util.tree_leaves_with_path(optimizer.weight_decay_mask(nn.unbox(params)))}
+  assert mask["embedding"] and mask["layers/mlp/up_proj/kernel"]
+  assert not mask["layers/input_norm/scale"] and not mask["layers/attn/q_proj/bias"]
+
+
+def test_warmup_then_cosine_schedule():
+  schedule = optimizer.learning_rate_schedule(common.optimizer(
+      learning_rate=1.0, warmup_steps=10, total_steps=110, final_lr_fraction=0.0))
+  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10), schedule(60),
+                              schedule(110)], [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(schedule="linear"), "schedule='linear'"),
+    (dict(learning_rate=0.0), "learning_rate must be > 0"),
+    (dict(total_steps=5, warmup_steps=10), "must exceed warmup_steps"),
+])
+def test_bad_optimizer_values_are_named(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    optimizer.make_optimizer(common.optimizer(**overrides))
+
+
+def test_non_finite_loss_is_flagged(single_device_mesh):
+  model = Transformer(get_preset("tiny"))
+  tx = optimizer.make_optimizer(common.optimizer())
+  state = state_lib.init_state(model, tx, single_device_mesh, jax.random.key(0))
+  poisoned = jax.tree_util.tree_map(lambda x: x, state.params)
+  poisoned["final_norm"]["scale"] = poisoned["final_norm"]["scale"].at[0].set(jnp.nan)
+  batch = sharding.shard_batch(step_lib.next_token_batch(np.ones((2, 9), np.int32)),
+                               single_device_mesh)
+  _, metrics = step_lib.jit_train_step(model, tx, single_device_mesh)(
+      state.replace(params=poisoned), batch)
+  assert not metrics["is_finite"]
+
+
+def test_demo_trains_exports_and_reloads_on_a_2x2x2_mesh(tmp_path):
+  config = demo_tiny.get_config()
+  config.mesh = common.mesh(data=2, fsdp=2, tensor=2)
+  config.steps, config.log_every, config.batch_size, config.seq_len = 4, 2, 8, 16
+  config.workdir = str(tmp_path)
+  summary = demo.run(config)
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  assert all(r["tokens"] == 8 * 16 for r in rows)
+  assert summary["final_loss"] < summary["first_loss"]
+  assert summary["reload_max_abs_logit_diff"] == 0.0
+  assert (tmp_path / "hf_export" / "config.json").is_file()
+  assert (tmp_path / "loss.png").stat().st_size > 1000
