@@ -51,6 +51,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: str = "none"
   attention_impl: str = "xla"
+  scan_unroll: int = 1  # layers per scan iteration (num_layers unrolls fully)
 
   def __post_init__(self):
     if self.head_dim == 0 and self.num_heads > 0:
@@ -73,6 +74,8 @@ class ModelConfig:
       raise ConfigError(f"head_dim={self.head_dim}: RoPE needs an even head dimension")
     if self.rope_theta <= 0:
       raise ConfigError(f"rope_theta={self.rope_theta}: expected a positive number")
+    if not 1 <= self.scan_unroll <= self.num_layers:
+      raise ConfigError(f"scan_unroll={self.scan_unroll}: expected 1..num_layers")
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"remat={self.remat!r}: expected one of {REMAT_POLICIES}")
     if self.attention_impl not in ATTENTION_IMPLS:

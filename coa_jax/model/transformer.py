@@ -198,7 +198,7 @@ class Transformer(nn.Module):
       layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     layers = nn.scan(
         layer, variable_axes={"params": 0}, split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers, unroll=cfg.scan_unroll,
         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")
     x_BxTxD, _ = layers(x_BxTxD, positions_BxT, segment_ids_BxT)
     x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype,

@@ -1,0 +1,150 @@
+"""Ahead-of-time compilation of the training step for a TPU topology, on any host (CPU too).
+
+Needs libtpu (the `tpu` extra). The report combines three sources, each labelled:
+- memory per device: the compiler's `memory_analysis()` of the real (scanned) step;
+- model FLOPs: analytic (`coa_jax.flops`), the MFU convention;
+- the compiler's FLOPs and estimated step time: XLA's cost analysis counts a scanned layer body
+  once, so they come from two small compiles of the same step with 1 and 2 (unrolled) layers,
+  extrapolated linearly to the full depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from coa_jax import flops, hardware, sharding
+from coa_jax.model import ModelConfig, Transformer
+from coa_jax.train import optimizer, state as state_lib, step as step_lib
+
+
+@dataclasses.dataclass
+class AotReport:
+  """What one ahead-of-time compile of the train step found (bytes and FLOPs per device)."""
+
+  model: str
+  topology: str
+  device_kind: str
+  num_devices: int
+  mesh: dict[str, int]
+  batch_size: int
+  seq_len: int
+  num_params: int
+  compile_seconds: float
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  hbm_bytes: int
+  model_flops: float  # analytic, whole step, all devices
+  compiler_flops: float  # per device, extrapolated from 1- and 2-layer compiles
+  compiler_seconds: float  # the compiler's estimated step time, extrapolated likewise
+  peak_flops: float  # per device
+
+  @property
+  def peak_bytes(self) -> int:
+    """Per-device bytes live at the peak: arguments + outputs not aliased to them + temps."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+  @property
+  def fits(self) -> bool:
+    return self.peak_bytes <= self.hbm_bytes
+
+  @property
+  def implied_mfu(self) -> float:
+    """Analytic model FLOPs per device / (compiler's step time x peak FLOP/s)."""
+    if self.compiler_seconds <= 0:
+      return float("nan")
+    return self.model_flops / self.num_devices / (self.compiler_seconds * self.peak_flops)
+
+  def format(self) -> str:
+    """Returns a human-readable multi-line report."""
+    gib = lambda b: (f"{b / hardware.GIB:.2f} GiB" if b >= hardware.GIB / 10
+                     else f"{b / (1 << 20):.2f} MiB")
+    tokens = self.batch_size * self.seq_len
+    lines = [
+        f"model {self.model} ({self.num_params / 1e9:.2f}B params), train step "
+        f"(fwd + bwd + AdamW), batch {self.batch_size} x {self.seq_len} = {tokens:,} tokens",
+        f"topology {self.topology}: {self.num_devices} x {self.device_kind}, mesh {self.mesh}, "
+        f"compiled in {self.compile_seconds:.1f}s",
+        f"memory per device (compiler): arguments {gib(self.argument_bytes)}, outputs "
+        f"{gib(self.output_bytes)} (aliased {gib(self.alias_bytes)}), temporaries "
+        f"{gib(self.temp_bytes)} -> peak {gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
+        f"{'FITS' if self.fits else 'DOES NOT FIT'}",
+        f"model FLOPs per step (analytic, 6 x params x tokens + attention): "
+        f"{self.model_flops:.3e} total, {self.model_flops / self.num_devices:.3e} per device",
+        f"compiler's FLOPs per device (XLA cost analysis, extrapolated from 1/2-layer compiles): "
+        f"{self.compiler_flops:.3e}",
+        f"compiler's estimated step time: {self.compiler_seconds * 1e3:.1f} ms -> implied MFU "
+        f"{self.implied_mfu:.1%} (peak {self.peak_flops / 1e12:.0f} TFLOP/s per device), "
+        f"{tokens / max(self.compiler_seconds, 1e-12):,.0f} tokens/s",
+    ]
+    return "\n".join(lines)
+
+
+def topology_devices(topology: str) -> list[Any]:
+  """Returns the (abstract) devices of a TPU topology such as 'v5p:2x2x1'."""
+  from jax.experimental import topologies
+
+  try:
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+  except Exception as e:  # libtpu missing or a name it rejects
+    raise ValueError(f"cannot describe TPU topology {topology!r} (is the `tpu` extra, i.e. "
+                     f"libtpu, installed?): {e}") from None
+
+
+def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list[Any],
+                       mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int):
+  """Returns (compiled train step, mesh, compile seconds) for `devices` without running it."""
+  mesh = sharding.make_mesh(mesh_config, devices=devices)
+  sharding.check_model_fits_mesh(config, mesh)
+  ranks = mesh.shape["data"] * mesh.shape["fsdp"]
+  if batch_size % ranks:
+    raise ValueError(f"batch_size={batch_size} does not split over data x fsdp = {ranks}")
+  model, tx = Transformer(config), optimizer.make_optimizer(optimizer_config)
+  state = state_lib.abstract_state(model, tx, mesh)
+  batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32,
+                                   sharding=sharding.batch_sharding(mesh))
+           for k in step_lib.BATCH_KEYS}
+  start = time.perf_counter()
+  compiled = step_lib.jit_train_step(model, tx, mesh).lower(state, batch).compile()
+  return compiled, mesh, time.perf_counter() - start
+
+
+def _cost(compiled) -> tuple[float, float]:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0]
+  return float(cost.get("flops", 0.0)), float(cost.get("optimal_seconds", 0.0))
+
+
+def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: str,
+               mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int) -> AotReport:
+  """Compiles the train step of `config` for `topology` and returns what the compiler found."""
+  devices = topology_devices(topology)
+  compiled, mesh, seconds = compile_train_step(config, optimizer_config, devices, mesh_config,
+                                               batch_size, seq_len)
+  memory = compiled.memory_analysis()
+  per_layer_costs = []
+  for layers in (1, 2):
+    small = config.replace(num_layers=layers, scan_unroll=layers)
+    per_layer_costs.append(_cost(compile_train_step(small, optimizer_config, devices,
+                                                    mesh_config, batch_size, seq_len)[0]))
+  (f1, t1), (f2, t2) = per_layer_costs
+  extra = config.num_layers - 1
+  devices_per_chip = len(devices) / hardware.chips_in_topology(topology)
+  chip = hardware.chip_for(devices[0].device_kind)
+  return AotReport(
+      model=name, topology=topology, device_kind=devices[0].device_kind,
+      num_devices=len(devices), mesh=dict(mesh.shape), batch_size=batch_size, seq_len=seq_len,
+      num_params=config.num_params(), compile_seconds=seconds,
+      argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
+      alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
+      hbm_bytes=int(chip.hbm_bytes / devices_per_chip),
+      model_flops=flops.train_flops(config, batch_size, seq_len),
+      compiler_flops=f1 + extra * (f2 - f1), compiler_seconds=t1 + extra * (t2 - t1),
+      peak_flops=chip.peak_bf16_flops / devices_per_chip)

@@ -1,0 +1,23 @@
+"""Analytic training FLOPs of the transformer (model FLOPs, the MFU convention)."""
+
+from __future__ import annotations
+
+from coa_jax.model.config import ModelConfig
+
+
+def matmul_params(config: ModelConfig) -> int:
+  """Returns the number of parameters used in matrix multiplies (weights incl. the LM head)."""
+  d, h = config.hidden_size, config.head_dim
+  q, kv = config.num_heads * h, config.num_kv_heads * h
+  per_layer = d * q + 2 * d * kv + q * d + 3 * d * config.intermediate_size
+  return config.num_layers * per_layer + config.vocab_size * d
+
+
+def train_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
+  """Returns model FLOPs of one forward + backward pass: 6 x matmul params x tokens plus
+  attention scores and values (12 x layers x heads x head_dim x T^2 per row, full square as
+  computed by dense attention). Rematerialization is not counted (model, not hardware, FLOPs).
+  """
+  tokens = batch_size * seq_len
+  attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len * seq_len
+  return 6.0 * matmul_params(config) * tokens + float(attention) * batch_size

@@ -1,0 +1,24 @@
+"""Train-step benchmark: coa-jax vs HF transformers (PyTorch) on the same shapes (CPU)."""
+
+import ml_collections
+
+from configs import common
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.models = {
+      "tiny": common.model("tiny"),
+      # ~100M Qwen2-shaped: 12 layers, d=768, GQA 12/4 heads, SwiGLU 2048, 32k tied vocab.
+      "qwen2_100m": common.model("tiny", vocab_size=32_000, hidden_size=768,
+                                 intermediate_size=2048, num_layers=12, num_heads=12,
+                                 num_kv_heads=4, max_position_embeddings=4096),
+  }
+  config.batch_size = 8
+  config.seq_len = 512
+  config.warmup_steps = 2
+  config.steps = {"tiny": 20, "qwen2_100m": 4}
+  config.optimizer = common.optimizer(learning_rate=1e-4, schedule="constant")
+  config.torch_threads = 0  # 0: all cores
+  config.output = "runs/bench/bench_model.json"
+  return config

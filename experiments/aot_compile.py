@@ -1,0 +1,47 @@
+"""Compile the train step ahead of time for a TPU topology (on this CPU) and report the fit.
+
+  python experiments/aot_compile.py --model=qwen2_5_7b --topology=v5p:2x2x1 \
+      [--config.batch_size=16 --config.seq_len=4096 --config.mesh.tensor=2 ...]
+
+Needs the `tpu` extra (libtpu). --model and --topology are shorthands for
+--config.model.preset and --config.topology.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from coa_jax import aot, sharding  # noqa: E402
+from coa_jax.model import build_config  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/aot_train.py"))
+_MODEL = flags.DEFINE_string("model", None, "model preset (overrides config.model.preset)")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:2x2x1")
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  if _MODEL.value:
+    config.model.preset = _MODEL.value
+  if _TOPOLOGY.value:
+    config.topology = _TOPOLOGY.value
+  report = aot.aot_report(config.model.preset, build_config(config.model), config.optimizer,
+                          config.topology, sharding.MeshConfig(**config.mesh),
+                          config.batch_size, config.seq_len)
+  print(report.format())
+  if config.report_json:
+    with open(config.report_json, "w") as f:
+      json.dump(dict(dataclasses.asdict(report), peak_bytes=report.peak_bytes, fits=report.fits,
+                     implied_mfu=report.implied_mfu), f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,52 @@
+"""Ahead-of-time TPU compile on this CPU (needs libtpu, installed by the `tpu` extra)."""
+
+import pytest
+
+from coa_jax import aot, hardware, sharding
+from coa_jax.model import get_preset
+from configs import common
+
+TINY = get_preset("tiny", num_layers=4, dtype="bfloat16", remat="full")
+
+
+@pytest.fixture(scope="module")
+def report():
+  return aot.aot_report("tiny", TINY, common.optimizer(), "v5e:2x2",
+                        sharding.MeshConfig(data=2, fsdp=2, tensor=1), batch_size=8, seq_len=64)
+
+
+def test_tiny_model_compiles_for_a_tpu_topology_and_reports_memory(report):
+  assert report.device_kind == "TPU v5 lite" and report.num_devices == 4
+  assert report.mesh == {"data": 2, "fsdp": 2, "tensor": 1}
+  assert report.argument_bytes > 0 and report.peak_bytes >= report.argument_bytes
+  assert report.hbm_bytes == 16 * hardware.GIB and report.fits
+  assert report.compiler_seconds > 0 and 0 < report.implied_mfu
+  text = report.format()
+  assert "FITS" in text and "TPU v5 lite" in text and "implied MFU" in text
+
+
+def test_extrapolated_compiler_flops_match_a_fully_unrolled_compile(report):
+  devices = aot.topology_devices("v5e:2x2")
+  unrolled, _, _ = aot.compile_train_step(
+      TINY.replace(scan_unroll=TINY.num_layers), common.optimizer(), devices,
+      sharding.MeshConfig(data=2, fsdp=2, tensor=1), 8, 64)
+  flops, _ = aot._cost(unrolled)
+  assert abs(report.compiler_flops - flops) / flops < 0.02
+
+
+def test_unknown_topology_is_named():
+  with pytest.raises(ValueError, match="cannot describe TPU topology 'v9z:1x1'"):
+    aot.topology_devices("v9z:1x1")
+
+
+def test_batch_not_splitting_over_the_mesh_is_named():
+  with pytest.raises(ValueError, match="batch_size=6 does not split over data x fsdp = 4"):
+    aot.compile_train_step(TINY, common.optimizer(), aot.topology_devices("v5e:2x2"),
+                           sharding.MeshConfig(data=1, fsdp=4, tensor=1), 6, 64)
+
+
+def test_topology_chip_counts():
+  assert hardware.chips_in_topology("v5p:2x2x1") == 4
+  assert hardware.chips_in_topology("v6e:4x4") == 16
+  with pytest.raises(ValueError, match="not of the form"):
+    hardware.chips_in_topology("v5p-8")
