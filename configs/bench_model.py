@@ -8,11 +8,12 @@ from configs import common
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.models = {
-      "tiny": common.model("tiny"),
+      "tiny": common.model("tiny", attention_impl="blockwise", attention_block=32),
       # ~100M Qwen2-shaped: 12 layers, d=768, GQA 12/4 heads, SwiGLU 2048, 32k tied vocab.
       "qwen2_100m": common.model("tiny", vocab_size=32_000, hidden_size=768,
                                  intermediate_size=2048, num_layers=12, num_heads=12,
-                                 num_kv_heads=4, max_position_embeddings=4096),
+                                 num_kv_heads=4, max_position_embeddings=4096,
+                                 attention_impl="blockwise"),
   }
   config.batch_size = 8
   config.seq_len = 512

@@ -33,12 +33,14 @@ def _ours(config, params, ids):
   return np.asarray(Transformer(config).apply({"params": params}, ids))
 
 
+@pytest.mark.parametrize("attention", ["xla", "blockwise"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_match_transformers(case, tmp_path):
+def test_logits_match_transformers(case, attention, tmp_path):
   family, kwargs = CASES[case]
   model = make_hf_model(family, **kwargs)
   model.save_pretrained(tmp_path)
-  config, params = hf_checkpoint.load_checkpoint(str(tmp_path))
+  config, params = hf_checkpoint.load_checkpoint(str(tmp_path), attention_impl=attention,
+                                                 attention_block=16)
   ids = _ids()
   reference = hf_logits(model, ids)
   assert np.abs(reference).max() > 0.1  # logits are not trivially tiny

@@ -33,8 +33,9 @@ def test_preset_matches_published_parameter_count(preset, count):
   assert sum(int(np.prod(x.shape)) for x in leaves) == count
 
 
-def test_packed_segments_match_separate_examples():
-  config = get_preset("tiny")
+@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+def test_packed_segments_match_separate_examples(attention):
+  config = get_preset("tiny", attention_impl=attention, attention_block=4)
   model, params = _init(config)
   rng = np.random.RandomState(0)
   a, b = rng.randint(0, config.vocab_size, 5), rng.randint(0, config.vocab_size, 7)
@@ -56,6 +57,25 @@ def test_segments_change_logits_only_after_the_boundary():
   two = model.apply({"params": params}, ids, None, np.array([[1] * 4 + [2] * 6]))
   np.testing.assert_allclose(one[0, :4], two[0, :4], atol=1e-6)
   assert np.abs(one[0, 4:] - two[0, 4:]).max() > 1e-3
+
+
+def test_blockwise_attention_equals_dense_attention_and_its_gradients():
+  rng = np.random.RandomState(0)
+  ids = rng.randint(0, 512, (2, 14))  # 14 is not a multiple of the block size
+  segments = np.array([[1] * 9 + [2] * 5, [1] * 14])
+  _, params = _init(get_preset("tiny"))
+
+  def loss_and_grads(attention):
+    model = Transformer(get_preset("tiny", attention_impl=attention, attention_block=4))
+    loss = lambda p: (model.apply({"params": p}, ids, None, segments) ** 2).mean()
+    return jax.value_and_grad(loss)(params)
+
+  (dense, dense_grads), (blocked, blocked_grads) = loss_and_grads("xla"), loss_and_grads(
+      "blockwise")
+  np.testing.assert_allclose(blocked, dense, rtol=1e-6)
+  for g, ref in zip(jax.tree_util.tree_leaves(blocked_grads),
+                    jax.tree_util.tree_leaves(dense_grads)):
+    np.testing.assert_allclose(g, ref, atol=1e-6)
 
 
 def test_scanned_program_size_does_not_grow_with_depth():

@@ -156,3 +156,13 @@ def test_distributed_initialize_is_a_no_op_on_one_process():
 def test_distributed_explicit_mode_needs_a_coordinator():
   with pytest.raises(ConfigError, match="needs coordinator_address"):
     distributed.initialize(distributed.DistributedConfig(mode="explicit", num_processes=2))
+
+
+def test_blockwise_attention_sharded_equals_dense_single_device(reference):
+  _, (ref_loss, ref_grads), _, _ = reference
+  mesh = sharding.make_mesh((2, 2, 2))
+  model = Transformer(CONFIG.replace(attention_impl="blockwise", attention_block=8))
+  params = state_lib.init_params(model, mesh, jax.random.key(0))
+  loss, grads = _loss_and_grads(model, params, mesh)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  _assert_trees_close(grads, ref_grads, atol=1e-7)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 FAMILIES = ("qwen2", "llama")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("xla", "cudnn")
+ATTENTION_IMPLS = ("xla", "cudnn", "blockwise")
 
 
 class ConfigError(ValueError):
@@ -51,6 +51,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: str = "none"
   attention_impl: str = "xla"
+  attention_block: int = 128  # query block of the "blockwise" attention
   scan_unroll: int = 1  # layers per scan iteration (num_layers unrolls fully)
 
   def __post_init__(self):
@@ -63,7 +64,8 @@ class ModelConfig:
     if self.family not in FAMILIES:
       raise ConfigError(f"family={self.family!r}: expected one of {FAMILIES}")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                 "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+                 "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
+                 "attention_block"):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name}={value!r}: expected a positive integer")

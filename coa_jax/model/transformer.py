@@ -18,10 +18,13 @@ Parameter layout (leading `layers` axis on everything under `layers/`):
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from coa_jax.model.attention import attend
 from coa_jax.model.config import ConfigError, ModelConfig
 from coa_jax.model.rope import apply_rope, inverse_frequencies
 
@@ -41,24 +44,6 @@ _REMAT_POLICIES = {
 
 def _init(stddev: float, names: tuple[str, ...]):
   return nn.with_logical_partitioning(nn.initializers.normal(stddev), names)
-
-
-def segment_mask(q_segment_ids_BxT: jnp.ndarray, kv_segment_ids_BxS: jnp.ndarray) -> jnp.ndarray:
-  """Returns the (B, 1, T, S) boolean mask that lets a query see only keys of its own segment."""
-  return q_segment_ids_BxT[:, None, :, None] == kv_segment_ids_BxS[:, None, None, :]
-
-
-def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xTxS, *, is_causal: bool,
-           implementation: str) -> jnp.ndarray:
-  """Returns softmax(q k^T / sqrt(H) + masks) v as (B, T, N, H); GQA when K < N.
-
-  This is the seam for the KV-cache decode path: self-attention over a sequence calls it
-  with is_causal=True; a decode step calls it with cached keys/values and a mask built from
-  cache lengths.
-  """
-  return jax.nn.dot_product_attention(
-      q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask_Bx1xTxS, is_causal=is_causal,
-      implementation=implementation)
 
 
 class RMSNorm(nn.Module):
@@ -90,10 +75,15 @@ class Projection(nn.Module):
   @nn.compact
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
     n_in = len(self.in_names)
+    in_shape, lead_shape = x.shape[-n_in:], x.shape[:-n_in]
     kernel = self.param("kernel", _init(0.02, self.in_names + self.out_names),
-                        x.shape[-n_in:] + self.features, self.param_dtype)
-    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
-                            ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+                        in_shape + self.features, self.param_dtype)
+    # One 2-D matmul (tokens x in) @ (in x out): its gradients are plain 2-D matmuls too,
+    # which backends run markedly faster than contractions over several axes.
+    in_size, out_size = math.prod(in_shape), math.prod(self.features)
+    y = x.astype(self.dtype).reshape(-1, in_size) @ kernel.astype(self.dtype).reshape(
+        in_size, out_size)
+    y = y.reshape(lead_shape + self.features)
     if self.use_bias:
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                              self.out_names),
@@ -126,9 +116,9 @@ class Attention(nn.Module):
     q_BxTxNxH = nn.with_logical_constraint(apply_rope(q_BxTxNxH, positions_BxT, inv_freq), ACT_BTNH)
     k_BxTxKxH = nn.with_logical_constraint(apply_rope(k_BxTxKxH, positions_BxT, inv_freq), ACT_BTKH)
     v_BxTxKxH = nn.with_logical_constraint(v_BxTxKxH, ACT_BTKH)
-    mask = None if segment_ids_BxT is None else segment_mask(segment_ids_BxT, segment_ids_BxT)
-    out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask, is_causal=True,
-                         implementation=cfg.attention_impl)
+    out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, q_segment_ids_BxT=segment_ids_BxT,
+                         is_causal=True, implementation=cfg.attention_impl,
+                         block=cfg.attention_block)
     out_BxTxNxH = nn.with_logical_constraint(out_BxTxNxH, ACT_BTNH)
     return self._linear("o_proj", (cfg.hidden_size,), ("heads", "head_dim"),
                         ("embed",))(out_BxTxNxH)
@@ -209,6 +199,8 @@ class Transformer(nn.Module):
     else:
       head_DxV = self.param("lm_head", _init(0.02, ("embed", "vocab")),
                             (cfg.hidden_size, cfg.vocab_size), cfg.params_dtype)
-    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(cfg.compute_dtype),
-                              preferred_element_type=jnp.float32)
+    batch, seq, _ = x_BxTxD.shape
+    logits_NxV = jnp.dot(x_BxTxD.reshape(batch * seq, -1), head_DxV.astype(cfg.compute_dtype),
+                         preferred_element_type=jnp.float32)
+    logits_BxTxV = logits_NxV.reshape(batch, seq, -1)
     return nn.with_logical_constraint(logits_BxTxV, ACT_BTV)

@@ -1,0 +1,125 @@
+"""Attention kernels: dense (`jax.nn.dot_product_attention`) and exact blockwise causal.
+
+Layout conventions: q (B, T, N, H), k and v (B, S, K, H) with N a multiple of K (GQA);
+segment ids (B, T) / (B, S) let a query see only keys of its own segment (packed rows).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # additive mask value: exp() of it underflows to exactly 0
+
+
+def segment_mask(q_segment_ids_BxT: jax.Array, kv_segment_ids_BxS: jax.Array) -> jax.Array:
+  """Returns the (B, 1, T, S) boolean mask that lets a query see only keys of its own segment."""
+  return q_segment_ids_BxT[:, None, :, None] == kv_segment_ids_BxS[:, None, None, :]
+
+
+def _block_bias(segment_ids_BxT: jax.Array, start: int, end: int) -> jax.Array:
+  """Returns the (B, 1, 1, end - start, end) additive causal + segment mask of a query block."""
+  causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]
+  same = segment_ids_BxT[:, start:end, None] == segment_ids_BxT[:, None, :end]
+  return jnp.where(causal & same, 0.0, _NEG)[:, None, None]
+
+
+def _blocks(seq: int, block: int):
+  return [(start, min(start + block, seq)) for start in range(0, seq, block)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blockwise(q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_BxT, block):
+  return _blockwise_fwd(q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_BxT, block)[0]
+
+
+def _blockwise_fwd(q, k, v, segment_ids, block):
+  """Returns the output and (inputs, output, log-sum-exp) saved for the backward pass."""
+  outs, lses = [], []
+  for start, end in _blocks(q.shape[3], block):
+    scores = jnp.einsum("bkgqh,bksh->bkgqs", q[:, :, :, start:end], k[:, :, :end],
+                        preferred_element_type=jnp.float32)
+    scores = scores + _block_bias(segment_ids, start, end)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.exp(scores - peak)
+    total = jnp.sum(probs, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgqs,bksh->bkgqh", probs.astype(v.dtype), v[:, :, :end],
+                     preferred_element_type=jnp.float32) / total
+    outs.append(out.astype(q.dtype))
+    lses.append(peak + jnp.log(total))
+  out = jnp.concatenate(outs, axis=3)
+  return out, (q, k, v, segment_ids, out, jnp.concatenate(lses, axis=3))
+
+
+def _blockwise_bwd(block, saved, d_out):
+  """Flash-attention backward: probabilities are recomputed from the saved log-sum-exp."""
+  q, k, v, segment_ids, out, lse = saved
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+  dq_blocks = []
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for start, end in _blocks(q.shape[3], block):
+    q_blk, do_blk = q[:, :, :, start:end], d_out[:, :, :, start:end]
+    scores = jnp.einsum("bkgqh,bksh->bkgqs", q_blk, k[:, :, :end],
+                        preferred_element_type=jnp.float32)
+    probs = jnp.exp(scores + _block_bias(segment_ids, start, end) - lse[:, :, :, start:end])
+    dv = dv.at[:, :, :end].add(jnp.einsum("bkgqs,bkgqh->bksh", probs.astype(do_blk.dtype),
+                                          do_blk, preferred_element_type=jnp.float32))
+    d_probs = jnp.einsum("bkgqh,bksh->bkgqs", do_blk, v[:, :, :end],
+                         preferred_element_type=jnp.float32)
+    d_scores = (probs * (d_probs - delta[:, :, :, start:end])).astype(q.dtype)
+    dq_blocks.append(jnp.einsum("bkgqs,bksh->bkgqh", d_scores, k[:, :, :end],
+                                preferred_element_type=jnp.float32))
+    dk = dk.at[:, :, :end].add(jnp.einsum("bkgqs,bkgqh->bksh", d_scores, q_blk,
+                                          preferred_element_type=jnp.float32))
+  dq = jnp.concatenate(dq_blocks, axis=3)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          jnp.zeros_like(segment_ids))
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def blockwise_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
+                               block: int) -> jax.Array:
+  """Returns causal (and segment-masked) softmax attention, exact, one query block at a time.
+
+  Query block i attends only to the keys it can see (up to the block's end), so the masked
+  upper triangle is never computed and no (T, T) array is materialized. The backward pass is
+  flash-attention style: it saves only the output and each row's log-sum-exp and recomputes
+  the probabilities block by block. Query heads are grouped over their K/V head (GQA).
+  """
+  batch, seq, heads, head_dim = q_BxTxNxH.shape
+  kv_heads = k_BxTxKxH.shape[2]
+  scaled = q_BxTxNxH * jnp.asarray(head_dim ** -0.5, q_BxTxNxH.dtype)
+  q_BxKxGxTxH = scaled.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim).transpose(
+      0, 2, 3, 1, 4)
+  if segment_ids_BxT is None:
+    segment_ids_BxT = jnp.ones((batch, seq), jnp.float32)
+  out_BxKxGxTxH = _blockwise(q_BxKxGxTxH, k_BxTxKxH.transpose(0, 2, 1, 3),
+                             v_BxTxKxH.transpose(0, 2, 1, 3),
+                             segment_ids_BxT.astype(jnp.float32), block)
+  return out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, head_dim)
+
+
+def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_ids_BxT=None, kv_segment_ids_BxS=None,
+           is_causal: bool, implementation: str, block: int = 128) -> jax.Array:
+  """Returns softmax(q k^T / sqrt(H) + masks) v as (B, T, N, H).
+
+  This is the seam for the KV-cache decode path: self-attention over a sequence calls it
+  with is_causal=True; a decode step calls it with cached keys/values and kv segment ids
+  marking the valid cache slots. `implementation` is "xla" or "cudnn"
+  (`jax.nn.dot_product_attention`) or "blockwise" (`blockwise_causal_attention`, used for
+  causal self-attention; other calls fall back to the dense XLA kernel).
+  """
+  if implementation == "blockwise" and is_causal and k_BxSxKxH.shape[1] == q_BxTxNxH.shape[1]:
+    return blockwise_causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT, block)
+  mask = None
+  if q_segment_ids_BxT is not None:
+    kv_segment_ids_BxS = q_segment_ids_BxT if kv_segment_ids_BxS is None else kv_segment_ids_BxS
+    mask = segment_mask(q_segment_ids_BxT, kv_segment_ids_BxS)
+  return jax.nn.dot_product_attention(
+      q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, is_causal=is_causal,
+      implementation=None if implementation == "blockwise" else implementation)
