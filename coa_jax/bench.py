@@ -64,7 +64,7 @@ def torch_train_step_seconds(config: ModelConfig, optimizer_config: Any, batch_s
 
   hf = to_hf_config(config)
   hf_config = transformers.AutoConfig.for_model(**hf)
-  model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
   model.train()
   opt = torch.optim.AdamW(model.parameters(), lr=optimizer_config.learning_rate,
                           betas=(optimizer_config.b1, optimizer_config.b2),

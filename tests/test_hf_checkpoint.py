@@ -97,24 +97,26 @@ def saved_qwen(tmp_path):
   return tmp_path
 
 
+def _edit_config(folder, **changes):
+  config = json.loads((folder / "config.json").read_text())
+  config.update(changes)
+  (folder / "config.json").write_text(json.dumps(config))
+
+
 def test_missing_config_is_named(tmp_path):
   with pytest.raises(hf_checkpoint.CheckpointError, match="no config.json"):
     hf_checkpoint.load_checkpoint(str(tmp_path))
 
 
 def test_missing_tensor_is_named(saved_qwen):
-  config = json.loads((saved_qwen / "config.json").read_text())
-  config["num_hidden_layers"] = 3
-  (saved_qwen / "config.json").write_text(json.dumps(config))
+  _edit_config(saved_qwen, num_hidden_layers=3)
   with pytest.raises(hf_checkpoint.CheckpointError,
                      match=r"'model.layers.2.input_layernorm.weight' is missing"):
     hf_checkpoint.load_checkpoint(str(saved_qwen))
 
 
 def test_shape_mismatch_is_named(saved_qwen):
-  config = json.loads((saved_qwen / "config.json").read_text())
-  config["intermediate_size"] = 80
-  (saved_qwen / "config.json").write_text(json.dumps(config))
+  _edit_config(saved_qwen, intermediate_size=80)
   with pytest.raises(hf_checkpoint.CheckpointError,
                      match=r"mlp.gate_proj.weight' has shape \(64, 32\), expected \(80, 32\)"):
     hf_checkpoint.load_checkpoint(str(saved_qwen))
@@ -134,8 +136,6 @@ def test_truncated_safetensors_is_named(saved_qwen):
 
 
 def test_unsupported_architecture_is_named(saved_qwen):
-  config = json.loads((saved_qwen / "config.json").read_text())
-  config["model_type"] = "gpt2"
-  (saved_qwen / "config.json").write_text(json.dumps(config))
+  _edit_config(saved_qwen, model_type="gpt2")
   with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
     hf_checkpoint.load_checkpoint(str(saved_qwen))

@@ -1,4 +1,4 @@
-"""Pure-functional Flax Linen decoder-only transformer for the Qwen2/Qwen2.5 and Llama 3 families.
+"""Pure-functional Flax Linen decoder-only transformer (Qwen2/Qwen2.5 and Llama 3 families).
 
 Parameters and main activations carry logical axis names; `coa_jax.sharding` maps them to mesh
 axes through one rules table. Layers are stacked with `nn.scan` (one compiled layer body
@@ -7,7 +7,8 @@ whatever the depth) and optionally rematerialized.
 Parameter layout (leading `layers` axis on everything under `layers/`):
   embedding                     (vocab, embed)
   layers/input_norm/scale       (layers, embed)
-  layers/attn/{q,k,v}_proj      kernel (layers, embed, heads|kv_heads, head_dim), bias (..., heads, head_dim)
+  layers/attn/{q,k,v}_proj      kernel (layers, embed, heads|kv_heads, head_dim),
+                                bias (layers, heads|kv_heads, head_dim)
   layers/attn/o_proj/kernel     (layers, heads, head_dim, embed)
   layers/post_attn_norm/scale   (layers, embed)
   layers/mlp/{gate,up}_proj     kernel (layers, embed, mlp)
@@ -113,8 +114,10 @@ class Attention(nn.Module):
                              cfg.qkv_bias)(x_BxTxD)
     v_BxTxKxH = self._linear("v_proj", kv_shape, ("embed",), ("kv_heads", "head_dim"),
                              cfg.qkv_bias)(x_BxTxD)
-    q_BxTxNxH = nn.with_logical_constraint(apply_rope(q_BxTxNxH, positions_BxT, inv_freq), ACT_BTNH)
-    k_BxTxKxH = nn.with_logical_constraint(apply_rope(k_BxTxKxH, positions_BxT, inv_freq), ACT_BTKH)
+    q_BxTxNxH = nn.with_logical_constraint(
+        apply_rope(q_BxTxNxH, positions_BxT, inv_freq), ACT_BTNH)
+    k_BxTxKxH = nn.with_logical_constraint(
+        apply_rope(k_BxTxKxH, positions_BxT, inv_freq), ACT_BTKH)
     v_BxTxKxH = nn.with_logical_constraint(v_BxTxKxH, ACT_BTKH)
     out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, q_segment_ids_BxT=segment_ids_BxT,
                          is_causal=True, implementation=cfg.attention_impl,
