@@ -1,12 +1,20 @@
 """Defaults shared by experiment configs (the one place they live)."""
 
+import dataclasses
+
 import ml_collections
+
+from coa_jax.model.config import ModelConfig
+
+# Numerics and execution fields of ModelConfig, listed here so that the command line can
+# override them (--config.model.remat=full); their defaults stay in ModelConfig.
+NUMERICS = ("dtype", "param_dtype", "remat", "attention_impl", "attention_block", "scan_unroll")
 
 
 def model(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   """Model preset name plus numerics; any ModelConfig field may be added as an override."""
-  values = dict(preset=preset, dtype="float32", param_dtype="float32", remat="none",
-                attention_impl="xla")
+  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in NUMERICS}
+  values = dict(preset=preset, **defaults)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 
