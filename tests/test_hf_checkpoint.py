@@ -6,6 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
+import torch
 import transformers
 
 from coa_jax import hf_checkpoint, sharding
@@ -139,3 +140,20 @@ def test_unsupported_architecture_is_named(saved_qwen):
   _edit_config(saved_qwen, model_type="gpt2")
   with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
     hf_checkpoint.load_checkpoint(str(saved_qwen))
+
+
+def test_bfloat16_checkpoint_loads_and_exports(tmp_path):
+  model = make_hf_model("qwen2")
+  model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+  config, params = hf_checkpoint.load_checkpoint(str(tmp_path / "bf16"))
+  assert all(x.dtype == np.float32 for x in jax.tree_util.tree_leaves(params))
+  ids = _ids()
+  upcast = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16",
+                                                             dtype=torch.float32).eval()
+  reference = hf_logits(upcast, ids)  # the same bf16-rounded weights, float32 compute
+  assert np.abs(_ours(config, params, ids) - reference).max() <= 1e-4
+  hf_checkpoint.save_checkpoint(str(tmp_path / "out"), config, params, dtype="bfloat16")
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+  assert reloaded.dtype == torch.bfloat16
+  for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+    assert torch.equal(a.to(torch.bfloat16), b), name
