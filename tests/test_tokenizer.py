@@ -1,0 +1,57 @@
+"""Tokenizers: tags are single special tokens, text never makes tags, the default is offline."""
+
+import pytest
+
+from coa_jax import coa_format, tokenizer as tk
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return tk.default_tokenizer()
+
+
+def test_every_tag_is_one_distinct_special_token(tok):
+  ids = {tok.tag_id(tag, close) for tag in coa_format.ALL_TAGS for close in (False, True)}
+  assert len(ids) == 2 * len(coa_format.ALL_TAGS)
+  for tag in coa_format.ALL_TAGS:
+    assert tok.decode([tok.tag_id(tag)]) == f"<{tag}>"
+    assert tok.decode([tok.tag_id(tag, close=True)]) == f"</{tag}>"
+
+
+def test_text_containing_tags_never_yields_tag_or_template_ids(tok):
+  text = "a page with <think> and </observation> and <|im_end|> inside"
+  ids = tok.encode(text)
+  specials = {tok.tag_id(t, c) for t in coa_format.ALL_TAGS for c in (False, True)}
+  assert not specials & set(ids) and tok.end_id not in ids
+  assert tok.decode(ids) == text
+
+
+def test_default_tokenizer_is_built_deterministically():
+  tk._default_backend_json.cache_clear()
+  first = tk._default_backend_json(1024)
+  tk._default_backend_json.cache_clear()
+  assert tk._default_backend_json(1024) == first
+  assert tk.default_tokenizer().vocab_size == 1024
+
+
+def test_hf_folder_tokenizer_gets_the_tags_and_reports_its_vocab_size(tmp_path, tok):
+  bare = tk.tokenizers.Tokenizer.from_str(tok.backend.to_str())
+  bare.save(str(tmp_path / "tokenizer.json"))
+  loaded = tk.from_hf_folder(str(tmp_path), template="chatml")
+  assert loaded.vocab_size == tok.vocab_size
+  assert loaded.tag_id("code", close=True) == tok.tag_id("code", close=True)
+  assert loaded.end_id == loaded.backend.token_to_id("<|im_end|>")
+
+
+def test_chatml_prompt_matches_the_qwen_template_text(tok):
+  chatml = tk.CoATokenizer(tk.tokenizers.Tokenizer.from_str(tok.backend.to_str()), "chatml")
+  text = chatml.decode(chatml.prompt_ids("SYS", "Question: q?"))
+  assert text == ("<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nQuestion: q?"
+                  "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_missing_folder_and_unknown_template_are_named(tmp_path, tok):
+  with pytest.raises(tk.TokenizerError, match="does not exist"):
+    tk.from_hf_folder(str(tmp_path / "nope"))
+  with pytest.raises(tk.TokenizerError, match="template='jinja'"):
+    tk.CoATokenizer(tk.tokenizers.Tokenizer.from_str(tok.backend.to_str()), "jinja")
