@@ -12,7 +12,7 @@ import dataclasses
 import glob
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -42,6 +42,7 @@ class _Tensor:
   hf_shape: tuple[int, ...]
   to_ours: Callable[[np.ndarray], np.ndarray]
   to_hf: Callable[[np.ndarray], np.ndarray]
+  vocab_axis: int | None = None  # the vocabulary axis in our layout (embedding, lm_head)
 
   @property
   def stacked(self) -> bool:
@@ -59,7 +60,7 @@ def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
   layer = "model.layers.{layer}."
   out = [
       _Tensor(("embedding",), "model.embed_tokens.weight", (cfg.vocab_size, d),
-              _identity, _identity),
+              _identity, _identity, vocab_axis=0),
       _Tensor(("final_norm", "scale"), "model.norm.weight", (d,), _identity, _identity),
       _Tensor(("layers", "input_norm", "scale"), layer + "input_layernorm.weight", (d,),
               _identity, _identity),
@@ -82,7 +83,7 @@ def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
                        lambda w: w.T, lambda w: w.T))
   if not cfg.tie_embeddings:
     out.append(_Tensor(("lm_head",), "lm_head.weight", (cfg.vocab_size, d),
-                       lambda w: w.T, lambda w: w.T))
+                       lambda w: w.T, lambda w: w.T, vocab_axis=1))
   return out
 
 
@@ -129,10 +130,13 @@ class _TensorSource:
     self._where = weight_map
     self.folder = folder
 
-  def check(self, name: str, shape: tuple[int, ...]) -> None:
+  def shape(self, name: str) -> tuple[int, ...]:
     if name not in self._where:
       raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
-    found = self._files[self._where[name]].shape(name)
+    return self._files[self._where[name]].shape(name)
+
+  def check(self, name: str, shape: tuple[int, ...]) -> None:
+    found = self.shape(name)
     if found != shape:
       raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {found}, "
                             f"expected {shape} from config.json")
@@ -141,26 +145,44 @@ class _TensorSource:
     return self._files[self._where[name]].get(name)
 
 
-def load_params(folder: str, config: ModelConfig, shardings: Any) -> Any:
-  """Returns params read from `folder`, each placed with its sharding from `shardings`."""
+def load_params(folder: str, config: ModelConfig, shardings: Any,
+                mean_init_ids: Sequence[int] = ()) -> Any:
+  """Returns params read from `folder`, each placed with its sharding from `shardings`.
+
+  When `config.vocab_size` exceeds the checkpoint's (tokens were added, e.g. the CoA tags),
+  the new embedding and LM-head rows are the mean of the checkpoint's rows; rows listed in
+  `mean_init_ids` (new tokens that fall inside an already padded vocabulary) get the mean too.
+  """
   source = _TensorSource(folder)
-  tensors = _tensor_map(config)
+  source_vocab = source.shape("model.embed_tokens.weight")[0]
+  if source_vocab > config.vocab_size:
+    raise CheckpointError(f"{folder}: the checkpoint has {source_vocab} vocabulary rows, more "
+                          f"than vocab_size={config.vocab_size}")
+  source_config = config.replace(vocab_size=source_vocab)
+  tensors = _tensor_map(source_config)
   for t in tensors:  # validate every name and shape before reading any data
     for name in _names(t, config):
       source.check(name, t.hf_shape)
   dtype = config.params_dtype
+  mean_ids = np.asarray(sorted(set(int(i) for i in mean_init_ids)), np.int64)
+  if mean_ids.size and (mean_ids.min() < 0 or mean_ids.max() >= config.vocab_size):
+    raise CheckpointError(f"mean_init_ids must lie in [0, {config.vocab_size})")
   params: dict[str, Any] = {}
   for t in tensors:
     names = _names(t, config)
-    ours_shape = jax.eval_shape(t.to_ours, jax.ShapeDtypeStruct(t.hf_shape, dtype)).shape
-    shape = ((config.num_layers,) if t.stacked else ()) + ours_shape
-
-    def read(index, t=t, names=names):
-      if not t.stacked:
-        return np.asarray(t.to_ours(source.get(names[0]))[index], dtype=dtype)
-      return np.stack([np.asarray(t.to_ours(source.get(names[i]))[index[1:]], dtype=dtype)
-                       for i in range(len(names))[index[0]]])
-
+    ours_shape = list(jax.eval_shape(t.to_ours, jax.ShapeDtypeStruct(t.hf_shape, dtype)).shape)
+    if t.vocab_axis is not None:
+      ours_shape[t.vocab_axis] = config.vocab_size
+      read = _vocab_reader(t.to_ours(source.get(names[0])), t.vocab_axis, source_vocab,
+                           config.vocab_size, mean_ids, dtype)
+    elif t.stacked:
+      read = lambda index, t=t, names=names: np.stack(
+          [np.asarray(t.to_ours(source.get(names[i]))[index[1:]], dtype=dtype)
+           for i in range(len(names))[index[0]]])
+    else:
+      read = lambda index, t=t, names=names: np.asarray(
+          t.to_ours(source.get(names[0]))[index], dtype=dtype)
+    shape = ((config.num_layers,) if t.stacked else ()) + tuple(ours_shape)
     node = params
     for key in t.path[:-1]:
       node = node.setdefault(key, {})
@@ -169,23 +191,62 @@ def load_params(folder: str, config: ModelConfig, shardings: Any) -> Any:
   return params
 
 
+def _vocab_reader(array: np.ndarray, axis: int, source_vocab: int, target_vocab: int,
+                  mean_ids: np.ndarray, dtype) -> Callable:
+  """Returns a shard reader over a vocabulary-indexed array (our layout) whose rows past
+  `source_vocab`, and rows in `mean_ids`, read as the mean of the other checkpoint rows."""
+  cache = []
+
+  def mean_row() -> np.ndarray:
+    if not cache:
+      keep = np.setdiff1d(np.arange(source_vocab), mean_ids)
+      cache.append(np.take(array, keep, axis=axis).astype(np.float64).mean(axis=axis,
+                                                                            keepdims=True))
+    return cache[0]
+
+  def read(index):
+    rows = np.arange(target_vocab)[index[axis]]
+    rest = tuple(slice(None) if a == axis else index[a] for a in range(array.ndim))
+    base = array[rest]
+    out = np.broadcast_to(mean_row()[rest], _with_axis(base.shape, axis, len(rows)))
+    out = out.astype(dtype)
+    from_file = (rows < source_vocab) & ~np.isin(rows, mean_ids)
+    if from_file.any():
+      selector = [slice(None)] * array.ndim
+      selector[axis] = np.flatnonzero(from_file)
+      out[tuple(selector)] = np.take(base, rows[from_file], axis=axis)
+    return out
+
+  return read
+
+
+def _with_axis(shape: tuple[int, ...], axis: int, size: int) -> tuple[int, ...]:
+  return tuple(size if a == axis else s for a, s in enumerate(shape))
+
+
 def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
   for key in path:
     tree = tree[key]
   return tree
 
 
-def load_checkpoint(folder: str, mesh: Mesh | None = None,
+def load_checkpoint(folder: str, mesh: Mesh | None = None, vocab_size: int | None = None,
+                    mean_init_ids: Sequence[int] = (),
                     **config_overrides: Any) -> tuple[ModelConfig, Any]:
   """Returns (config, params) of an HF folder, params sharded over `mesh` (default: 1 device).
 
+  `vocab_size` grows the vocabulary to fit added tokens (e.g. `CoATokenizer.vocab_size`);
+  new rows, and rows listed in `mean_init_ids`, start as the mean embedding. Other
   `config_overrides` set numerics such as dtype, param_dtype, remat or attention_impl.
   """
   config = from_hf_config(read_hf_config(folder), **config_overrides)
+  if vocab_size is not None and vocab_size > config.vocab_size:
+    config = config.replace(vocab_size=vocab_size)
   if mesh is None:
     mesh = sharding_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   sharding_lib.check_model_fits_mesh(config, mesh)
-  return config, load_params(folder, config, param_shardings(Transformer(config), mesh))
+  shardings = param_shardings(Transformer(config), mesh)
+  return config, load_params(folder, config, shardings, mean_init_ids)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -157,3 +157,34 @@ def test_bfloat16_checkpoint_loads_and_exports(tmp_path):
   assert reloaded.dtype == torch.bfloat16
   for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
     assert torch.equal(a.to(torch.bfloat16), b), name
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_added_tokens_get_mean_embedding_rows(tmp_path, tie):
+  model = make_hf_model("qwen2", tie=tie, vocab=96)
+  model.save_pretrained(tmp_path)
+  config, params = hf_checkpoint.load_checkpoint(str(tmp_path), vocab_size=100,
+                                                 mean_init_ids=[90])
+  hf_embed = model.model.embed_tokens.weight.detach().numpy()
+  mean = np.delete(hf_embed, 90, axis=0).mean(axis=0)
+  embedding = np.asarray(params["embedding"])
+  assert config.vocab_size == 100 and embedding.shape == (100, 32)
+  np.testing.assert_allclose(embedding[:90], hf_embed[:90])
+  np.testing.assert_allclose(embedding[[90, 96, 97, 98, 99]], np.tile(mean, (5, 1)), rtol=1e-6)
+  if not tie:
+    head = np.asarray(params["lm_head"])
+    hf_head = model.lm_head.weight.detach().numpy()
+    np.testing.assert_allclose(head[:, :90], hf_head[:90].T)
+    np.testing.assert_allclose(head[:, 99], np.delete(hf_head, 90, axis=0).mean(axis=0),
+                               rtol=1e-6)
+  ids = _ids(vocab=90)  # the original tokens still give the original logits
+  np.testing.assert_allclose(_ours(config, params, ids)[..., :90],
+                             hf_logits(model, ids)[..., :90], atol=1e-4)
+
+
+def test_grown_vocabulary_loads_sharded(tmp_path):
+  make_hf_model("qwen2", heads=4, kv_heads=4, vocab=96).save_pretrained(tmp_path)
+  _, params = hf_checkpoint.load_checkpoint(str(tmp_path), sharding.make_mesh((1, 2, 4)),
+                                            vocab_size=104)
+  assert params["embedding"].shape == (104, 32)
+  assert params["embedding"].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
