@@ -1,0 +1,83 @@
+"""The grain SFT pipeline: packing keeps exact masks, shards by process, resumes exactly."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from coa_jax import coa_format, data_pipeline, sample_data, tokenizer as tk
+from coa_jax.importers import DropCounter
+
+TRAJECTORIES = [dataclasses.replace(t, question=f"{t.question} (#{i})")
+                for i, t in enumerate(sample_data.make_trajectories(12))]
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return tk.default_tokenizer()
+
+
+def _dataset(tok, counter=None, **overrides):
+  defaults = dict(seq_len=1024, batch_size=2, seed=3)
+  config = data_pipeline.PipelineConfig(**{**defaults, **overrides})
+  return data_pipeline.build_dataset(TRAJECTORIES, tok, config, counter or DropCounter())
+
+
+def _trained_text_by_segment(tok, batch):
+  texts = []
+  for row in range(batch["input_ids"].shape[0]):
+    seg = batch["segment_ids"][row]
+    for s in np.unique(seg[seg > 0]):
+      where = (seg == s) & (batch["loss_mask"][row] == 1)
+      texts.append(tok.decode(batch["targets"][row][where]))
+  return texts
+
+
+def test_packed_rows_keep_exact_masks_per_example(tok):
+  expected = {coa_format.render_steps(s for s in t.steps if s.tag != "observation") +
+              tok.decode([tok.end_id]) for t in TRAJECTORIES}
+  seen = []
+  for batch in _dataset(tok, num_epochs=1):
+    assert set(batch) == set(data_pipeline.BATCH_KEYS)
+    assert batch["input_ids"].shape == (2, 1024)
+    seen.extend(_trained_text_by_segment(tok, batch))
+  assert len(seen) > 2 * len(list(_dataset(tok)))  # rows really hold several examples
+  assert set(seen) <= expected
+
+
+def test_positions_restart_for_each_packed_example(tok):
+  batch = next(iter(_dataset(tok)))
+  seg, pos = batch["segment_ids"][0], batch["positions"][0]
+  starts = np.flatnonzero(np.diff(seg) != 0) + 1
+  assert pos[0] == 0 and all(pos[i] == 0 for i in starts if seg[i] > 0)
+
+
+def test_processes_read_disjoint_shards(tok):
+  config = data_pipeline.PipelineConfig(seq_len=1024, batch_size=1, shuffle=False,
+                                        packing_bins=1)
+  questions = []
+  for index in range(2):
+    ds = data_pipeline.build_dataset(TRAJECTORIES, tok, config, DropCounter(), index, 2)
+    ids = np.concatenate([b["input_ids"][0] for b in ds])
+    questions.append({t.question for t in TRAJECTORIES if tok.decode(ids).count(t.question)})
+  assert questions[0] and questions[1] and not questions[0] & questions[1]
+
+
+def test_restoring_iterator_state_resumes_the_same_data_order(tok):
+  iterator = iter(_dataset(tok, num_epochs=3))
+  for _ in range(3):
+    next(iterator)
+  state = iterator.get_state()
+  expected = [next(iterator) for _ in range(3)]
+  resumed = iter(_dataset(tok, num_epochs=3))
+  resumed.set_state(state)
+  for want in expected:
+    got = next(resumed)
+    for key in data_pipeline.BATCH_KEYS:
+      np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_overlong_examples_are_counted_when_dropped(tok):
+  counter = DropCounter()
+  list(_dataset(tok, counter, seq_len=128, overlong="drop"))
+  assert counter.dropped["too_long"] == len(TRAJECTORIES)
