@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 ACCELERATOR := $(wildcard /dev/accel0 /dev/vfio/0 /dev/nvidia0)
 export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 
-.PHONY: install demo test bench aot clean
+.PHONY: install demo test sft bench aot clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests $(ARGS)
+
+sft: $(STAMP)
+	$(BIN)/python experiments/sft.py $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python experiments/bench_model.py $(ARGS)

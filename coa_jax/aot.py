@@ -98,7 +98,8 @@ def topology_devices(topology: str) -> list[Any]:
 
 
 def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list[Any],
-                       mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int):
+                       mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int,
+                       micro_batches: int = 1):
   """Returns (compiled train step, mesh, compile seconds) for `devices` without running it."""
   mesh = sharding.make_mesh(mesh_config, devices=devices)
   sharding.check_model_fits_mesh(config, mesh)
@@ -111,7 +112,8 @@ def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list
                                    sharding=sharding.batch_sharding(mesh))
            for k in step_lib.BATCH_KEYS}
   start = time.perf_counter()
-  compiled = step_lib.jit_train_step(model, tx, mesh).lower(state, batch).compile()
+  step = step_lib.jit_train_step(model, tx, mesh, micro_batches=micro_batches)
+  compiled = step.lower(state, batch).compile()
   return compiled, mesh, time.perf_counter() - start
 
 
@@ -123,17 +125,19 @@ def _cost(compiled) -> tuple[float, float]:
 
 
 def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: str,
-               mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int) -> AotReport:
+               mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int,
+               micro_batches: int = 1) -> AotReport:
   """Compiles the train step of `config` for `topology` and returns what the compiler found."""
   devices = topology_devices(topology)
   compiled, mesh, seconds = compile_train_step(config, optimizer_config, devices, mesh_config,
-                                               batch_size, seq_len)
+                                               batch_size, seq_len, micro_batches)
   memory = compiled.memory_analysis()
   per_layer_costs = []
   for layers in (1, 2):
     small = config.replace(num_layers=layers, scan_unroll=layers)
     per_layer_costs.append(_cost(compile_train_step(small, optimizer_config, devices,
-                                                    mesh_config, batch_size, seq_len)[0]))
+                                                    mesh_config, batch_size, seq_len,
+                                                    micro_batches)[0]))
   (f1, t1), (f2, t2) = per_layer_costs
   extra = config.num_layers - 1
   devices_per_chip = len(devices) / hardware.chips_in_topology(topology)

@@ -13,23 +13,29 @@ import jax
 class MetricsLog:
   """Appends one JSON object per step to `path` and prints a progress line every `every` steps.
 
-  Only process 0 writes or prints, so a multi-host run keeps one log.
+  Only process 0 writes or prints, so a multi-host run keeps one log. A resumed run passes
+  append=True to continue the file.
   """
 
-  def __init__(self, path: str, total_steps: int, every: int = 10, unit: str = "tokens"):
+  def __init__(self, path: str, total_steps: int, every: int = 10, unit: str = "tokens",
+               append: bool = False):
     self.path, self.total_steps, self.every, self.unit = path, total_steps, max(every, 1), unit
     self.rows: list[dict[str, Any]] = []
     self._active = jax.process_index() == 0
     self._start = self._last = time.perf_counter()
+    self._first_step: int | None = None
     self._units_since = 0.0
     if self._active:
       os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-      open(path, "w").close()
+      if not append:
+        open(path, "w").close()
 
   def log(self, step: int, metrics: dict[str, Any], units: float = 0.0) -> None:
     """Records `metrics` of `step` (1-based); `units` (e.g. tokens) feed the rate."""
     now = time.perf_counter()
     self._units_since += units
+    if self._first_step is None:
+      self._first_step = step
     row = {"step": step, "time": round(now - self._start, 4),
            **{k: float(v) for k, v in metrics.items()}}
     self.rows.append(row)
@@ -39,7 +45,8 @@ class MetricsLog:
       f.write(json.dumps(row) + "\n")
     if step % self.every == 0 or step == self.total_steps:
       rate = self._units_since / max(now - self._last, 1e-9)
-      eta = (now - self._start) / step * (self.total_steps - step)
+      done = step - self._first_step + 1
+      eta = (now - self._start) / done * (self.total_steps - step)
       shown = "  ".join(f"{k}={float(v):.4g}" for k, v in metrics.items())
       print(f"step {step}/{self.total_steps}  {shown}  {rate:,.0f} {self.unit}/s  "
             f"ETA {eta:.0f}s", flush=True)
@@ -56,10 +63,11 @@ class MetricsLog:
     except ImportError:
       print("matplotlib is not installed (pip install 'coa-jax[plots]'): no plot written")
       return None
+    with open(self.path) as f:  # the whole history, earlier runs of a resumed job included
+      rows = [json.loads(line) for line in f if line.strip()]
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
-    steps = [r["step"] for r in self.rows]
     for ax, key in zip(axes[0], keys):
-      ax.plot(steps, [r[key] for r in self.rows])
+      ax.plot([r["step"] for r in rows], [r.get(key, float("nan")) for r in rows])
       ax.set_xlabel("step")
       ax.set_ylabel(key)
       ax.grid(alpha=0.3)

@@ -107,3 +107,12 @@ def write_jsonl(path: str, trajectories: list[Trajectory]) -> None:
   with open(path, "w") as f:
     for t in trajectories:
       f.write(json.dumps(t.to_json()) + "\n")
+
+
+SHIPPED_COUNT = 240
+
+if __name__ == "__main__":  # regenerates coa_jax/assets/coa_sample.jsonl
+  import os
+
+  write_jsonl(os.path.join(os.path.dirname(__file__), "assets", "coa_sample.jsonl"),
+              make_trajectories(SHIPPED_COUNT))

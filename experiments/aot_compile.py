@@ -2,6 +2,7 @@
 
   python experiments/aot_compile.py --model=qwen2_5_7b --topology=v5p:2x2x1 \
       [--config.batch_size=16 --config.seq_len=4096 --config.mesh.tensor=2 ...]
+  python experiments/aot_compile.py --config=configs/sft_qwen2_5_7b.py   # an SFT config
 
 Needs the `tpu` extra (libtpu). --model and --topology are shorthands for
 --config.model.preset and --config.topology.
@@ -33,9 +34,10 @@ def main(argv):
     config.model.preset = _MODEL.value
   if _TOPOLOGY.value:
     config.topology = _TOPOLOGY.value
+  micro_batches = config.train.micro_batches if "train" in config else 1
   report = aot.aot_report(config.model.preset, build_config(config.model), config.optimizer,
                           config.topology, sharding.MeshConfig(**config.mesh),
-                          config.batch_size, config.seq_len)
+                          config.batch_size, config.seq_len, micro_batches)
   print(report.format())
   if config.report_json:
     with open(config.report_json, "w") as f:

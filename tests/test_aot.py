@@ -50,3 +50,15 @@ def test_topology_chip_counts():
   assert hardware.chips_in_topology("v6e:4x4") == 16
   with pytest.raises(ValueError, match="not of the form"):
     hardware.chips_in_topology("v5p-8")
+
+
+def test_the_7b_sft_config_compiles_scaled_down():
+  from configs import sft_qwen2_5_7b
+  from coa_jax.model import build_config
+
+  config = sft_qwen2_5_7b.get_config()
+  model = build_config(config.model).replace(num_layers=2)
+  report = aot.aot_report("qwen2_5_7b-2layers", model, config.optimizer, "v5e:2x2",
+                          sharding.MeshConfig(**config.mesh), batch_size=8, seq_len=256,
+                          micro_batches=config.train.micro_batches)
+  assert report.mesh == {"data": 1, "fsdp": 4, "tensor": 1} and report.fits

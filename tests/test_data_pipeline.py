@@ -81,3 +81,16 @@ def test_overlong_examples_are_counted_when_dropped(tok):
   counter = DropCounter()
   list(_dataset(tok, counter, seq_len=128, overlong="drop"))
   assert counter.dropped["too_long"] == len(TRAJECTORIES)
+
+
+def test_parquet_source_reads_the_same_trajectories(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  records = [{"instruction": t.question, "output": t.response_text(), "system": t.system}
+             for t in TRAJECTORIES[:4]] + [{"instruction": "q", "output": "<think>\nopen"}]
+  pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.parquet")
+  counter = DropCounter()
+  got = data_pipeline.load_source(str(tmp_path / "d.parquet"), counter)
+  assert [t.steps for t in got] == [t.steps for t in TRAJECTORIES[:4]]
+  assert dict(counter.dropped) == {"unclosed_tag": 1}

@@ -70,3 +70,13 @@ def test_nothing_kept_fails_clearly():
   counter.drop("bad_json")
   with pytest.raises(DataError, match="no usable examples"):
     counter.check(1.0)
+
+
+def test_shipped_sample_is_the_deterministic_generator_output(tmp_path):
+  import os
+  shipped = os.path.join(os.path.dirname(importers.__file__), "assets", "coa_sample.jsonl")
+  sample_data.write_jsonl(str(tmp_path / "fresh.jsonl"),
+                          sample_data.make_trajectories(sample_data.SHIPPED_COUNT))
+  assert open(shipped).read() == (tmp_path / "fresh.jsonl").read_text()
+  counter = DropCounter()
+  assert len(list(importers.read_trajectories(shipped, counter))) == sample_data.SHIPPED_COUNT

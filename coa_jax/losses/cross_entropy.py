@@ -22,8 +22,16 @@ class LossSums:
 def token_cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
                         mask_BxT: jax.Array) -> LossSums:
   """Returns the summed -log p(target) over tokens where mask is nonzero, and their count."""
+  return token_cross_entropy_and_z(logits_BxTxV, targets_BxT, mask_BxT)[0]
+
+
+def token_cross_entropy_and_z(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
+                              mask_BxT: jax.Array) -> tuple[LossSums, jax.Array]:
+  """Returns the masked cross-entropy sums and the masked sum of log(Z)^2 (the z-loss term,
+  which keeps the softmax normalizer near 1 when weighted into the loss)."""
   logits = logits_BxTxV.astype(jnp.float32)
   log_z_BxT = jax.nn.logsumexp(logits, axis=-1)
   target_logit_BxT = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
   mask = mask_BxT.astype(jnp.float32)
-  return LossSums(total=jnp.sum((log_z_BxT - target_logit_BxT) * mask), count=jnp.sum(mask))
+  sums = LossSums(total=jnp.sum((log_z_BxT - target_logit_BxT) * mask), count=jnp.sum(mask))
+  return sums, jnp.sum(jnp.square(log_z_BxT) * mask)

@@ -255,8 +255,10 @@ def to_hf_config(config: ModelConfig, torch_dtype: str = "float32") -> dict[str,
 
 
 def build_config(spec: Any) -> ModelConfig:
-  """Returns the ModelConfig of a config section: `preset` plus any field overrides."""
+  """Returns the ModelConfig of a config section: `preset` plus any field overrides (a
+  `checkpoint` entry, the HF folder that training starts from, is not a field and is ignored)."""
   values = dict(spec)
+  values.pop("checkpoint", None)
   if "preset" not in values:
     raise ConfigError("the model config section needs a 'preset' name")
   return get_preset(values.pop("preset"), **values)

@@ -16,11 +16,13 @@ from coa_jax import sharding
 
 @flax.struct.dataclass
 class TrainState:
-  """Step counter, parameters and optimizer state."""
+  """Step counter, parameters, optimizer state and the run's PRNG key (raw uint32 key data,
+  so checkpoints store it like any array)."""
 
   step: jax.Array
   params: Any
   opt_state: Any
+  rng: jax.Array
 
 
 def _dummy_ids(batch_size: int = 1, seq_len: int = 8) -> jax.Array:
@@ -41,13 +43,15 @@ def param_shardings(model: nn.Module, mesh: Mesh) -> Any:
 def init_params(model: nn.Module, mesh: Mesh, rng: jax.Array) -> Any:
   """Returns freshly initialized parameters, created directly in their shardings."""
   shardings = param_shardings(model, mesh)
-  init = lambda r: nn.unbox(model.init(r, _dummy_ids())["params"])
+  init = lambda r: nn.unbox(model.init(jax.random.split(r)[0], _dummy_ids())["params"])
   return sharding.bind_mesh(jax.jit(init, out_shardings=shardings), mesh)(rng)
 
 
 def _boxed_state(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array):
-  params = model.init(rng, _dummy_ids())["params"]
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  init_rng, run_rng = jax.random.split(rng)
+  params = model.init(init_rng, _dummy_ids())["params"]
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                    rng=jax.random.key_data(run_rng))
 
 
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
@@ -73,8 +77,9 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
 
 
 def state_from_params(params: Any, tx: optax.GradientTransformation, model: nn.Module,
-                      mesh: Mesh) -> TrainState:
+                      mesh: Mesh, rng: jax.Array) -> TrainState:
   """Returns a step-0 TrainState around already placed params (e.g. from an HF checkpoint)."""
   out = state_shardings(model, tx, mesh)
-  make = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
-  return sharding.bind_mesh(jax.jit(make, out_shardings=out), mesh)(params)
+  make = lambda p, r: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
+                                 rng=jax.random.key_data(jax.random.split(r)[1]))
+  return sharding.bind_mesh(jax.jit(make, out_shardings=out), mesh)(params, rng)

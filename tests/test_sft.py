@@ -1,0 +1,166 @@
+"""SFT: loss vs NumPy, token-exact accumulation, sharding, exact resume, bad inputs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from coa_jax import sft, sharding
+from coa_jax.importers import DataError
+from coa_jax.losses import token_cross_entropy_and_z
+from coa_jax.model import Transformer, get_preset
+from coa_jax.train import optimizer, state as state_lib, step as step_lib
+from configs import common, sft_tiny_cpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_loss_and_z_loss_equal_a_numpy_reference():
+  rng = np.random.RandomState(0)
+  logits = rng.randn(2, 5, 7).astype(np.float32) * 3
+  targets = rng.randint(0, 7, (2, 5))
+  mask = np.array([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]])
+  log_z = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+  nll = log_z - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  sums, z_total = token_cross_entropy_and_z(logits, targets, mask)
+  np.testing.assert_allclose(sums.total, (nll * mask).sum(), rtol=1e-6)
+  assert sums.count == 5
+  np.testing.assert_allclose(z_total, (log_z ** 2 * mask).sum(), rtol=1e-6)
+
+
+def _batch(rows=8, seq=16, seed=0):
+  rng = np.random.RandomState(seed)
+  batch = step_lib.next_token_batch(rng.randint(0, 512, (rows, seq + 1)))
+  batch["loss_mask"] = (rng.rand(rows, seq) < np.linspace(0.1, 0.9, rows)[:, None]).astype(
+      np.int32)  # very different token counts per row
+  return batch
+
+
+def _step(mesh, micro_batches, z_loss=0.0):
+  model = Transformer(get_preset("tiny", num_heads=4, num_kv_heads=4))
+  tx = optimizer.make_optimizer(common.optimizer(learning_rate=1e-2, eps=1e-3))
+  state = state_lib.init_state(model, tx, mesh, jax.random.key(0))
+  step = step_lib.jit_train_step(model, tx, mesh, micro_batches=micro_batches, z_loss=z_loss)
+  return step(state, sharding.shard_batch(_batch(), mesh))
+
+
+@pytest.fixture(scope="module")
+def one_device_step(single_device_mesh):
+  return jax.device_get(_step(single_device_mesh, 1))
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_gradient_accumulation_is_token_exact(micro_batches, single_device_mesh,
+                                              one_device_step):
+  (state, metrics), (ref_state, ref_metrics) = _step(single_device_mesh, micro_batches), \
+      one_device_step
+  np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
+  assert metrics["tokens"] == ref_metrics["tokens"]
+  for got, want in zip(jax.tree_util.tree_leaves(state.params),
+                       jax.tree_util.tree_leaves(ref_state.params)):
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
+
+
+def test_accumulated_step_sharded_on_8_devices_equals_one_device(one_device_step):
+  state, metrics = _step(sharding.make_mesh((2, 2, 2)), 2)
+  ref_state, ref_metrics = one_device_step
+  np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
+  for got, want in zip(jax.tree_util.tree_leaves(state.params),
+                       jax.tree_util.tree_leaves(ref_state.params)):
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
+
+
+def test_non_finite_step_leaves_the_state_unchanged(single_device_mesh):
+  state, metrics = _step(single_device_mesh, 1, z_loss=float("nan"))
+  assert not metrics["is_finite"] and int(state.step) == 0
+
+
+def _config(tmp_path, steps, **changes):
+  config = sft_tiny_cpu.get_config()
+  config.model.update(hidden_size=32, intermediate_size=64, num_layers=1)
+  config.batch_size, config.seq_len = 4, 512
+  config.mesh = common.mesh(data=2, fsdp=2, tensor=2)
+  config.optimizer.total_steps = config.train.steps = steps
+  config.optimizer.warmup_steps = 1
+  config.train.log_every = 2
+  config.checkpoint.update(directory=str(tmp_path / "ckpt"), every=2, async_save=False)
+  config.workdir = str(tmp_path)
+  config.export_dir = ""
+  for key, value in changes.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def _losses(path):
+  return [json.loads(line)["loss"] for line in open(path)]
+
+
+def test_resume_is_exact_and_the_loss_falls(tmp_path):
+  straight = sft.run(_config(tmp_path / "a", 6))
+  sft.run(_config(tmp_path / "b", 6, **{"train.stop_after": 3}))  # interrupted at step 3
+  resumed = sft.run(_config(tmp_path / "b", 6))
+  assert resumed["resumed_from"] == 3 and resumed["steps"] == straight["steps"] == 6
+  for got, want in zip(jax.tree_util.tree_leaves(resumed["state"]),
+                       jax.tree_util.tree_leaves(straight["state"])):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(_losses(tmp_path / "b" / "metrics.jsonl"),  # same data order
+                             _losses(tmp_path / "a" / "metrics.jsonl"), rtol=1e-6)
+  assert straight["final_loss"] < straight["first_loss"]
+
+
+def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(tmp_path):
+  sft.run(_config(tmp_path, 4, **{"train.stop_after": 2}))
+  with pytest.raises(sft.NonFiniteLossError, match="last good checkpoint .* is intact"):
+    sft.run(_config(tmp_path, 4, **{"train.z_loss": float("nan")}))
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["2"]
+
+
+@pytest.mark.parametrize("content,message", [(None, "does not exist"), ("", "is empty"),
+                                             ("{bad\n{worse\n", "no usable examples")])
+def test_bad_data_files_fail_clearly(tmp_path, content, message):
+  path = tmp_path / "data.jsonl"
+  if content is not None:
+    path.write_text(content)
+  with pytest.raises(DataError, match=message):
+    sft.run(_config(tmp_path, 2, **{"data.path": str(path)}))
+
+
+def test_unknown_config_field_is_rejected_by_the_entry_point():
+  result = subprocess.run([sys.executable, "experiments/sft.py", "--config.train.bogus=1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode != 0 and "bogus" in result.stderr
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+  import signal
+  import time
+
+  args = [sys.executable, "experiments/sft.py", "--config.train.steps=100000",
+          "--config.optimizer.total_steps=100000", "--config.model.hidden_size=32",
+          "--config.model.intermediate_size=64", "--config.model.num_layers=1",
+          "--config.batch_size=2", "--config.seq_len=512", "--config.train.log_every=1",
+          f"--config.checkpoint.directory={tmp_path / 'ckpt'}", "--config.checkpoint.every=1000",
+          f"--config.workdir={tmp_path}", "--config.export_dir="]
+  proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                          "XLA_FLAGS": ""})
+  metrics = tmp_path / "metrics.jsonl"
+  deadline = time.time() + 240
+  while time.time() < deadline and (not metrics.exists() or
+                                    len(metrics.read_text().splitlines()) < 3):
+    time.sleep(0.5)
+  proc.send_signal(signal.SIGTERM)
+  output, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, output
+  assert "saving a checkpoint, then stopping" in output
+  saved = [int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit()]
+  assert saved and max(saved) == len(metrics.read_text().splitlines())
