@@ -51,22 +51,6 @@ def load_source(spec: str, counter: DropCounter) -> list[Trajectory]:
   return list(importers.read_trajectories(spec, counter))
 
 
-def _keep_valid(records, counter: DropCounter) -> list[Trajectory]:
-  out = []
-  for record in records:
-    try:
-      trajectory, errors = importers.trajectory_from_record(record)
-    except (ValueError, KeyError, TypeError) as e:
-      counter.drop(str(e) if isinstance(e, ValueError) else "missing_field")
-      continue
-    if errors:
-      counter.drop(errors[0].kind)
-      continue
-    counter.kept += 1
-    out.append(trajectory)
-  return out
-
-
 def _from_parquet(path: str, counter: DropCounter) -> list[Trajectory]:
   try:
     import pyarrow.parquet as pq
@@ -74,7 +58,7 @@ def _from_parquet(path: str, counter: DropCounter) -> list[Trajectory]:
     raise DataError("reading parquet needs pyarrow (pip install pyarrow)") from None
   if not os.path.isfile(path):
     raise DataError(f"data file {path!r} does not exist")
-  return _keep_valid(pq.read_table(path).to_pylist(), counter)
+  return list(importers.valid_trajectories(pq.read_table(path).to_pylist(), counter))
 
 
 def _from_tfds(spec: str, counter: DropCounter) -> list[Trajectory]:
@@ -88,7 +72,8 @@ def _from_tfds(spec: str, counter: DropCounter) -> list[Trajectory]:
   def decode(record):
     return {k: v.decode() if isinstance(v, bytes) else v for k, v in dict(record).items()}
 
-  return _keep_valid((decode(source[i]) for i in range(len(source))), counter)
+  return list(importers.valid_trajectories((decode(source[i]) for i in range(len(source))),
+                                           counter))
 
 
 def _shifted(example) -> dict[str, np.ndarray]:

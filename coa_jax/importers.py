@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from coa_jax import coa_format
 from coa_jax.coa_format import Step, Trajectory
@@ -142,10 +142,10 @@ def _records(path: str) -> Iterator[Any]:
           yield "bad_json"
 
 
-def read_trajectories(path: str, counter: DropCounter | None = None) -> Iterator[Trajectory]:
-  """Yields the valid trajectories of a file; invalid ones are counted in `counter`."""
-  counter = counter if counter is not None else DropCounter()
-  for record in _records(path):
+def valid_trajectories(records: Iterable[Any], counter: DropCounter) -> Iterator[Trajectory]:
+  """Yields the trajectories of records that parse and validate; counts the others by reason
+  (a record given as the string 'bad_json' stands for a line that did not parse)."""
+  for record in records:
     if record == "bad_json":
       counter.drop("bad_json")
       continue
@@ -159,3 +159,8 @@ def read_trajectories(path: str, counter: DropCounter | None = None) -> Iterator
       continue
     counter.kept += 1
     yield trajectory
+
+
+def read_trajectories(path: str, counter: DropCounter | None = None) -> Iterator[Trajectory]:
+  """Yields the valid trajectories of a file; invalid ones are counted in `counter`."""
+  return valid_trajectories(_records(path), counter if counter is not None else DropCounter())
