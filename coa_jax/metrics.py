@@ -22,7 +22,7 @@ class MetricsLog:
     self.path, self.total_steps, self.every, self.unit = path, total_steps, max(every, 1), unit
     self.rows: list[dict[str, Any]] = []
     self._active = jax.process_index() == 0
-    self._start = self._last = time.perf_counter()
+    self._start = self._last = self._previous = time.perf_counter()
     self._first_step: int | None = None
     self._units_since = 0.0
     if self._active:
@@ -38,6 +38,9 @@ class MetricsLog:
       self._first_step = step
     row = {"step": step, "time": round(now - self._start, 4),
            **{k: float(v) for k, v in metrics.items()}}
+    if units:
+      row[f"{self.unit}_per_s"] = round(units / max(now - self._previous, 1e-9), 2)
+    self._previous = now
     self.rows.append(row)
     if not self._active:
       return

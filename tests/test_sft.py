@@ -164,3 +164,15 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
   assert "saving a checkpoint, then stopping" in output
   saved = [int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit()]
   assert saved and max(saved) == len(metrics.read_text().splitlines())
+
+
+def test_fine_tuning_an_hf_checkpoint_grows_its_vocabulary_for_the_tags(tmp_path):
+  from hf_reference import make_hf_model
+
+  make_hf_model("qwen2", vocab=96, heads=4, kv_heads=2).save_pretrained(tmp_path / "hf")
+  config = _config(tmp_path, 2, **{"model.checkpoint": str(tmp_path / "hf")})
+  config.export_dir = str(tmp_path / "export")
+  summary = sft.run(config)
+  assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
+  exported = json.loads((tmp_path / "export" / "config.json").read_text())
+  assert exported["vocab_size"] == 1024 and exported["hidden_size"] == 32
