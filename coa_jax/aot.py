@@ -3,9 +3,10 @@
 Needs libtpu (the `tpu` extra). The report combines three sources, each labelled:
 - memory per device: the compiler's `memory_analysis()` of the real (scanned) step;
 - model FLOPs: analytic (`coa_jax.flops`), the MFU convention;
-- the compiler's FLOPs and estimated step time: XLA's cost analysis counts a scanned layer body
-  once, so they come from two small compiles of the same step with 1 and 2 (unrolled) layers,
-  extrapolated linearly to the full depth.
+- the compiler's FLOPs and estimated step time: XLA's cost analysis counts a loop body once
+  (the layer scan, the micro-batch scan), so they come from two small compiles of one
+  micro-batch's step with 1 and 2 unrolled layers, extrapolated linearly to the full depth and
+  multiplied by the number of micro-batches.
 """
 
 from __future__ import annotations
@@ -103,9 +104,7 @@ def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list
   """Returns (compiled train step, mesh, compile seconds) for `devices` without running it."""
   mesh = sharding.make_mesh(mesh_config, devices=devices)
   sharding.check_model_fits_mesh(config, mesh)
-  ranks = mesh.shape["data"] * mesh.shape["fsdp"]
-  if batch_size % ranks:
-    raise ValueError(f"batch_size={batch_size} does not split over data x fsdp = {ranks}")
+  sharding.check_batch_fits_mesh(batch_size, micro_batches, mesh)
   model, tx = Transformer(config), optimizer.make_optimizer(optimizer_config)
   state = state_lib.abstract_state(model, tx, mesh)
   batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32,
@@ -132,12 +131,14 @@ def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: 
   compiled, mesh, seconds = compile_train_step(config, optimizer_config, devices, mesh_config,
                                                batch_size, seq_len, micro_batches)
   memory = compiled.memory_analysis()
+  # Cost analysis counts a loop body once: layers are unrolled in these small compiles and
+  # micro-batch accumulation is costed as one micro-batch times their number.
   per_layer_costs = []
   for layers in (1, 2):
     small = config.replace(num_layers=layers, scan_unroll=layers)
-    per_layer_costs.append(_cost(compile_train_step(small, optimizer_config, devices,
-                                                    mesh_config, batch_size, seq_len,
-                                                    micro_batches)[0]))
+    flops_, seconds_ = _cost(compile_train_step(small, optimizer_config, devices, mesh_config,
+                                                batch_size // micro_batches, seq_len)[0])
+    per_layer_costs.append((flops_ * micro_batches, seconds_ * micro_batches))
   (f1, t1), (f2, t2) = per_layer_costs
   extra = config.num_layers - 1
   devices_per_chip = len(devices) / hardware.chips_in_topology(topology)

@@ -67,6 +67,7 @@ def run(config: Any) -> dict[str, Any]:
   rng = jax.random.key(config.seed)
   model_config, state = _model_and_params(config, tokenizer, mesh, tx, rng)
   model = Transformer(model_config)
+  sharding.check_batch_fits_mesh(config.batch_size, config.train.micro_batches, mesh)
   say(f"model {config.model.get('checkpoint') or config.model.preset}: "
       f"{model_config.num_params():,} params, vocab {model_config.vocab_size}; "
       f"mesh {dict(mesh.shape)}; batch {config.batch_size} x {config.seq_len}")

@@ -96,6 +96,14 @@ def check_model_fits_mesh(config: ModelConfig, mesh: Mesh) -> None:
                       f"({fsdp})")
 
 
+def check_batch_fits_mesh(batch_size: int, micro_batches: int, mesh: Mesh) -> None:
+  """Raises ConfigError unless every micro-batch splits evenly over the data x fsdp ranks."""
+  ranks = mesh.shape["data"] * mesh.shape["fsdp"]
+  if micro_batches < 1 or batch_size % micro_batches or (batch_size // micro_batches) % ranks:
+    raise ConfigError(f"batch_size={batch_size} in {micro_batches} micro-batch(es) does not "
+                      f"split over data x fsdp = {ranks} ranks")
+
+
 @contextlib.contextmanager
 def activate(mesh: Mesh) -> Iterator[None]:
   """Makes `mesh` and `AXIS_RULES` current, so logical constraints in the model resolve."""

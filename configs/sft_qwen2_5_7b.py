@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
                                                overlong="drop", max_drop_fraction=0.05))
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.topology = "v5p:2x2x2"
-  config.batch_size = 16
+  config.batch_size = 32  # 4 micro-batches of 8 rows: one 16k-token row per chip each
   config.seq_len = 16384
   config.optimizer = common.optimizer(learning_rate=2e-5, warmup_steps=100, schedule="cosine",
                                       total_steps=3000, weight_decay=0.1)

@@ -39,7 +39,7 @@ def main(argv):
                           config.topology, sharding.MeshConfig(**config.mesh),
                           config.batch_size, config.seq_len, micro_batches)
   print(report.format())
-  if config.report_json:
+  if config.get("report_json"):
     with open(config.report_json, "w") as f:
       json.dump(dict(dataclasses.asdict(report), peak_bytes=report.peak_bytes, fits=report.fits,
                      implied_mfu=report.implied_mfu), f, indent=2)

@@ -40,7 +40,8 @@ def test_unknown_topology_is_named():
 
 
 def test_batch_not_splitting_over_the_mesh_is_named():
-  with pytest.raises(ValueError, match="batch_size=6 does not split over data x fsdp = 4"):
+  with pytest.raises(ValueError, match="batch_size=6 in 1 micro-batch.* does not split over "
+                                       "data x fsdp = 4"):
     aot.compile_train_step(TINY, common.optimizer(), aot.topology_devices("v5e:2x2"),
                            sharding.MeshConfig(data=1, fsdp=4, tensor=1), 6, 64)
 
