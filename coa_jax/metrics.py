@@ -39,7 +39,7 @@ class MetricsLog:
     row = {"step": step, "time": round(now - self._start, 4),
            **{k: float(v) for k, v in metrics.items()}}
     if units:
-      row[f"{self.unit}_per_s"] = round(units / max(now - self._previous, 1e-9), 2)
+      row[f"{self.unit}_per_s"] = round(float(units) / max(now - self._previous, 1e-9), 2)
     self._previous = now
     self.rows.append(row)
     if not self._active:

@@ -60,6 +60,6 @@ def test_the_7b_sft_config_compiles_scaled_down():
   config = sft_qwen2_5_7b.get_config()
   model = build_config(config.model).replace(num_layers=2)
   report = aot.aot_report("qwen2_5_7b-2layers", model, config.optimizer, "v5e:2x2",
-                          sharding.MeshConfig(**config.mesh), batch_size=8, seq_len=256,
+                          sharding.MeshConfig(**config.mesh), batch_size=16, seq_len=128,
                           micro_batches=config.train.micro_batches)
   assert report.mesh == {"data": 1, "fsdp": 4, "tensor": 1} and report.fits
