@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 ACCELERATOR := $(wildcard /dev/accel0 /dev/vfio/0 /dev/nvidia0)
 export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 
-.PHONY: install demo test sft bench aot clean
+.PHONY: install demo lm-demo test sft bench aot clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,12 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
+# The main job: observation-masked SFT of a tiny model on the shipped CoA sample.
 demo: $(STAMP)
+	$(BIN)/python experiments/sft.py --config=configs/sft_tiny_cpu.py $(ARGS)
+
+# The foundation smoke job: sharded LM training on synthetic data, HF export and reload.
+lm-demo: $(STAMP)
 	$(BIN)/python experiments/demo.py $(ARGS)
 
 test: $(STAMP)
