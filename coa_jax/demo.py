@@ -71,7 +71,8 @@ def run(config: Any) -> dict[str, Any]:
     after = np.asarray(apply({"params": reloaded}, probe))
   summary = dict(first_loss=log.rows[0]["loss"], final_loss=log.rows[-1]["loss"],
                  steps=config.steps, train_seconds=round(train_seconds, 2),
-                 export_dir=export_dir, reload_max_abs_logit_diff=float(np.abs(before - after).max()),
+                 export_dir=export_dir,
+                 reload_max_abs_logit_diff=float(np.abs(before - after).max()),
                  metrics=log.path, plot=plot)
   say(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {config.steps} steps "
       f"({train_seconds:.1f}s incl. compile); metrics {log.path}; plot {plot}")

@@ -62,12 +62,12 @@ def run(config: Any) -> dict[str, Any]:
   if config.batch_size % jax.process_count():
     raise ConfigError(f"batch_size={config.batch_size} does not split over "
                       f"{jax.process_count()} processes")
+  sharding.check_batch_fits_mesh(config.batch_size, config.train.micro_batches, mesh)
   schedule = optimizer.learning_rate_schedule(config.optimizer)
   tx = optimizer.make_optimizer(config.optimizer)
   rng = jax.random.key(config.seed)
   model_config, state = _model_and_params(config, tokenizer, mesh, tx, rng)
   model = Transformer(model_config)
-  sharding.check_batch_fits_mesh(config.batch_size, config.train.micro_batches, mesh)
   say(f"model {config.model.get('checkpoint') or config.model.preset}: "
       f"{model_config.num_params():,} params, vocab {model_config.vocab_size}; "
       f"mesh {dict(mesh.shape)}; batch {config.batch_size} x {config.seq_len}")
@@ -112,16 +112,16 @@ def run(config: Any) -> dict[str, Any]:
             f"non-finite loss or gradient at step {step} ({metrics}); the update was not "
             f"applied and the last good checkpoint in {checkpointer.directory} is intact")
       log.log(step, metrics, units=config.batch_size * config.seq_len)
-      if step % config.checkpoint.every == 0 or step == last_step:
-        checkpointer.save(step, state, batches.get_state())
+      if step % config.checkpoint.every == 0 or step == last_step or preempted.requested:
+        checkpointer.save(step, state, batches.get_state(), force=preempted.requested)
       if preempted.requested:
-        checkpointer.save(step, state, batches.get_state(), force=True)
         stopped_by_signal = True
         break
   checkpointer.close()
   train_seconds = time.perf_counter() - t0
-  summary = dict(steps=int(state.step), resumed_from=start_step, stopped_by_signal=stopped_by_signal,
-                 train_seconds=round(train_seconds, 2), metrics=log.path, drops=dict(counter.dropped))
+  summary = dict(steps=int(state.step), resumed_from=start_step,
+                 stopped_by_signal=stopped_by_signal, train_seconds=round(train_seconds, 2),
+                 metrics=log.path, drops=dict(counter.dropped))
   if log.rows:
     summary.update(first_loss=log.rows[0]["loss"], final_loss=log.rows[-1]["loss"])
     summary["plot"] = log.plot(os.path.join(config.workdir, "loss.png"),

@@ -1,4 +1,4 @@
-"""Observation-masked SFT of a tiny model on the shipped CoA sample (a couple of minutes on a CPU)."""
+"""Observation-masked SFT of a tiny model on the shipped CoA sample (about a minute on a CPU)."""
 
 import os
 

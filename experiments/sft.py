@@ -1,4 +1,7 @@
-"""Observation-masked SFT: python experiments/sft.py --config=configs/sft_tiny_cpu.py [--config.x=y]"""
+"""Observation-masked SFT.
+
+  python experiments/sft.py [--config=configs/sft_tiny_cpu.py] [--config.train.steps=300 ...]
+"""
 
 import os
 import sys
@@ -11,7 +14,8 @@ from ml_collections import config_flags  # noqa: E402
 from coa_jax import sft  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/sft_tiny_cpu.py"),
+    "config",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/sft_tiny_cpu.py"),
     lock_config=True)
 
 

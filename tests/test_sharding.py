@@ -79,7 +79,8 @@ def _assert_trees_close(got, want, atol):
 @pytest.mark.parametrize("shape", MESHES)
 def test_param_shardings_follow_the_rules_table(shape):
   mesh = sharding.make_mesh(shape)
-  specs = {k: s.spec for k, s in _flat(state_lib.param_shardings(Transformer(CONFIG), mesh)).items()}
+  shardings = _flat(state_lib.param_shardings(Transformer(CONFIG), mesh))
+  specs = {k: s.spec for k, s in shardings.items()}
   assert specs == EXPECTED_SPECS
 
 
