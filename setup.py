@@ -21,6 +21,7 @@ setup(
         "ml-collections>=1.1",
         "absl-py",
         "grain>=0.2.18",
+        "bm25s>=0.2",
         "ml_dtypes",
         "numpy",
     ],

@@ -1,0 +1,82 @@
+"""tools_env: the interface never raises, BM25 search and local crawl, per-trajectory state."""
+
+import pytest
+
+from tools_env import base, search
+from tools_env.registry import ToolRegistry, TrajectoryTools
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("bm25"))
+
+
+@pytest.fixture(scope="module")
+def web(cache_dir):
+  return search.Bm25Search(cache_dir=cache_dir, top_k=3)
+
+
+@pytest.mark.parametrize("query,expected", [
+    ("capital of Kenya", "capital-kenya"),
+    ("highest mountain above sea level", "everest"),
+    ("Nobel prize radioactivity", "curie"),
+    ("movement of water through a membrane", "wiki-osmosis"),
+    ("Zürich Switzerland lake", "zurich"),
+])
+def test_search_ranks_the_right_document_first(web, query, expected):
+  result = web(query)
+  assert result.ok and result.metadata["ids"][0] == expected
+  assert result.observation.startswith("1. [")
+
+
+def test_search_handles_empty_huge_and_unmatched_queries(web):
+  assert web("   ").error_kind == base.BAD_REQUEST
+  huge = web("capital of Peru " * 7000)  # ~110 KB
+  assert huge.ok and huge.metadata["ids"][0] == "capital-peru"
+  assert web("zzqx qqvv").error_kind == base.NO_RESULTS
+  assert web("東京").error_kind in (None, base.NO_RESULTS)  # non-ASCII never crashes
+
+
+def test_index_cache_is_reused_on_second_construction(web, cache_dir):
+  again = search.Bm25Search(cache_dir=cache_dir, top_k=3)
+  assert again.loaded_from_cache
+  assert again("capital of Chile").metadata == web("capital of Chile").metadata
+
+
+def test_crawl_serves_pages_by_url_and_reports_missing_ones():
+  crawl = search.LocalCrawl()
+  result = crawl("https://wiki.example/everest | https://nowhere.example/x")
+  assert result.ok and "8,849 metres" in result.observation
+  assert result.metadata["missing"] == ["https://nowhere.example/x"]
+  assert crawl("https://nowhere.example/x").error_kind == base.NOT_FOUND
+  assert crawl("").error_kind == base.BAD_REQUEST
+
+
+def test_output_is_truncated_keeping_head_and_tail():
+  text, truncated = base.truncate_middle("a" * 50 + "b" * 50, 20)
+  assert truncated and text.startswith("a" * 10) and text.endswith("b" * 10)
+  assert "[80 characters omitted]" in text
+
+
+def test_a_crashing_tool_becomes_an_error_observation():
+  class Broken(base.Tool):
+    name = "broken"
+
+    def _run(self, body):
+      raise RuntimeError("boom")
+
+  result = Broken()("x")
+  assert not result.ok and result.error_kind == base.TOOL_ERROR
+  assert result.observation == "Error: broken failed: RuntimeError: boom"
+
+
+def test_registry_and_trajectory_state(web):
+  registry = ToolRegistry({"web_search": web})
+  assert registry.call("code", "x").error_kind == base.UNKNOWN_TOOL
+  session = TrajectoryTools(registry)
+  assert session.call("web_search", "capital of Cuba").ok
+  repeated = session.call("web_search", "  Capital of   CUBA ")
+  assert repeated.error_kind == base.REPEATED and repeated.observation.startswith("Notice:")
+  assert session.calls["web_search"] == 2 and session.repeats["web_search"] == 1
+  with pytest.raises(ValueError, match="not CoA tool tags"):
+    ToolRegistry({"browse": web})

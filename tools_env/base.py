@@ -1,0 +1,87 @@
+"""The tool interface: a tool takes the body of its tag and returns a ToolResult, never raising.
+
+Every failure becomes an observation the model can read ("Error: ...") plus a
+machine-readable `error_kind`, so the rollout loop and the teacher system treat all tools
+alike and a crashing tool can never take a run down.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from typing import Any
+
+# Machine-readable error kinds.
+BAD_REQUEST = "bad_request"  # a malformed call: empty query, missing code fence, bad URL
+NO_RESULTS = "no_results"
+NOT_FOUND = "not_found"
+TIMEOUT = "timeout"
+TOO_LARGE = "too_large"
+HTTP_ERROR = "http_error"
+TOOL_ERROR = "tool_error"  # the tool itself failed unexpectedly
+UNKNOWN_TOOL = "unknown_tool"
+REPEATED = "repeated"  # the same call was already made in this trajectory
+
+TRUNCATION_MARKER = "\n... [{omitted} characters omitted] ...\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+  """An observation plus what happened: ok or an error kind, time taken, truncation."""
+
+  observation: str
+  ok: bool
+  error_kind: str | None = None
+  elapsed_s: float = 0.0
+  truncated: bool = False
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class ToolFailure(Exception):
+  """Raised inside a tool for an expected failure; becomes an error ToolResult."""
+
+  def __init__(self, kind: str, message: str):
+    super().__init__(message)
+    self.kind = kind
+
+
+def truncate_middle(text: str, limit: int) -> tuple[str, bool]:
+  """Returns text cut to at most ~`limit` characters keeping head and tail, and whether it was."""
+  if len(text) <= limit:
+    return text, False
+  head = limit // 2
+  tail = limit - head
+  omitted = len(text) - head - tail
+  return text[:head] + TRUNCATION_MARKER.format(omitted=omitted) + text[len(text) - tail:], True
+
+
+def error_result(kind: str, message: str, elapsed_s: float = 0.0, **metadata: Any) -> ToolResult:
+  """Returns the ToolResult of a failure: observation 'Error: <message>'."""
+  return ToolResult(f"Error: {message}", False, kind, elapsed_s, False, dict(metadata))
+
+
+class Tool(abc.ABC):
+  """A tool: subclasses implement `_run(body) -> (text, metadata)` and may raise ToolFailure."""
+
+  name: str = "tool"
+
+  def __init__(self, max_output_chars: int = 8000):
+    self.max_output_chars = max_output_chars
+
+  @abc.abstractmethod
+  def _run(self, body: str) -> tuple[str, dict[str, Any]]:
+    """Returns the observation text and metadata for a call."""
+
+  def __call__(self, body: str) -> ToolResult:
+    """Runs the tool on the body of its tag; returns a ToolResult and never raises."""
+    start = time.perf_counter()
+    try:
+      text, metadata = self._run(body if isinstance(body, str) else str(body))
+    except ToolFailure as e:
+      return error_result(e.kind, str(e), time.perf_counter() - start)
+    except Exception as e:  # noqa: BLE001 - a tool must never raise into the caller
+      return error_result(TOOL_ERROR, f"{self.name} failed: {type(e).__name__}: {e}",
+                          time.perf_counter() - start)
+    text, truncated = truncate_middle(text, self.max_output_chars)
+    return ToolResult(text, True, None, time.perf_counter() - start, truncated, metadata)

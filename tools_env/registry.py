@@ -1,0 +1,58 @@
+"""The registry from CoA tool tags to tools, and per-trajectory call state.
+
+`ToolRegistry.call(tag, body)` dispatches to the tool configured for a tag (an unknown tag
+is an error observation). `TrajectoryTools` wraps a registry for one trajectory: a call
+identical to an earlier one (same tag, same normalized body) is answered with a notice
+instead of being run again, as the reference does, and calls are counted per tag.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Mapping
+
+from tools_env.base import REPEATED, UNKNOWN_TOOL, Tool, ToolResult, error_result
+
+TOOL_TAGS = ("web_search", "crawl_page", "wiki_search", "code")
+
+
+class ToolRegistry:
+  """Maps CoA tool tags to configured tool instances; safe to call from many threads."""
+
+  def __init__(self, tools: Mapping[str, Tool]):
+    unknown = set(tools) - set(TOOL_TAGS)
+    if unknown:
+      raise ValueError(f"not CoA tool tags: {sorted(unknown)}; expected some of {TOOL_TAGS}")
+    self.tools = dict(tools)
+
+  def call(self, tag: str, body: str) -> ToolResult:
+    """Returns the result of the tool registered for `tag` (never raises)."""
+    tool = self.tools.get(tag)
+    if tool is None:
+      return error_result(UNKNOWN_TOOL, f"unknown tool {tag!r}; available: "
+                                        f"{', '.join(sorted(self.tools)) or 'none'}")
+    return tool(body)
+
+
+class TrajectoryTools:
+  """One trajectory's view of a registry: repeated calls get a notice; calls are counted."""
+
+  def __init__(self, registry: ToolRegistry):
+    self.registry = registry
+    self.calls: collections.Counter = collections.Counter()
+    self.repeats: collections.Counter = collections.Counter()
+    self._seen: set[tuple[str, str]] = set()
+    self._lock = threading.Lock()
+
+  def call(self, tag: str, body: str) -> ToolResult:
+    """Returns the tool's result, or a REPEATED notice for a call already made."""
+    key = (tag, " ".join(str(body).split()).lower())
+    with self._lock:
+      self.calls[tag] += 1
+      if key in self._seen:
+        self.repeats[tag] += 1
+        return ToolResult(f"Notice: this exact {tag} call was already made in this task; use "
+                          f"its earlier result or try something different.", False, REPEATED)
+      self._seen.add(key)
+    return self.registry.call(tag, body)

@@ -1,0 +1,134 @@
+"""Embedded search (`web_search`, `wiki_search`) and page fetching (`crawl_page`) over a local corpus.
+
+The corpus is a JSONL file of {"id", "title", "url", "text"} records. Search ranks documents
+with BM25 (`bm25s`); the index is built once and cached on disk next to a fingerprint of the
+corpus file, so later constructions load it instead of rebuilding. Results use the format
+
+  1. [Title](url)
+  snippet...
+
+Limits (constructor arguments): `top_k` results, `snippet_chars` per result,
+`max_query_chars` (longer queries are cut, not rejected), `max_output_chars` per observation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from tools_env.base import BAD_REQUEST, NO_RESULTS, NOT_FOUND, Tool, ToolFailure
+
+DEFAULT_CORPUS = os.path.join(os.path.dirname(__file__), "data", "corpus.jsonl")
+
+
+def load_corpus(path: str) -> list[dict[str, str]]:
+  """Returns the corpus records; raises ValueError naming the first bad line."""
+  if not os.path.isfile(path):
+    raise ValueError(f"corpus file {path!r} does not exist")
+  docs = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+        docs.append({k: str(record[k]) for k in ("id", "title", "url", "text")})
+      except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}:{number}: not a {{id, title, url, text}} record ({e})") from None
+  if not docs:
+    raise ValueError(f"corpus file {path!r} has no documents")
+  return docs
+
+
+def _fingerprint(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()[:16]
+
+
+def _tokenize(texts: list[str]):
+  import bm25s
+
+  return bm25s.tokenize(texts, stopwords="en", show_progress=False)
+
+
+class Bm25Search(Tool):
+  """BM25 search over a local corpus; `__call__(query)` returns ranked snippets."""
+
+  def __init__(self, corpus_path: str = DEFAULT_CORPUS, cache_dir: str | None = None,
+               top_k: int = 5, snippet_chars: int = 400, max_query_chars: int = 2000,
+               max_output_chars: int = 8000, name: str = "web_search"):
+    super().__init__(max_output_chars)
+    import bm25s
+
+    self.name, self.top_k, self.snippet_chars = name, top_k, snippet_chars
+    self.max_query_chars = max_query_chars
+    self.docs = load_corpus(corpus_path)
+    cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(corpus_path)),
+                                          ".bm25_cache")
+    index_dir = os.path.join(cache_dir, _fingerprint(corpus_path))
+    self.loaded_from_cache = os.path.isfile(os.path.join(index_dir, "params.index.json"))
+    if self.loaded_from_cache:
+      self._index = bm25s.BM25.load(index_dir)
+    else:
+      self._index = bm25s.BM25()
+      self._index.index(_tokenize([f"{d['title']} {d['text']}" for d in self.docs]),
+                        show_progress=False)
+      os.makedirs(index_dir, exist_ok=True)
+      self._index.save(index_dir, show_progress=False)
+
+  def search(self, query: str) -> list[tuple[dict[str, str], float]]:
+    """Returns up to top_k (document, score) pairs with a positive score, best first."""
+    tokens = _tokenize([query[:self.max_query_chars]])
+    if not tokens.vocab or not any(len(ids) for ids in tokens.ids):
+      return []
+    k = min(self.top_k, len(self.docs))
+    ids, scores = self._index.retrieve(tokens, k=k, show_progress=False, n_threads=1,
+                                       backend_selection="numpy")
+    return [(self.docs[int(i)], float(s)) for i, s in zip(ids[0], scores[0]) if s > 0]
+
+  def _run(self, body: str) -> tuple[str, dict[str, Any]]:
+    query = body.strip()
+    if not query:
+      raise ToolFailure(BAD_REQUEST, "empty search query")
+    hits = self.search(query)
+    if not hits:
+      raise ToolFailure(NO_RESULTS, f"no results for {query[:100]!r}")
+    lines = [f"{rank}. [{doc['title']}]({doc['url']})\n{doc['text'][:self.snippet_chars]}"
+             for rank, (doc, _) in enumerate(hits, 1)]
+    return "\n".join(lines), {"ids": [doc["id"] for doc, _ in hits],
+                              "scores": [round(s, 4) for _, s in hits]}
+
+
+class LocalCrawl(Tool):
+  """Serves page text from the local corpus by URL; the body holds URLs separated by '|'."""
+
+  name = "crawl_page"
+
+  def __init__(self, corpus_path: str = DEFAULT_CORPUS, max_urls: int = 5,
+               max_page_chars: int = 6000, max_output_chars: int = 12000):
+    super().__init__(max_output_chars)
+    self.max_urls, self.max_page_chars = max_urls, max_page_chars
+    self.pages = {d["url"]: d for d in load_corpus(corpus_path)}
+
+  def _run(self, body: str) -> tuple[str, dict[str, Any]]:
+    urls = [u.strip() for u in body.split("|") if u.strip()]
+    if not urls:
+      raise ToolFailure(BAD_REQUEST, "no URL given")
+    if len(urls) > self.max_urls:
+      raise ToolFailure(BAD_REQUEST, f"{len(urls)} URLs; at most {self.max_urls} per call")
+    parts, found = [], []
+    for url in urls:
+      doc = self.pages.get(url)
+      if doc is None:
+        parts.append(f"Page: {url}\nError: page not found")
+        continue
+      found.append(url)
+      parts.append(f"Page: {url}\n{doc['title']}\n\n{doc['text'][:self.max_page_chars]}")
+    if not found:
+      raise ToolFailure(NOT_FOUND, "none of the pages was found: " + ", ".join(urls)[:300])
+    return "\n\n".join(parts), {"found": found, "missing": [u for u in urls if u not in found]}
