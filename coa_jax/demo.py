@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from coa_jax import hf_checkpoint, sharding
-from coa_jax.metrics import MetricsLog
+from coa_jax.metrics import MetricsLog, say
 from coa_jax.model import Transformer, build_config
 from coa_jax.train import optimizer, state as state_lib, step as step_lib
 
@@ -36,7 +36,6 @@ def run(config: Any) -> dict[str, Any]:
   sharding.check_model_fits_mesh(model_config, mesh)
   model, tx = Transformer(model_config), optimizer.make_optimizer(config.optimizer)
   local_rows = config.batch_size // jax.process_count()
-  say = print if jax.process_index() == 0 else (lambda *a, **k: None)
   say(f"devices: {jax.device_count()} x {jax.devices()[0].platform} "
       f"({jax.process_count()} process(es)); mesh {dict(mesh.shape)}")
   say(f"model: {config.model.preset}, {model_config.num_params():,} parameters, "

@@ -24,6 +24,9 @@ from coa_jax import coa_format
 from coa_jax.coa_format import Step, Trajectory
 
 
+BAD_JSON = object()  # stands for a line that did not parse
+
+
 class DataError(ValueError):
   """A data file is missing, empty or unreadable, or too many of its examples were dropped."""
 
@@ -119,7 +122,7 @@ def trajectory_from_record(record: Any) -> tuple[Trajectory, list]:
 
 
 def _records(path: str) -> Iterator[Any]:
-  """Yields parsed records, or the string 'bad_json' for a line that does not parse."""
+  """Yields parsed records, or BAD_JSON for a line that does not parse."""
   if not os.path.isfile(path):
     raise DataError(f"data file {path!r} does not exist")
   if os.path.getsize(path) == 0:
@@ -139,14 +142,14 @@ def _records(path: str) -> Iterator[Any]:
         try:
           yield json.loads(line)
         except json.JSONDecodeError:
-          yield "bad_json"
+          yield BAD_JSON
 
 
 def valid_trajectories(records: Iterable[Any], counter: DropCounter) -> Iterator[Trajectory]:
   """Yields the trajectories of records that parse and validate; counts the others by reason
-  (a record given as the string 'bad_json' stands for a line that did not parse)."""
+  (BAD_JSON stands for a line that did not parse)."""
   for record in records:
-    if record == "bad_json":
+    if record is BAD_JSON:
       counter.drop("bad_json")
       continue
     try:

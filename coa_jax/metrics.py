@@ -10,6 +10,12 @@ from typing import Any, Sequence
 import jax
 
 
+def say(*args: Any, **kwargs: Any) -> None:
+  """Prints on process 0 only, so a multi-host run prints each line once."""
+  if jax.process_index() == 0:
+    print(*args, **kwargs, flush=True)
+
+
 class MetricsLog:
   """Appends one JSON object per step to `path` and prints a progress line every `every` steps.
 

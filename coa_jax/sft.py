@@ -18,7 +18,7 @@ import numpy as np
 from coa_jax import data_pipeline, hf_checkpoint, sharding, tokenizer as tokenizer_lib
 from coa_jax.checkpointing import Checkpointer, PreemptionFlag
 from coa_jax.importers import DropCounter
-from coa_jax.metrics import MetricsLog
+from coa_jax.metrics import MetricsLog, say
 from coa_jax.model import ConfigError, Transformer, build_config
 from coa_jax.train import optimizer, state as state_lib, step as step_lib
 
@@ -51,7 +51,6 @@ def _model_and_params(config: Any, tokenizer, mesh, tx, rng):
 
 def run(config: Any) -> dict[str, Any]:
   """Trains per `config`; returns a summary (losses, steps, paths)."""
-  say = print if jax.process_index() == 0 else (lambda *a, **k: None)
   tokenizer = load_tokenizer(config)
   counter = DropCounter()
   trajectories = data_pipeline.load_source(config.data.path, counter)

@@ -24,6 +24,32 @@ def mesh(data: int = 1, fsdp: int = -1, tensor: int = 1) -> ml_collections.Confi
   return ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=tensor))
 
 
+def tokenizer(path: str = "default", template: str = "plain") -> ml_collections.ConfigDict:
+  """The tokenizer: 'default' (built-in BPE) or a local HF folder, and the chat template."""
+  return ml_collections.ConfigDict(dict(path=path, template=template))
+
+
+def data(path: str, **overrides) -> ml_collections.ConfigDict:
+  """The SFT data source and how it is read (see coa_jax.data_pipeline)."""
+  values = dict(path=path, num_epochs=1, overlong="truncate", max_drop_fraction=0.05)
+  values.update(overrides)
+  return ml_collections.ConfigDict(values)
+
+
+def train(steps: int, **overrides) -> ml_collections.ConfigDict:
+  """Training-loop settings; stop_after=N ends one invocation after N steps (0: never)."""
+  values = dict(steps=steps, micro_batches=1, z_loss=0.0, log_every=10, stop_after=0)
+  values.update(overrides)
+  return ml_collections.ConfigDict(values)
+
+
+def checkpoint(directory: str, **overrides) -> ml_collections.ConfigDict:
+  """Orbax checkpointing: where, how often (steps), how many to keep, async or not."""
+  values = dict(directory=directory, every=200, max_to_keep=3, async_save=True)
+  values.update(overrides)
+  return ml_collections.ConfigDict(values)
+
+
 def optimizer(**overrides) -> ml_collections.ConfigDict:
   """AdamW settings (see coa_jax.train.optimizer)."""
   values = dict(learning_rate=1e-5, warmup_steps=0, schedule="cosine", total_steps=1000,

@@ -17,21 +17,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = common.model("qwen2_5_7b", dtype="bfloat16", param_dtype="float32",
                               remat="full", attention_impl="blockwise", attention_block=512)
   config.model.checkpoint = "/ckpt/Qwen2.5-7B-Instruct"  # a local HF folder
-  config.tokenizer = ml_collections.ConfigDict(dict(path="/ckpt/Qwen2.5-7B-Instruct",
-                                                    template="chatml"))
-  config.data = ml_collections.ConfigDict(dict(path="/data/coa_sft.json", num_epochs=3,
-                                               overlong="drop", max_drop_fraction=0.05))
+  config.tokenizer = common.tokenizer("/ckpt/Qwen2.5-7B-Instruct", "chatml")
+  config.data = common.data("/data/coa_sft.json", num_epochs=3, overlong="drop")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.topology = "v5p:2x2x2"
   config.batch_size = 32  # 4 micro-batches of 8 rows: one 16k-token row per chip each
   config.seq_len = 16384
   config.optimizer = common.optimizer(learning_rate=2e-5, warmup_steps=100, schedule="cosine",
                                       total_steps=3000, weight_decay=0.1)
-  config.train = ml_collections.ConfigDict(dict(steps=3000, micro_batches=4, z_loss=0.0,
-                                                log_every=10, stop_after=0))
-  config.checkpoint = ml_collections.ConfigDict(dict(directory="gs://bucket/coa/sft7b/ckpt",
-                                                     every=200, max_to_keep=3,
-                                                     async_save=True))
+  config.train = common.train(steps=3000, micro_batches=4)
+  config.checkpoint = common.checkpoint("gs://bucket/coa/sft7b/ckpt")
   config.workdir = "runs/sft_qwen2_5_7b"
   config.export_dir = "runs/sft_qwen2_5_7b/hf_export"
   config.export_dtype = "bfloat16"

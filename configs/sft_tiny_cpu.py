@@ -15,20 +15,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = common.model("tiny", hidden_size=128, intermediate_size=256, num_layers=2,
                               num_heads=4, num_kv_heads=2, attention_impl="blockwise")
   config.model.checkpoint = ""  # a local HF folder to fine-tune instead of a fresh init
-  config.tokenizer = ml_collections.ConfigDict(dict(path="default", template="plain"))
-  config.data = ml_collections.ConfigDict(dict(
-      path=os.path.normpath(_SAMPLE), num_epochs=100, overlong="truncate",
-      max_drop_fraction=0.05))
+  config.tokenizer = common.tokenizer("default", "plain")
+  config.data = common.data(os.path.normpath(_SAMPLE), num_epochs=100)
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.topology = "v5e:2x2"  # for experiments/aot_compile.py
   config.batch_size = 8
   config.seq_len = 1024
   config.optimizer = common.optimizer(learning_rate=3e-3, warmup_steps=10, schedule="cosine",
                                       total_steps=120, weight_decay=0.0)
-  config.train = ml_collections.ConfigDict(dict(steps=120, micro_batches=1, z_loss=0.0,
-                                                log_every=10, stop_after=0))
-  config.checkpoint = ml_collections.ConfigDict(dict(directory="runs/sft_tiny/checkpoints",
-                                                     every=40, max_to_keep=2, async_save=True))
+  config.train = common.train(steps=120)
+  config.checkpoint = common.checkpoint("runs/sft_tiny/checkpoints", every=40, max_to_keep=2)
   config.workdir = "runs/sft_tiny"
   config.export_dir = "runs/sft_tiny/hf_export"
   config.export_dtype = "float32"

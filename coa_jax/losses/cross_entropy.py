@@ -14,6 +14,10 @@ class LossSums:
   total: jax.Array
   count: jax.Array
 
+  def __add__(self, other: "LossSums") -> "LossSums":
+    """Returns the pair of sums over both sets of tokens (micro-batches, devices)."""
+    return LossSums(self.total + other.total, self.count + other.count)
+
   def mean(self) -> jax.Array:
     """Returns total / count, or 0 when no token is counted."""
     return self.total / jnp.maximum(self.count, 1)

@@ -64,7 +64,7 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
     def accumulate(carry, micro):
       ce, z_total, grads = sums_and_grads(state.params, micro)
       acc_ce, acc_z, acc_grads = carry
-      return (LossSums(acc_ce.total + ce.total, acc_ce.count + ce.count), acc_z + z_total,
+      return (acc_ce + ce, acc_z + z_total,
               jax.tree_util.tree_map(jnp.add, acc_grads, grads)), None
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
@@ -76,7 +76,7 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)
-  loss = ce.total / count
+  loss = ce.mean()
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
   new_state = state.replace(step=jnp.where(finite, state.step + 1, state.step),
