@@ -11,6 +11,12 @@ export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 .PHONY: install demo lm-demo test sft bench aot clean
 
 $(STAMP): setup.py
+	@# bubblewrap gives the code sandbox its strongest isolation; without it (or as non-root)
+	@# the sandbox falls back to `unshare`, then to resource limits only.
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; }; } || \
+	  echo "bubblewrap not installed: the code sandbox will use unshare or resource limits"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[test,tpu,plots]"

@@ -9,7 +9,7 @@ setup(
                 "in JAX/Flax, TPU-native",
     python_requires=">=3.10",
     packages=find_packages(include=["coa_jax", "coa_jax.*", "tools_env", "tools_env.*"]),
-    package_data={"coa_jax": ["assets/*.jsonl"]},
+    package_data={"coa_jax": ["assets/*.jsonl"], "tools_env": ["data/*.jsonl"]},
     install_requires=[
         "jax>=0.10.2",
         "flax>=0.12",

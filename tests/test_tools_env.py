@@ -62,7 +62,7 @@ def test_a_crashing_tool_becomes_an_error_observation():
   class Broken(base.Tool):
     name = "broken"
 
-    def _run(self, body):
+    def _run(self, body, goal):
       raise RuntimeError("boom")
 
   result = Broken()("x")

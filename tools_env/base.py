@@ -22,6 +22,12 @@ HTTP_ERROR = "http_error"
 TOOL_ERROR = "tool_error"  # the tool itself failed unexpectedly
 UNKNOWN_TOOL = "unknown_tool"
 REPEATED = "repeated"  # the same call was already made in this trajectory
+BAD_RESPONSE = "bad_response"  # a remote service answered with something unparsable
+# The code sandbox's kinds.
+SYNTAX_ERROR = "syntax_error"
+RUNTIME_ERROR = "runtime_error"  # the program exited non-zero or died of a signal
+MEMORY_LIMIT = "memory_limit"
+PROCESS_LIMIT = "process_limit"
 
 TRUNCATION_MARKER = "\n... [{omitted} characters omitted] ...\n"
 
@@ -39,11 +45,14 @@ class ToolResult:
 
 
 class ToolFailure(Exception):
-  """Raised inside a tool for an expected failure; becomes an error ToolResult."""
+  """Raised inside a tool for an expected failure; becomes an error ToolResult.
 
-  def __init__(self, kind: str, message: str):
+  The observation is "Error: <message>", followed by `output` (e.g. a traceback) if any.
+  """
+
+  def __init__(self, kind: str, message: str, output: str = "", **metadata: Any):
     super().__init__(message)
-    self.kind = kind
+    self.kind, self.output, self.metadata = kind, output, metadata
 
 
 def truncate_middle(text: str, limit: int) -> tuple[str, bool]:
@@ -62,7 +71,7 @@ def error_result(kind: str, message: str, elapsed_s: float = 0.0, **metadata: An
 
 
 class Tool(abc.ABC):
-  """A tool: subclasses implement `_run(body) -> (text, metadata)` and may raise ToolFailure."""
+  """A tool: subclasses implement `_run(body, goal) -> (text, metadata)`; may raise ToolFailure."""
 
   name: str = "tool"
 
@@ -70,18 +79,23 @@ class Tool(abc.ABC):
     self.max_output_chars = max_output_chars
 
   @abc.abstractmethod
-  def _run(self, body: str) -> tuple[str, dict[str, Any]]:
-    """Returns the observation text and metadata for a call."""
+  def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
+    """Returns the observation text and metadata for a call (`goal`: the task, may be empty)."""
 
-  def __call__(self, body: str) -> ToolResult:
-    """Runs the tool on the body of its tag; returns a ToolResult and never raises."""
+  def __call__(self, body: str, goal: str = "") -> ToolResult:
+    """Runs the tool on the body of its tag; returns a ToolResult and never raises.
+
+    `goal` is the task being solved, for tools that use it (the crawl summarizer).
+    """
     start = time.perf_counter()
+    ok, kind = True, None
     try:
-      text, metadata = self._run(body if isinstance(body, str) else str(body))
+      text, metadata = self._run(body if isinstance(body, str) else str(body), goal)
     except ToolFailure as e:
-      return error_result(e.kind, str(e), time.perf_counter() - start)
+      ok, kind, metadata = False, e.kind, e.metadata
+      text = f"Error: {e}" + (f"\n{e.output}" if e.output else "")
     except Exception as e:  # noqa: BLE001 - a tool must never raise into the caller
       return error_result(TOOL_ERROR, f"{self.name} failed: {type(e).__name__}: {e}",
                           time.perf_counter() - start)
     text, truncated = truncate_middle(text, self.max_output_chars)
-    return ToolResult(text, True, None, time.perf_counter() - start, truncated, metadata)
+    return ToolResult(text, ok, kind, time.perf_counter() - start, truncated, metadata)

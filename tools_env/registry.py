@@ -26,20 +26,23 @@ class ToolRegistry:
       raise ValueError(f"not CoA tool tags: {sorted(unknown)}; expected some of {TOOL_TAGS}")
     self.tools = dict(tools)
 
-  def call(self, tag: str, body: str) -> ToolResult:
+  def call(self, tag: str, body: str, goal: str = "") -> ToolResult:
     """Returns the result of the tool registered for `tag` (never raises)."""
     tool = self.tools.get(tag)
     if tool is None:
       return error_result(UNKNOWN_TOOL, f"unknown tool {tag!r}; available: "
                                         f"{', '.join(sorted(self.tools)) or 'none'}")
-    return tool(body)
+    return tool(body, goal)
 
 
 class TrajectoryTools:
-  """One trajectory's view of a registry: repeated calls get a notice; calls are counted."""
+  """One trajectory's view of a registry: repeated calls get a notice; calls are counted.
 
-  def __init__(self, registry: ToolRegistry):
-    self.registry = registry
+  `goal` (the task's question) is passed to every call, for tools that condense toward it.
+  """
+
+  def __init__(self, registry: ToolRegistry, goal: str = ""):
+    self.registry, self.goal = registry, goal
     self.calls: collections.Counter = collections.Counter()
     self.repeats: collections.Counter = collections.Counter()
     self._seen: set[tuple[str, str]] = set()
@@ -55,4 +58,4 @@ class TrajectoryTools:
         return ToolResult(f"Notice: this exact {tag} call was already made in this task; use "
                           f"its earlier result or try something different.", False, REPEATED)
       self._seen.add(key)
-    return self.registry.call(tag, body)
+    return self.registry.call(tag, body, self.goal)

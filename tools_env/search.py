@@ -91,7 +91,7 @@ class Bm25Search(Tool):
                                        backend_selection="numpy")
     return [(self.docs[int(i)], float(s)) for i, s in zip(ids[0], scores[0]) if s > 0]
 
-  def _run(self, body: str) -> tuple[str, dict[str, Any]]:
+  def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
     query = body.strip()
     if not query:
       raise ToolFailure(BAD_REQUEST, "empty search query")
@@ -115,7 +115,7 @@ class LocalCrawl(Tool):
     self.max_urls, self.max_page_chars = max_urls, max_page_chars
     self.pages = {d["url"]: d for d in load_corpus(corpus_path)}
 
-  def _run(self, body: str) -> tuple[str, dict[str, Any]]:
+  def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
     urls = [u.strip() for u in body.split("|") if u.strip()]
     if not urls:
       raise ToolFailure(BAD_REQUEST, "no URL given")

@@ -1,0 +1,214 @@
+"""The code sandbox contains hostile programs and reports each with a clear error kind."""
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tools_env import base
+from tools_env.sandbox import CodeSandbox, SandboxLimits, extract_program
+
+LIMITS = SandboxLimits(wall_timeout_s=4, cpu_time_s=2, max_processes=32, max_capture_bytes=2**16,
+                       max_output_chars=2000)
+
+
+@pytest.fixture(scope="module", params=["bwrap", "unshare"])
+def sandbox(request):
+  """The sandbox in each namespace mode this machine permits."""
+  try:
+    return CodeSandbox(LIMITS, isolation=request.param, workers=8)
+  except ValueError as e:
+    pytest.skip(str(e))
+
+
+def program(source, stdin=None):
+  body = f"```python\n{source}\n```"
+  return body + (f"\n```sh\n{stdin}\n```" if stdin is not None else "")
+
+
+def processes_with(token):
+  """Returns the pids whose command line contains `token`."""
+  found = []
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        if token.encode() in f.read():
+          found.append(int(entry))
+    except (FileNotFoundError, NotADirectoryError, PermissionError, ProcessLookupError):
+      pass
+  return found
+
+
+def test_extract_program_takes_the_last_python_block_and_the_sh_block_as_stdin():
+  body = "plan\n```python\nprint(1)\n```\nfixed:\n```python\nprint(2)\n```\n```sh\n5 6\n```"
+  assert extract_program(body) == ("print(2)\n", "5 6\n")
+  assert extract_program("```py\nx = 1\n```") == ("x = 1\n", None)
+
+
+def test_program_reads_stdin_and_prints(sandbox):
+  result = sandbox(program("a, b = map(int, input().split())\nprint(a * b)", stdin="6 7"))
+  assert result.ok and result.observation == "42\n"
+  assert result.metadata["isolation"] == sandbox.isolation
+
+
+def test_infinite_loop_hits_the_cpu_limit(sandbox):
+  result = sandbox(program("while True:\n  pass"))
+  assert result.error_kind == base.TIMEOUT and "CPU time limit of 2 s" in result.observation
+
+
+def test_sleeping_program_hits_the_wall_clock_limit(sandbox):
+  result = sandbox(program("import time\ntime.sleep(60)"))
+  assert result.error_kind == base.TIMEOUT and "after 4 s (wall clock)" in result.observation
+  assert result.elapsed_s < 4 + 2
+
+
+def test_fork_bomb_is_contained_and_the_host_stays_responsive(sandbox):
+  token = uuid.uuid4().hex
+  result = sandbox(program(f"import os\n# {token}\nwhile True:\n  os.fork()"))
+  assert result.error_kind in (base.PROCESS_LIMIT, base.TIMEOUT)
+  assert not processes_with(token)
+  start = time.monotonic()
+  assert sandbox(program("print('still here')")).observation == "still here\n"
+  assert time.monotonic() - start < 3
+
+
+def test_allocating_50_gb_hits_the_memory_limit(sandbox):
+  result = sandbox(program("block = bytearray(50 * 2**30)"))
+  assert result.error_kind == base.MEMORY_LIMIT and "MemoryError" in result.observation
+
+
+def test_printing_1_gb_is_stopped_and_truncated(sandbox):
+  result = sandbox(program("import sys\nfor _ in range(1024):\n  sys.stdout.write('x' * 2**20)"))
+  assert result.error_kind == base.TOO_LARGE and result.truncated
+  assert len(result.observation) < LIMITS.max_output_chars + 100
+  assert "characters omitted" in result.observation
+
+
+def test_network_is_unreachable(sandbox):
+  with socket.socket() as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    source = (f"import socket\n"
+              f"for host, port in [('127.0.0.1', {port}), ('8.8.8.8', 53)]:\n"
+              f"  try:\n"
+              f"    socket.create_connection((host, port), timeout=2)\n"
+              f"    print(host, 'connected')\n"
+              f"  except OSError as e:\n"
+              f"    print(host, 'blocked')")
+    result = sandbox(program(source))
+    with pytest.raises(socket.timeout):
+      server.accept()
+  assert result.observation == "127.0.0.1 blocked\n8.8.8.8 blocked\n"
+
+
+def test_writes_outside_the_working_directory_fail(sandbox, tmp_path):
+  os.chmod(tmp_path, 0o777)
+  outside = tmp_path / "escaped.txt"
+  source = (f"open('inside.txt', 'w').write('ok')\n"
+            f"for path in ['{outside}', '../escaped.txt', '/etc/escaped.txt']:\n"
+            f"  try:\n"
+            f"    open(path, 'w').write('x')\n"
+            f"    print(path, 'written')\n"
+            f"  except OSError:\n"
+            f"    print(path, 'refused')")
+  result = sandbox(program(source))
+  assert result.ok and "written" not in result.observation
+  assert not outside.exists() and not os.path.exists("/etc/escaped.txt")
+
+
+def test_environment_is_scrubbed(sandbox, monkeypatch):
+  monkeypatch.setenv("COA_TEST_SECRET", "hunter2")
+  result = sandbox(program("import os\nprint(sorted(os.environ.items()))"))
+  assert result.ok and "hunter2" not in result.observation and "COA_TEST" not in result.observation
+
+
+def test_home_directories_are_hidden(sandbox):
+  source = "import os\nprint(sorted(os.listdir('/root')) if os.path.isdir('/root') else [])"
+  listing = eval(sandbox(program(source)).observation)  # noqa: S307 - a printed list
+  assert set(listing) <= {os.path.relpath(p, "/root").split("/")[0] for p in sandbox.exposed}
+
+
+def test_a_child_that_outlives_the_program_is_killed(sandbox):
+  token = uuid.uuid4().hex
+  source = (f"import subprocess, sys\n"
+            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)  # {token}'],"
+            f" start_new_session=True)\nprint('parent done')")
+  result = sandbox(program(source))
+  assert result.observation == "parent done\n"
+  assert not processes_with(token)
+
+
+def test_working_directory_is_fresh_and_deleted(sandbox):
+  first = sandbox(program("import os\nopen('state', 'w').write('1')\nprint(os.getcwd())"))
+  second = sandbox(program("import os\nprint(os.path.exists('state'))"))
+  assert second.observation == "False\n"
+  assert not os.path.exists(first.observation.strip())
+
+
+def test_non_utf8_output_is_replaced_not_fatal(sandbox):
+  result = sandbox(program("import sys\nsys.stdout.buffer.write(b'ok \\xff\\xfe end')"))
+  assert result.ok and result.observation == "ok \ufffd\ufffd end"
+
+
+def test_syntax_error_and_missing_fence_are_reported(sandbox):
+  result = sandbox(program("def f(:"))
+  assert result.error_kind == base.SYNTAX_ERROR and "SyntaxError" in result.observation
+  assert "main.py" in result.observation
+  missing = sandbox("print('no fence')")
+  assert missing.error_kind == base.BAD_REQUEST and "```python" in missing.observation
+
+
+def test_runtime_error_shows_the_traceback(sandbox):
+  result = sandbox(program("x = 1\nraise ValueError('bad value')"))
+  assert result.error_kind == base.RUNTIME_ERROR
+  assert 'File "main.py", line 2' in result.observation and "ValueError: bad value" in result.observation
+  assert "sandbox_boot" not in result.observation
+
+
+def test_64_snippets_through_8_workers_keep_their_outputs_apart(sandbox):
+  source = ("import time\nstart = time.monotonic()\n"
+            "for line in range(50):\n  print({i}, line, flush=True)\n  time.sleep(0.001)\n"
+            "print('span', start, time.monotonic())")
+  results = sandbox.map([program(source.format(i=i)) for i in range(64)])
+  spans = []
+  for i, result in enumerate(results):
+    *lines, span = result.observation.splitlines()
+    assert lines == [f"{i} {line}" for line in range(50)]
+    spans.append(tuple(map(float, span.split()[1:])))
+  # At no moment were more than 8 programs running.
+  assert max(sum(s <= t < e for s, e in spans) for t, _ in spans) <= 8
+
+
+def rlimit_python():
+  """Returns a python every uid can run (the rlimit mode drops privileges when root)."""
+  if os.geteuid() != 0:
+    return sys.executable
+  system = shutil.which("python3", path="/usr/bin:/bin")
+  if system is None or subprocess.run([system, "-c", "pass"]).returncode:
+    pytest.skip("no world-readable python for the rlimit mode")
+  return system
+
+
+def test_rlimit_mode_warns_and_still_limits(caplog):
+  with caplog.at_level(logging.WARNING, logger="tools_env.sandbox"):
+    weak = CodeSandbox(LIMITS, isolation="rlimit", python=rlimit_python())
+  assert "resource limits only" in caplog.text
+  assert weak(program("while True:\n  pass")).error_kind == base.TIMEOUT
+  assert weak(program("print(2 + 2)")).observation == "4\n"
+
+
+def test_bad_settings_are_rejected():
+  with pytest.raises(ValueError, match="cpu_time_s must be > 0"):
+    SandboxLimits(cpu_time_s=0)
+  with pytest.raises(ValueError, match="isolation must be one of"):
+    CodeSandbox(isolation="docker")
+  with pytest.raises(ValueError, match="workers must be >= 1"):
+    CodeSandbox(workers=0)

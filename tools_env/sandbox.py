@@ -1,0 +1,397 @@
+"""The `code` tool: runs a fenced python block in an isolated, resource-limited process.
+
+The body of a `code` call holds a ```python fenced block (the last one is run) and optionally
+a ```sh block whose text is fed to the program's stdin, as in the reference code agent. The
+program runs as `main.py` in a fresh temporary working directory, deleted afterwards; stdout
+and stderr are merged in order and cut to `max_output_chars` keeping head and tail.
+
+Isolation (`isolation=`), from strongest to weakest; "auto" takes the first that works on
+this machine (probed once per process):
+
+- "bwrap": bubblewrap, new user/pid/network/ipc/uts namespaces, the filesystem bound
+  read-only with a private /tmp and only the working directory writable, running as uid
+  65534 inside the namespace. No network at all (a loopback of its own).
+- "unshare": util-linux `unshare` into new pid/network/mount/ipc/uts namespaces (as root;
+  otherwise with a user namespace); every mount remounted read-only except the working
+  directory; as root the program runs under a dedicated uid per concurrent run.
+- "rlimit": resource limits only, with a warning: the program can reach the network and
+  write wherever its user may. What is left where no namespace is permitted (e.g. a non-root
+  TPU VM without unprivileged user namespaces).
+
+In every mode the environment is scrubbed (PATH, HOME and TMPDIR pointing at the working
+directory, UTF-8 locale, one BLAS thread) and the limits in `SandboxLimits` apply. A run
+ends by killing everything it started: its pid namespace dies with it, and its process group
+and (when the host is root) every process of its dedicated uid are killed.
+
+`CodeSandbox` is also the worker pool: at most `workers` programs run at once however many
+threads call it, and `map(bodies)` runs a list of calls through the pool.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Iterator, Sequence
+
+from tools_env import sandbox_boot
+from tools_env.base import (BAD_REQUEST, MEMORY_LIMIT, PROCESS_LIMIT, RUNTIME_ERROR,
+                            SYNTAX_ERROR, TIMEOUT, TOO_LARGE, TOOL_ERROR, Tool, ToolFailure,
+                            ToolResult)
+
+log = logging.getLogger(__name__)
+
+ISOLATION_MODES = ("bwrap", "unshare", "rlimit")
+HIDDEN_DIRS = ("/root", "/home")  # replaced by empty directories in the namespace modes
+_BOOT = os.path.abspath(sandbox_boot.__file__)
+_PYTHON_BLOCK_RE = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL)
+_STDIN_BLOCK_RE = re.compile(r"```(?:sh|bash|stdin|text)[ \t]*\n(.*?)```", re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+  """Limits of one sandboxed run; the defaults suit contest-style snippets."""
+
+  wall_timeout_s: float = 10.0  # wall clock, then the whole run is killed
+  cpu_time_s: int = 10  # RLIMIT_CPU of each process
+  memory_bytes: int = 2 * 2**30  # RLIMIT_AS (address space) of each process
+  max_processes: int = 64  # RLIMIT_NPROC: processes and threads of the program's user
+  max_file_bytes: int = 64 * 2**20  # RLIMIT_FSIZE: largest file the program may write
+  max_open_files: int = 256  # RLIMIT_NOFILE
+  max_capture_bytes: int = 2**20  # output beyond this kills the program (too_large)
+  max_output_chars: int = 8000  # observation size, head and tail kept
+  max_code_chars: int = 200_000  # longer programs are refused
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if not getattr(self, field.name) > 0:
+        raise ValueError(f"SandboxLimits.{field.name} must be > 0, got "
+                         f"{getattr(self, field.name)!r}")
+
+  def rlimits(self) -> dict[str, int]:
+    """Returns the resource limits applied to the program, by `resource` constant name."""
+    return {"RLIMIT_CPU": int(self.cpu_time_s), "RLIMIT_AS": int(self.memory_bytes),
+            "RLIMIT_NPROC": int(self.max_processes), "RLIMIT_FSIZE": int(self.max_file_bytes),
+            "RLIMIT_NOFILE": int(self.max_open_files), "RLIMIT_CORE": 0}
+
+
+def extract_program(body: str) -> tuple[str, str | None]:
+  """Returns (python source, stdin text or None) of a `code` call; raises ToolFailure."""
+  blocks = _PYTHON_BLOCK_RE.findall(body)
+  if not blocks:
+    raise ToolFailure(BAD_REQUEST, "no fenced python block; write the program as "
+                                   "```python\n...\n``` (and its input, if any, as ```sh)")
+  stdin = _STDIN_BLOCK_RE.findall(body)
+  return blocks[-1], (stdin[-1] if stdin else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  output: bytes
+  returncode: int  # 128 + N for death by signal N, whatever the mode
+  stopped: str | None  # "timeout" or "too_large" when the host killed the run
+
+
+class _UidPool:
+  """Dedicated uids for concurrent runs when the host is root: RLIMIT_NPROC then counts each
+  run's processes alone (it never applies to root), and a run's leftovers can be found."""
+
+  def __init__(self, base: int = 61000, size: int = 1024):
+    self.free = list(range(base, base + size))
+    self.lock = threading.Lock()
+
+  @contextlib.contextmanager
+  def lease(self) -> Iterator[int]:
+    with self.lock:
+      uid = self.free.pop(0)
+    try:
+      yield uid
+    finally:
+      with self.lock:
+        self.free.append(uid)
+
+
+_UIDS = _UidPool()
+_PROBED: dict[tuple[str, str], bool] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def _kill_uid(uid: int) -> None:
+  """SIGKILLs every process owned by `uid` (as root, on a run's dedicated uid), until none is
+  left: a process may fork between one sweep and the next."""
+  for _ in range(100):
+    found = False
+    for entry in os.listdir("/proc"):
+      if entry.isdigit():
+        try:
+          if os.stat(f"/proc/{entry}").st_uid != uid:
+            continue
+          with open(f"/proc/{entry}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+              continue  # a zombie: already dead, waiting for its parent to reap it
+          os.kill(int(entry), signal.SIGKILL)
+          found = True
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
+          pass
+    if not found:
+      return
+    time.sleep(0.01)
+  log.error("code sandbox: processes of uid %d survive repeated SIGKILL sweeps", uid)
+
+
+def _user_task_count(uid: int) -> int:
+  """Returns the number of threads owned by `uid` (RLIMIT_NPROC counts them all)."""
+  count = 0
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        if os.stat(f"/proc/{entry}").st_uid == uid:
+          count += len(os.listdir(f"/proc/{entry}/task"))
+      except (FileNotFoundError, PermissionError):
+        pass
+  return count
+
+
+def _hidden_and_exposed(python: str) -> tuple[list[str], list[str]]:
+  """Returns the home directories to hide from programs, and the paths within them that
+  `python` needs (its installation and import path, e.g. a pyenv under /root)."""
+  hidden = [path for path in HIDDEN_DIRS if os.path.isdir(path)]
+  query = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, *sys.path]))"
+  paths = json.loads(subprocess.run([python, "-I", "-c", query], capture_output=True,
+                                    check=True, timeout=60).stdout)
+  needed = sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)}
+                  | {os.path.dirname(os.path.dirname(os.path.realpath(python)))})
+  exposed = []
+  for path in needed:
+    inside = any(path == h or path.startswith(h + "/") for h in hidden)
+    if inside and not any(path == e or path.startswith(e + "/") for e in exposed):
+      exposed.append(path)
+  return hidden, exposed
+
+
+class CodeSandbox(Tool):
+  """Runs `code` calls in isolated processes, at most `workers` at a time."""
+
+  name = "code"
+
+  def __init__(self, limits: SandboxLimits | None = None, isolation: str = "auto",
+               workers: int = 4, python: str = sys.executable, workdir_root: str | None = None):
+    self.limits = limits or SandboxLimits()
+    super().__init__(self.limits.max_output_chars)
+    if workers < 1:
+      raise ValueError(f"workers must be >= 1, got {workers}")
+    self.python, self.workdir_root, self.workers = python, workdir_root, workers
+    self._slots = threading.BoundedSemaphore(workers)
+    self.hidden, self.exposed = _hidden_and_exposed(python)
+    self.isolation = self._choose_isolation(isolation)
+
+  # --- isolation -----------------------------------------------------------------------
+
+  def _choose_isolation(self, requested: str) -> str:
+    if requested not in ISOLATION_MODES + ("auto",):
+      raise ValueError(f"isolation must be one of {ISOLATION_MODES + ('auto',)}, "
+                       f"got {requested!r}")
+    for mode in ISOLATION_MODES if requested == "auto" else (requested,):
+      if self._works(mode):
+        if mode == "rlimit":
+          log.warning("code sandbox: neither bubblewrap nor unshare can isolate programs here; "
+                      "running with resource limits only (no network or filesystem isolation)")
+        return mode
+    raise ValueError(f"code sandbox isolation {requested!r} does not work on this machine "
+                     f"(is {'bubblewrap' if requested == 'bwrap' else requested} installed and "
+                     f"permitted?); use isolation='auto'")
+
+  def _works(self, mode: str) -> bool:
+    """Whether `mode` runs a trivial program here (probed once per process and python)."""
+    if mode == "bwrap" and shutil.which("bwrap") is None:
+      return False
+    if mode == "unshare" and shutil.which("unshare") is None:
+      return False
+    with _PROBE_LOCK:
+      if (mode, self.python) not in _PROBED:
+        try:
+          run = self._execute("print(6 * 7)", None, mode)
+          _PROBED[mode, self.python] = run.returncode == 0 and run.output.strip() == b"42"
+        except OSError:
+          _PROBED[mode, self.python] = False
+        if not _PROBED[mode, self.python]:
+          log.info("code sandbox: isolation %r unavailable here", mode)
+      return _PROBED[mode, self.python]
+
+  def _environment(self, workdir: str) -> dict[str, str]:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
+            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+  def _command(self, mode: str, workdir: str, uid: int | None) -> list[str]:
+    """Returns the argv that runs main.py in `workdir` under `mode`."""
+    root = os.geteuid() == 0
+    rlimits = self.limits.rlimits()
+    spec = {"workdir": workdir, "rlimits": rlimits, "uid": None, "read_only": False,
+            "init": False}
+    if mode == "bwrap":
+      if root:  # no user namespace: the boot drops to the run's uid, which root cannot be
+        prefix = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+                  "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        spec["uid"] = uid
+      else:
+        prefix = ["bwrap", "--unshare-all", "--uid", "65534", "--gid", "65534"]
+      prefix += ["--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev",
+                 "--proc", "/proc", "--tmpfs", "/tmp"]
+      for path in self.hidden:
+        prefix += ["--tmpfs", path]
+      for path in self.exposed:
+        parents = []
+        parent = os.path.dirname(path)
+        while parent not in self.hidden and parent != "/":
+          parents.insert(0, parent)
+          parent = os.path.dirname(parent)
+        for parent in parents:  # bwrap would create them traversable by root only
+          prefix += ["--perms", "0755", "--dir", parent]
+        prefix += ["--ro-bind", path, path]
+      prefix += ["--bind", workdir, workdir, "--chdir", workdir, "--clearenv"]
+      for key, value in self._environment(workdir).items():
+        prefix += ["--setenv", key, value]
+      prefix.append("--")
+    elif mode == "unshare":
+      prefix = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--ipc",
+                "--uts", "--mount-proc"]
+      if not root:
+        prefix += ["--user", "--map-root-user"]
+      prefix.append("--")
+      spec.update(read_only=True, init=True, uid=uid, hide=self.hidden, expose=self.exposed)
+    else:
+      prefix = []
+      spec["uid"] = uid
+      if not root:  # RLIMIT_NPROC counts every process of this user, the host's included
+        rlimits["RLIMIT_NPROC"] += _user_task_count(os.getuid())
+    return prefix + [self.python, "-I", "-X", "utf8", _BOOT, json.dumps(spec)]
+
+  # --- running -------------------------------------------------------------------------
+
+  def _execute(self, source: str, stdin: str | None, mode: str) -> _Run:
+    """Runs `source` once under `mode` in a fresh working directory; kills all it started."""
+    workdir = tempfile.mkdtemp(prefix="coa_sandbox_", dir=self.workdir_root)
+    lease = _UIDS.lease() if os.geteuid() == 0 else contextlib.nullcontext()
+    try:
+      with lease as uid:
+        for name, text in (("main.py", source), ("stdin.txt", stdin or "")):
+          with open(os.path.join(workdir, name), "w", encoding="utf-8",
+                    errors="surrogateescape") as f:
+            f.write(text)
+        if uid is not None:
+          os.chmod(workdir, 0o700)
+          for path in (workdir, os.path.join(workdir, "main.py")):
+            os.chown(path, uid, uid)
+        with open(os.path.join(workdir, "stdin.txt"), "rb") as stdin_file:
+          proc = subprocess.Popen(self._command(mode, workdir, uid), stdin=stdin_file,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env=self._environment(workdir), cwd=workdir,
+                                  start_new_session=True)
+        try:
+          output, stopped = self._collect(proc, uid)
+        finally:
+          self._kill(proc, uid)
+        code = proc.wait()
+        return _Run(output, 128 - code if code < 0 else code, stopped)
+    finally:
+      shutil.rmtree(workdir, ignore_errors=True)
+
+  def _kill(self, proc: subprocess.Popen, uid: int | None) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+      os.killpg(proc.pid, signal.SIGKILL)
+    if uid is not None:
+      _kill_uid(uid)
+
+  def _collect(self, proc: subprocess.Popen, uid: int | None) -> tuple[bytes, str | None]:
+    """Reads merged output until the program ends; kills it on timeout or excess output."""
+    limits = self.limits
+    deadline = time.monotonic() + limits.wall_timeout_s
+    chunks, size, stopped, drain_until = [], 0, None, None
+    fd = proc.stdout.fileno()
+    with selectors.DefaultSelector() as selector:
+      selector.register(fd, selectors.EVENT_READ)
+      while True:
+        now = time.monotonic()
+        if drain_until is None and proc.poll() is not None:
+          # The program is done; whatever it left behind holding the pipe is killed now.
+          self._kill(proc, uid)
+          drain_until = now + 1.0
+        if drain_until is not None and now > drain_until:
+          break
+        if drain_until is None and now > deadline:
+          stopped = "timeout"
+          break
+        if not selector.select(timeout=0.05):
+          continue
+        data = os.read(fd, 1 << 16)
+        if not data:
+          break
+        chunks.append(data)
+        size += len(data)
+        if size > limits.max_capture_bytes:
+          stopped = "too_large"
+          break
+    proc.stdout.close()
+    return b"".join(chunks)[:limits.max_capture_bytes], stopped
+
+  def _failure(self, run: _Run) -> ToolFailure | None:
+    """Returns the failure a finished run amounts to, or None if it succeeded."""
+    limits, code = self.limits, run.returncode
+    output = run.output.decode("utf-8", errors="replace")
+    if run.stopped == "timeout":
+      return ToolFailure(TIMEOUT, f"timed out after {limits.wall_timeout_s:g} s (wall clock)",
+                         output)
+    if run.stopped == "too_large":
+      return ToolFailure(TOO_LARGE, f"the program printed more than {limits.max_capture_bytes} "
+                                    f"bytes and was stopped", output)
+    if code == 0:
+      return None
+    if code == 128 + signal.SIGXCPU:
+      return ToolFailure(TIMEOUT, f"CPU time limit of {limits.cpu_time_s} s exceeded", output)
+    known = {
+        sandbox_boot.SYNTAX_ERROR: (SYNTAX_ERROR, "the program does not compile"),
+        sandbox_boot.MEMORY_ERROR: (MEMORY_LIMIT, f"memory limit of "
+                                                  f"{limits.memory_bytes / 2**30:g} GiB exceeded"),
+        sandbox_boot.PROCESS_LIMIT: (PROCESS_LIMIT, f"process limit of {limits.max_processes} "
+                                                    f"reached"),
+        sandbox_boot.SETUP_FAILED: (TOOL_ERROR, "the sandbox could not start the program"),
+    }
+    if code in known:
+      kind, message = known[code]
+      return ToolFailure(kind, message, output)
+    if code > 128:
+      name = signal.Signals(code - 128).name if code - 128 in signal.valid_signals() else code
+      return ToolFailure(RUNTIME_ERROR, f"the program was killed by {name}", output)
+    return ToolFailure(RUNTIME_ERROR, f"the program exited with status {code}", output)
+
+  def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
+    source, stdin = extract_program(body)
+    if len(source) > self.limits.max_code_chars:
+      raise ToolFailure(BAD_REQUEST, f"program of {len(source)} characters; at most "
+                                     f"{self.limits.max_code_chars}")
+    with self._slots:
+      run = self._execute(source, stdin, self.isolation)
+    failure = self._failure(run)
+    if failure is not None:
+      failure.metadata.update(returncode=run.returncode, isolation=self.isolation)
+      raise failure
+    output = run.output.decode("utf-8", errors="replace")
+    return output or "(no output)", {"returncode": 0, "isolation": self.isolation}
+
+  def map(self, bodies: Sequence[str], goal: str = "") -> list[ToolResult]:
+    """Returns the results of many calls, run through the pool (in the order given)."""
+    with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+      return list(pool.map(lambda body: self(body, goal), bodies))

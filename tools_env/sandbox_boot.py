@@ -1,0 +1,139 @@
+"""Runs inside the code sandbox: finishes isolation, applies the limits, then runs main.py.
+
+Invoked by `tools_env.sandbox` as `python -I sandbox_boot.py '<json spec>'`, standard library
+only. Spec keys: `workdir`, `rlimits` ({name: value}), `uid` (drop to this uid/gid, or
+null), `read_only` (remount every other mount read-only, after hiding the `hide` directories
+under empty tmpfs except for the `expose` paths in them: the `unshare` mode, which runs this
+as root in fresh mount and pid namespaces) and `init` (stay as pid 1 and run the program in
+a child, so the namespace dies with this process and signals reach the program normally).
+
+Exit status: the program's, 128 + N when it died of signal N, or one of the codes below.
+"""
+
+import ctypes
+import errno
+import json
+import os
+import resource
+import sys
+import traceback
+
+SETUP_FAILED, SYNTAX_ERROR, MEMORY_ERROR, PROCESS_LIMIT = 250, 251, 252, 253
+
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_REC = 32, 4096, 16384
+_KEPT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC}
+
+
+def _mount_tmpfs(libc, target):
+  if libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755") != 0:
+    code = ctypes.get_errno()
+    raise OSError(code, f"mount tmpfs on {target}: {os.strerror(code)}")
+
+
+def _mount(libc, source, target, flags):
+  if libc.mount(source, target.encode(), None, flags, None) != 0:
+    code = ctypes.get_errno()
+    raise OSError(code, f"mount {target}: {os.strerror(code)}")
+
+
+def make_read_only(workdir, hide=(), expose=()):
+  """Hides the `hide` directories under empty tmpfs, re-exposes the `expose` paths within
+  them, bind-mounts workdir onto itself, then remounts every other mount read-only."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  keep = {path: os.open(path, os.O_PATH) for path in (*expose, workdir)}
+  for path in hide:
+    _mount_tmpfs(libc, path)
+  for path, fd in keep.items():
+    os.makedirs(path, exist_ok=True)
+    _mount(libc, f"/proc/self/fd/{fd}".encode(), path, _MS_BIND | _MS_REC)
+    os.close(fd)
+  with open("/proc/self/mountinfo") as f:
+    mounts = [line.split() for line in f]
+  for fields in mounts:
+    target, options = fields[4], fields[5].split(",")
+    if target == workdir or target == "/proc" or target.startswith("/proc/"):
+      continue
+    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
+    flags |= sum(bit for name, bit in _KEPT_FLAGS.items() if name in options)
+    try:
+      _mount(libc, None, target, flags)
+    except OSError:
+      if target == "/":
+        raise
+
+
+def apply_limits(rlimits, uid):
+  """Sets the resource limits, then drops to `uid` (with no supplementary groups)."""
+  for name, value in rlimits.items():
+    kind = getattr(resource, name)
+    resource.setrlimit(kind, (value, value + 1 if name == "RLIMIT_CPU" else value))
+  if uid is not None:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def run_program(path):
+  """Runs the program as __main__; returns its exit status (tracebacks go to stderr)."""
+  with open(path, "rb") as f:
+    source = f.read()
+  try:
+    code = compile(source, "main.py", "exec")
+  except (SyntaxError, ValueError) as e:
+    traceback.print_exception(type(e), e, None)
+    return SYNTAX_ERROR
+  sys.argv = ["main.py"]
+  try:
+    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})  # noqa: S102
+  except SystemExit as e:
+    if e.code is None or isinstance(e.code, int):
+      return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
+  except BaseException as e:  # noqa: BLE001 - report everything the program raised
+    traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+    if isinstance(e, MemoryError):
+      return MEMORY_ERROR
+    if isinstance(e, OSError) and e.errno == errno.EAGAIN:
+      return PROCESS_LIMIT  # fork() or thread creation refused by RLIMIT_NPROC
+    return 1
+  return 0
+
+
+def _exit_status(status):
+  if os.WIFSIGNALED(status):
+    return 128 + os.WTERMSIG(status)
+  return os.WEXITSTATUS(status)
+
+
+def _flush_and_exit(code):
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except Exception:  # noqa: BLE001 - a closed or broken stream must not change the status
+      pass
+  os._exit(code)
+
+
+def main():
+  spec = json.loads(sys.argv[1])
+  workdir = spec["workdir"]
+  try:
+    if spec.get("read_only"):
+      make_read_only(workdir, spec.get("hide", ()), spec.get("expose", ()))
+    if spec.get("init"):
+      child = os.fork()
+      if child:
+        _, status = os.waitpid(child, 0)
+        _flush_and_exit(_exit_status(status))
+    os.chdir(workdir)
+    apply_limits(spec.get("rlimits", {}), spec.get("uid"))
+  except OSError as e:
+    print(f"sandbox setup failed: {e}", file=sys.stderr)
+    _flush_and_exit(SETUP_FAILED)
+  sys.exit(run_program(os.path.join(workdir, "main.py")))
+
+
+if __name__ == "__main__":
+  main()
