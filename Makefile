@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 ACCELERATOR := $(wildcard /dev/accel0 /dev/vfio/0 /dev/nvidia0)
 export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 
-.PHONY: install demo lm-demo test sft bench aot clean
+.PHONY: install demo lm-demo test sft bench bench-tools aot clean
 
 $(STAMP): setup.py
 	@# bubblewrap gives the code sandbox its strongest isolation; without it (or as non-root)
@@ -40,6 +40,9 @@ sft: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python experiments/bench_model.py $(ARGS)
+
+bench-tools: $(STAMP)
+	$(BIN)/python experiments/bench_tools.py $(ARGS)
 
 aot: $(STAMP)
 	$(BIN)/python experiments/aot_compile.py $(ARGS)

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from tools_env import base
+from tools_env import sandbox as sandbox_module
 from tools_env.sandbox import CodeSandbox, SandboxLimits, extract_program
 
 LIMITS = SandboxLimits(wall_timeout_s=4, cpu_time_s=2, max_processes=32, max_capture_bytes=2**16,
@@ -197,7 +198,8 @@ def rlimit_python():
   return system
 
 
-def test_rlimit_mode_warns_and_still_limits(caplog):
+def test_rlimit_mode_warns_and_still_limits(caplog, monkeypatch):
+  monkeypatch.setattr(sandbox_module, "_WARNED", [])
   with caplog.at_level(logging.WARNING, logger="tools_env.sandbox"):
     weak = CodeSandbox(LIMITS, isolation="rlimit", python=rlimit_python())
   assert "resource limits only" in caplog.text

@@ -3,7 +3,7 @@
 import pytest
 
 from tools_env import base, search
-from tools_env.registry import ToolRegistry, TrajectoryTools
+from tools_env.registry import TOOL_TAGS, ToolRegistry, TrajectoryTools, build_registry, default_spec
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +80,36 @@ def test_registry_and_trajectory_state(web):
   assert session.calls["web_search"] == 2 and session.repeats["web_search"] == 1
   with pytest.raises(ValueError, match="not CoA tool tags"):
     ToolRegistry({"browse": web})
+
+
+def test_build_registry_from_a_config_spec(cache_dir):
+  registry = build_registry({
+      "web_search": {"kind": "bm25", "cache_dir": cache_dir, "top_k": 2},
+      "crawl_page": {"kind": "http_crawl", "http": {"timeout_s": 3.0, "retries": 0}},
+      "code": {"kind": "sandbox", "workers": 2, "limits": {"wall_timeout_s": 5.0}},
+  })
+  assert registry.tools["web_search"].top_k == 2
+  assert registry.tools["crawl_page"].limits.timeout_s == 3.0
+  assert registry.tools["code"].limits.wall_timeout_s == 5.0
+  assert registry.call("code", "```python\nprint(3 * 3)\n```").observation == "9\n"
+  assert set(default_spec()) == set(TOOL_TAGS)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"code": {"kind": "docker"}}, "tools.code.kind must be one of"),
+    ({"code": {"kind": "sandbox", "limits": {"wall_timeout": 5}}}, "tools.code:.*wall_timeout"),
+    ({"web_search": {"kind": "bm25", "top": 3}}, "tools.web_search:.*top"),
+])
+def test_build_registry_rejects_bad_specs(spec, message):
+  with pytest.raises(ValueError, match=message):
+    build_registry(spec)
+
+
+def test_trajectory_passes_its_goal_to_every_call():
+  class Echo(base.Tool):
+    def _run(self, body, goal):
+      return f"{body} toward {goal}", {}
+
+  session = TrajectoryTools(ToolRegistry({"crawl_page": Echo()}), goal="find the depth")
+  assert session.call("crawl_page", "https://x.example").observation == \
+      "https://x.example toward find the depth"

@@ -4,7 +4,14 @@
   error kinds and head+tail truncation.
 - `search`: BM25 search (`web_search`, `wiki_search`) and page serving (`crawl_page`) over
   a local JSONL corpus (`data/corpus.jsonl` ships a small one).
-- `registry`: tag -> tool dispatch and per-trajectory state (repeated-call notices, counters).
+- `remote`: a Serper-style search API, HTTP crawling with HTML to text, and an
+  OpenAI-compatible summarizer, behind the same interface (timeouts, retries, size caps).
+- `sandbox`: the `code` tool, programs run isolated under resource limits by a bounded pool.
+- `registry`: tag -> tool dispatch, building tools from a config spec, and per-trajectory
+  state (repeated-call notices, counters).
+
+Every limit is a constructor argument or a field of `SandboxLimits` / `HttpLimits`, with a
+default; the README's "Tool environments" section lists them.
 """
 
 from tools_env.base import Tool, ToolFailure, ToolResult, truncate_middle

@@ -59,3 +59,45 @@ class TrajectoryTools:
                           f"its earlier result or try something different.", False, REPEATED)
       self._seen.add(key)
     return self.registry.call(tag, body, self.goal)
+
+
+def _build_tool(tag: str, spec: Mapping) -> Tool:
+  from tools_env import remote, sandbox, search
+
+  options = {key: dict(value) if isinstance(value, Mapping) else value
+             for key, value in spec.items() if key != "kind"}
+  kind = spec.get("kind")
+  builders = {"bm25": search.Bm25Search, "local_crawl": search.LocalCrawl,
+              "serper": remote.RemoteSearch, "http_crawl": remote.HttpCrawl,
+              "sandbox": sandbox.CodeSandbox}
+  if kind not in builders:
+    raise ValueError(f"tools.{tag}.kind must be one of {sorted(builders)}, got {kind!r}")
+  try:
+    if "http" in options:
+      options["limits"] = remote.HttpLimits(**options.pop("http"))
+    if kind == "sandbox" and "limits" in options:
+      options["limits"] = sandbox.SandboxLimits(**options["limits"])
+    if kind == "http_crawl" and options.get("summarizer"):
+      options["summarizer"] = remote.ChatSummarizer(**options["summarizer"])
+    if kind in ("bm25", "serper"):
+      options["name"] = tag
+    return builders[kind](**options)
+  except TypeError as e:
+    raise ValueError(f"tools.{tag}: {e}") from None
+
+
+def build_registry(spec: Mapping[str, Mapping]) -> ToolRegistry:
+  """Returns the registry a config describes: {tag: {"kind": ..., **options}}.
+
+  Kinds: `bm25` (Bm25Search), `local_crawl` (LocalCrawl), `serper` (RemoteSearch),
+  `http_crawl` (HttpCrawl; `summarizer`: ChatSummarizer options), `sandbox` (CodeSandbox;
+  `limits`: SandboxLimits fields). An `http` mapping holds HttpLimits fields.
+  """
+  return ToolRegistry({tag: _build_tool(tag, tool_spec) for tag, tool_spec in spec.items()})
+
+
+def default_spec() -> dict[str, dict]:
+  """Returns the embedded default tools: BM25 search and crawl over the shipped corpus and
+  the code sandbox, with every limit at its default."""
+  return {"web_search": {"kind": "bm25"}, "wiki_search": {"kind": "bm25"},
+          "crawl_page": {"kind": "local_crawl"}, "code": {"kind": "sandbox"}}

@@ -126,6 +126,7 @@ class _UidPool:
 _UIDS = _UidPool()
 _PROBED: dict[tuple[str, str], bool] = {}
 _PROBE_LOCK = threading.Lock()
+_WARNED: list[str] = []  # the rlimit-only warning is given once per process
 
 
 def _kill_uid(uid: int) -> None:
@@ -205,7 +206,8 @@ class CodeSandbox(Tool):
                        f"got {requested!r}")
     for mode in ISOLATION_MODES if requested == "auto" else (requested,):
       if self._works(mode):
-        if mode == "rlimit":
+        if mode == "rlimit" and not _WARNED:
+          _WARNED.append(mode)
           log.warning("code sandbox: neither bubblewrap nor unshare can isolate programs here; "
                       "running with resource limits only (no network or filesystem isolation)")
         return mode

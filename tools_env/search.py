@@ -42,6 +42,12 @@ def load_corpus(path: str) -> list[dict[str, str]]:
   return docs
 
 
+def format_results(results: list[tuple[str, str, str]]) -> str:
+  """Returns (title, url, snippet) results as the numbered `1. [Title](url)` list."""
+  return "\n".join(f"{rank}. [{title}]({url})\n{snippet}"
+                   for rank, (title, url, snippet) in enumerate(results, 1))
+
+
 def _fingerprint(path: str) -> str:
   digest = hashlib.sha256()
   with open(path, "rb") as f:
@@ -98,10 +104,10 @@ class Bm25Search(Tool):
     hits = self.search(query)
     if not hits:
       raise ToolFailure(NO_RESULTS, f"no results for {query[:100]!r}")
-    lines = [f"{rank}. [{doc['title']}]({doc['url']})\n{doc['text'][:self.snippet_chars]}"
-             for rank, (doc, _) in enumerate(hits, 1)]
-    return "\n".join(lines), {"ids": [doc["id"] for doc, _ in hits],
-                              "scores": [round(s, 4) for _, s in hits]}
+    text = format_results([(doc["title"], doc["url"], doc["text"][:self.snippet_chars])
+                           for doc, _ in hits])
+    return text, {"ids": [doc["id"] for doc, _ in hits],
+                  "scores": [round(s, 4) for _, s in hits]}
 
 
 class LocalCrawl(Tool):

@@ -1,0 +1,204 @@
+"""HTTP adapters (search API, crawl, summarizer) against a fake server on 127.0.0.1."""
+
+import collections
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+from tools_env import base
+from tools_env.remote import ChatSummarizer, HttpCrawl, HttpLimits, RemoteSearch, html_to_text
+
+FAST = HttpLimits(timeout_s=0.5, retries=2, backoff_s=0.01, max_response_bytes=2**16)
+
+PAGE = """<html><head><title>Lake Zurich</title><style>p {color: red}</style>
+<script>var secret = 1;</script></head>
+<body><h1>Lake Zurich</h1><p>It lies at 406&nbsp;m &amp; is   fed by the Linth.</p>
+<ul><li>Area: 88.66 km&sup2;</li></ul></body></html>"""
+
+
+class FakeServer(http.server.ThreadingHTTPServer):
+  """Routes by path; counts requests per path and keeps the last JSON payloads."""
+
+  def __init__(self):
+    super().__init__(("127.0.0.1", 0), Handler)
+    self.hits = collections.Counter()
+    self.payloads = []
+
+  def url(self, path):
+    return f"http://127.0.0.1:{self.server_address[1]}{path}"
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+
+  def log_message(self, *args):
+    pass
+
+  def reply(self, status, body, content_type="application/json"):
+    data = body if isinstance(body, bytes) else body.encode()
+    try:
+      self.send_response(status)
+      self.send_header("Content-Type", content_type)
+      self.send_header("Content-Length", str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
+    except (BrokenPipeError, ConnectionResetError):
+      pass  # the client timed out and left
+
+  def do_GET(self):
+    self.server.hits[self.path] += 1
+    routes = {
+        "/page.html": (200, PAGE, "text/html; charset=utf-8"),
+        "/notes.txt": (200, "plain notes", "text/plain"),
+        "/big.html": (200, "<p>" + "word " * 100_000 + "</p>", "text/html"),
+        "/image.png": (200, b"\x89PNG\r\n", "image/png"),
+    }
+    if self.path == "/slow.html":
+      time.sleep(1.0)
+    self.reply(*routes.get(self.path, (404, "missing", "text/plain")))
+
+  def do_POST(self):
+    self.server.hits[self.path] += 1
+    payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    headers = {key.lower(): value for key, value in self.headers.items()}
+    self.server.payloads.append((self.path, payload, headers))
+    if self.path == "/search":
+      q = payload["q"]
+      self.reply(200, json.dumps({"organic": [
+          {"title": f"About {q}", "link": f"https://a.example/{len(q)}", "snippet": "first"},
+          {"title": "Second", "link": "https://b.example/", "snippet": "second"},
+          {"title": "no link"}]}))
+    elif self.path == "/flaky":
+      failing = self.server.hits[self.path] <= 2
+      self.reply(503 if failing else 200, json.dumps({"organic": [
+          {"title": "Up", "link": "https://up.example/", "snippet": "recovered"}]}))
+    elif self.path == "/down":
+      self.reply(500, "internal error", "text/plain")
+    elif self.path == "/forbidden":
+      self.reply(403, "no", "text/plain")
+    elif self.path == "/garbled":
+      self.reply(200, '{"organic": [')
+    elif self.path == "/huge":
+      self.reply(200, json.dumps({"organic": [{"link": "x", "snippet": "y" * 2**17}]}))
+    elif self.path == "/slow":
+      time.sleep(1.0)
+      self.reply(200, json.dumps({"organic": []}))
+    elif self.path == "/v1/chat/completions":
+      goal = payload["messages"][0]["content"].split("Goal: ")[1].split("\n")[0]
+      self.reply(200, json.dumps({"choices": [{"message": {"content": f"Summary for {goal}"}}]}))
+    else:
+      self.reply(500, "{}")
+
+
+@pytest.fixture(scope="module")
+def server():
+  fake = FakeServer()
+  thread = threading.Thread(target=fake.serve_forever, daemon=True)
+  thread.start()
+  yield fake
+  fake.shutdown()
+  fake.server_close()
+
+
+def search(server, path, **kwargs):
+  return RemoteSearch(server.url(path), api_key_env=None, limits=FAST, top_k=2, **kwargs)
+
+
+def test_search_success_formats_ranked_results_and_sends_the_key(server, monkeypatch):
+  monkeypatch.setenv("TEST_SEARCH_KEY", "k-123")
+  tool = RemoteSearch(server.url("/search"), api_key_env="TEST_SEARCH_KEY", limits=FAST, top_k=2)
+  result = tool("capital of Peru")
+  assert result.ok
+  assert result.observation == ("1. [About capital of Peru](https://a.example/15)\nfirst\n"
+                                "2. [Second](https://b.example/)\nsecond")
+  path, payload, headers = server.payloads[-1]
+  assert payload == {"q": "capital of Peru", "num": 2} and headers["x-api-key"] == "k-123"
+
+
+def test_search_cache_answers_a_repeated_query_without_a_request(server, tmp_path):
+  tool = search(server, "/search", cache_dir=str(tmp_path))
+  before = server.hits["/search"]
+  first, second = tool("tallest tree"), tool("tallest tree")
+  assert server.hits["/search"] == before + 1
+  assert first.observation == second.observation
+  assert (first.metadata["cached"], second.metadata["cached"]) == (False, True)
+  again = search(server, "/search", cache_dir=str(tmp_path))  # a new process reuses it too
+  assert again("tallest tree").metadata["cached"]
+
+
+def test_search_retries_5xx_then_succeeds(server):
+  result = search(server, "/flaky")("anything")
+  assert result.ok and "recovered" in result.observation
+  assert server.hits["/flaky"] == 3
+
+
+def test_search_gives_up_after_the_retries(server):
+  result = search(server, "/down")("anything")
+  assert result.error_kind == base.HTTP_ERROR and "after 3 attempts" in result.observation
+  assert server.hits["/down"] == 3
+  forbidden = search(server, "/forbidden")("anything")
+  assert forbidden.error_kind == base.HTTP_ERROR and server.hits["/forbidden"] == 1
+
+
+def test_search_timeout(server):
+  limits = HttpLimits(timeout_s=0.2, retries=1, backoff_s=0.0)
+  tool = RemoteSearch(server.url("/slow"), api_key_env=None, limits=limits)
+  start = time.monotonic()
+  result = tool("anything")
+  assert result.error_kind == base.TIMEOUT and "timed out after 0.2 s" in result.observation
+  assert time.monotonic() - start < 1.5
+
+
+def test_search_malformed_and_oversized_json_are_bad_responses(server):
+  garbled = search(server, "/garbled")("anything")
+  assert garbled.error_kind == base.BAD_RESPONSE and "malformed JSON" in garbled.observation
+  huge = search(server, "/huge")("anything")
+  assert huge.error_kind == base.BAD_RESPONSE and "size cap" in huge.observation
+
+
+def test_missing_api_key_is_a_clear_construction_error(monkeypatch):
+  monkeypatch.delenv("SERPER_API_KEY", raising=False)
+  with pytest.raises(ValueError, match="SERPER_API_KEY"):
+    RemoteSearch()
+
+
+def test_html_to_text_drops_scripts_and_styles():
+  text = html_to_text(PAGE)
+  assert text == "Lake Zurich\nLake Zurich\nIt lies at 406\xa0m & is fed by the Linth.\nArea: 88.66 km²"
+
+
+def test_crawl_fetches_pages_and_reports_failures_per_url(server):
+  crawl = HttpCrawl(limits=FAST)
+  result = crawl(f"{server.url('/page.html')} | {server.url('/notes.txt')} | "
+                 f"{server.url('/missing')} | {server.url('/image.png')}")
+  assert result.ok
+  assert "fed by the Linth" in result.observation and "secret" not in result.observation
+  assert "plain notes" in result.observation
+  assert result.metadata["failed"] == [server.url("/missing"), server.url("/image.png")]
+  assert "unsupported content type image/png" in result.observation
+  assert crawl(server.url("/missing")).error_kind == base.NOT_FOUND
+  assert crawl("file:///etc/passwd").error_kind == base.BAD_REQUEST
+
+
+def test_crawl_cuts_an_oversized_page_and_times_out_a_slow_one(server):
+  crawl = HttpCrawl(limits=FAST, max_page_chars=1000)
+  big = crawl(server.url("/big.html"))
+  assert big.ok and big.metadata["pages"][server.url("/big.html")]["cut"]
+  assert big.observation.endswith("[the rest of the page is cut]")
+  slow = HttpCrawl(limits=HttpLimits(timeout_s=0.2, retries=0))(server.url("/slow.html"))
+  assert slow.error_kind == base.TIMEOUT
+
+
+def test_crawl_summarizes_toward_the_goal_and_falls_back_to_the_page(server):
+  summarizer = ChatSummarizer(server.url("/v1"), model="fake", api_key_env=None, limits=FAST)
+  crawl = HttpCrawl(limits=FAST, summarizer=summarizer)
+  result = crawl(server.url("/page.html"), goal="How deep is Lake Zurich?")
+  assert result.observation.endswith("Summary for How deep is Lake Zurich?")
+  path, payload, _ = server.payloads[-1]
+  assert payload["model"] == "fake" and "fed by the Linth" in payload["messages"][0]["content"]
+  broken = ChatSummarizer(server.url("/broken/v1"), model="fake", api_key_env=None, limits=FAST)
+  fallback = HttpCrawl(limits=FAST, summarizer=broken)(server.url("/page.html"), goal="depth")
+  assert fallback.ok and "fed by the Linth" in fallback.observation
+  assert "HTTP 500" in fallback.metadata["pages"][server.url("/page.html")]["summary_error"]

@@ -1,0 +1,298 @@
+"""Remote services behind the Tool interface: a search API, an HTTP crawler, a summarizer.
+
+- `RemoteSearch`: a Serper-style search API (POST {"q", "num"} -> {"organic": [{"title",
+  "link", "snippet"}]}), results in the same `1. [Title](url)` format as the embedded BM25
+  search, with an on-disk cache keyed by endpoint, query and k.
+- `HttpCrawl`: `crawl_page` over HTTP(S): `|`-separated URLs, each fetched with a size cap
+  and turned from HTML into text; optionally condensed toward the task's goal by a
+  `ChatSummarizer` (any OpenAI-compatible /chat/completions endpoint), falling back to the
+  page text when the summarizer fails.
+
+Every request goes through `fetch` with the limits of an `HttpLimits`: a per-request
+timeout, retries with exponential backoff on timeouts, connection errors, 429 and 5xx, and
+a response size cap. Loopback addresses never go through a proxy. Standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import html.parser
+import json
+import os
+import re
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from tools_env.base import (BAD_REQUEST, BAD_RESPONSE, HTTP_ERROR, NO_RESULTS, NOT_FOUND,
+                            TIMEOUT, Tool, ToolFailure)
+from tools_env.search import format_results
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpLimits:
+  """Limits of every HTTP request a tool makes."""
+
+  timeout_s: float = 10.0  # per connect and per read
+  retries: int = 2  # extra attempts after a timeout, connection error, 429 or 5xx
+  backoff_s: float = 0.5  # the k-th retry waits backoff_s * 2**k
+  max_response_bytes: int = 2 * 2**20  # larger responses are cut here (crawl) or refused
+
+  def __post_init__(self):
+    if self.timeout_s <= 0 or self.retries < 0 or self.backoff_s < 0 or \
+        self.max_response_bytes <= 0:
+      raise ValueError(f"invalid HttpLimits {self}: need timeout_s > 0, retries >= 0, "
+                       f"backoff_s >= 0, max_response_bytes > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+  body: bytes
+  content_type: str
+  charset: str
+  cut: bool  # the body was longer than max_response_bytes and is cut there
+  attempts: int
+
+
+def _opener(url: str) -> urllib.request.OpenerDirector:
+  host = urllib.parse.urlsplit(url).hostname or ""
+  proxies = {} if host in _LOOPBACK else None  # None: the environment's proxies
+  return urllib.request.build_opener(urllib.request.ProxyHandler(proxies))
+
+
+def fetch(url: str, limits: HttpLimits, payload: Any = None,
+          headers: dict[str, str] | None = None) -> Response:
+  """Returns the response to GET `url` (POST of `payload` as JSON if given); raises
+  ToolFailure after the retries are spent or at once for a 4xx other than 429."""
+  if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+    raise ToolFailure(BAD_REQUEST, f"not an http(s) URL: {url[:200]!r}")
+  data = None if payload is None else json.dumps(payload).encode()
+  headers = {"User-Agent": "coa-jax-tools/1.0", **(headers or {})}
+  if data is not None:
+    headers["Content-Type"] = "application/json"
+  failure = None
+  for attempt in range(limits.retries + 1):
+    if attempt:
+      time.sleep(limits.backoff_s * 2 ** (attempt - 1))
+    request = urllib.request.Request(url, data=data, headers=headers)
+    try:
+      with _opener(url).open(request, timeout=limits.timeout_s) as reply:
+        body = reply.read(limits.max_response_bytes + 1)
+        return Response(body[:limits.max_response_bytes], reply.headers.get_content_type(),
+                        reply.headers.get_content_charset() or "utf-8",
+                        len(body) > limits.max_response_bytes, attempt + 1)
+    except urllib.error.HTTPError as e:
+      if e.code == 404:
+        raise ToolFailure(NOT_FOUND, f"HTTP 404 for {url[:200]}") from None
+      failure = ToolFailure(HTTP_ERROR, f"HTTP {e.code} for {url[:200]}")
+      if e.code < 500 and e.code != 429:
+        raise failure from None
+    except (TimeoutError, socket.timeout):
+      failure = ToolFailure(TIMEOUT, f"timed out after {limits.timeout_s:g} s: {url[:200]}")
+    except urllib.error.URLError as e:
+      if isinstance(e.reason, (TimeoutError, socket.timeout)):
+        failure = ToolFailure(TIMEOUT, f"timed out after {limits.timeout_s:g} s: {url[:200]}")
+      else:
+        failure = ToolFailure(HTTP_ERROR, f"cannot reach {url[:200]}: {e.reason}")
+    except (OSError, ValueError) as e:  # reset connections, malformed responses
+      failure = ToolFailure(HTTP_ERROR, f"request to {url[:200]} failed: {e}")
+  raise ToolFailure(failure.kind, f"{failure} (after {limits.retries + 1} attempts)")
+
+
+def _json(response: Response, what: str) -> Any:
+  if response.cut:
+    raise ToolFailure(BAD_RESPONSE, f"{what} response larger than the size cap")
+  try:
+    return json.loads(response.body.decode(response.charset, errors="replace"))
+  except json.JSONDecodeError as e:
+    raise ToolFailure(BAD_RESPONSE, f"{what} returned malformed JSON ({e})") from None
+
+
+def _api_key(env_var: str | None) -> str | None:
+  if env_var is None:
+    return None
+  key = os.environ.get(env_var)
+  if not key:
+    raise ValueError(f"environment variable {env_var} (the API key) is not set; set it or "
+                     f"pass api_key_env=None for an endpoint without a key")
+  return key
+
+
+class RemoteSearch(Tool):
+  """A Serper-style search API as `web_search`/`wiki_search`, cached on disk by query."""
+
+  def __init__(self, endpoint: str = "https://google.serper.dev/search",
+               api_key_env: str | None = "SERPER_API_KEY", top_k: int = 5,
+               cache_dir: str | None = None, limits: HttpLimits | None = None,
+               max_query_chars: int = 2000, max_output_chars: int = 8000,
+               name: str = "web_search"):
+    super().__init__(max_output_chars)
+    self.endpoint, self.top_k, self.cache_dir, self.name = endpoint, top_k, cache_dir, name
+    self.limits, self.max_query_chars = limits or HttpLimits(), max_query_chars
+    self._headers = {"X-API-KEY": key} if (key := _api_key(api_key_env)) else {}
+
+  def _cache_path(self, query: str) -> str | None:
+    if self.cache_dir is None:
+      return None
+    key = hashlib.sha256(json.dumps([self.endpoint, query, self.top_k]).encode()).hexdigest()
+    return os.path.join(self.cache_dir, key[:2], key + ".json")
+
+  def search(self, query: str) -> tuple[list[tuple[str, str, str]], bool]:
+    """Returns the (title, url, snippet) results for `query` and whether they were cached."""
+    path = self._cache_path(query)
+    if path and os.path.isfile(path):
+      with open(path, encoding="utf-8") as f:
+        return [tuple(r) for r in json.load(f)], True
+    reply = _json(fetch(self.endpoint, self.limits, {"q": query, "num": self.top_k},
+                        self._headers), "search API")
+    organic = reply.get("organic") if isinstance(reply, dict) else None
+    if not isinstance(organic, list):
+      raise ToolFailure(BAD_RESPONSE, "search API response has no 'organic' result list")
+    results = [(str(r.get("title", "")), str(r["link"]), str(r.get("snippet", "")))
+               for r in organic if isinstance(r, dict) and r.get("link")][:self.top_k]
+    if path:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(results, f)
+      os.replace(path + ".tmp", path)
+    return results, False
+
+  def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
+    query = body.strip()[:self.max_query_chars]
+    if not query:
+      raise ToolFailure(BAD_REQUEST, "empty search query")
+    results, cached = self.search(query)
+    if not results:
+      raise ToolFailure(NO_RESULTS, f"no results for {query[:100]!r}")
+    return format_results(results), {"urls": [url for _, url, _ in results], "cached": cached}
+
+
+class _TextExtractor(html.parser.HTMLParser):
+  """Collects the visible text of an HTML page, one line per block element."""
+
+  SKIP = {"script", "style", "noscript", "svg", "template", "iframe"}
+  BLOCK = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "section",
+           "article", "header", "footer", "blockquote", "pre", "table", "ul", "ol", "title"}
+
+  def __init__(self):
+    super().__init__(convert_charrefs=True)
+    self.parts: list[str] = []
+    self.skipping = 0
+
+  def handle_starttag(self, tag, attrs):
+    if tag in self.SKIP:
+      self.skipping += 1
+    elif tag in self.BLOCK:
+      self.parts.append("\n")
+
+  def handle_endtag(self, tag):
+    if tag in self.SKIP:
+      self.skipping = max(0, self.skipping - 1)
+    elif tag in self.BLOCK:
+      self.parts.append("\n")
+
+  def handle_data(self, data):
+    if not self.skipping:
+      self.parts.append(data)
+
+
+def html_to_text(page: str) -> str:
+  """Returns the visible text of an HTML page: scripts and styles dropped, whitespace tidied."""
+  extractor = _TextExtractor()
+  extractor.feed(page)
+  extractor.close()
+  lines = (re.sub(r"[ \t\r\f\v]+", " ", line).strip() for line in
+           "".join(extractor.parts).split("\n"))
+  return "\n".join(line for line in lines if line)
+
+
+class ChatSummarizer:
+  """Condenses a page toward a goal through an OpenAI-compatible chat completions endpoint."""
+
+  PROMPT = ("Extract from the page below everything relevant to the goal, keeping facts, "
+            "numbers, names and dates exact. Say 'Nothing relevant.' if nothing is.\n\n"
+            "Goal: {goal}\n\nPage ({url}):\n{page}")
+
+  def __init__(self, base_url: str, model: str, api_key_env: str | None = "OPENAI_API_KEY",
+               limits: HttpLimits | None = None, max_page_chars: int = 30000,
+               max_tokens: int = 1024):
+    self.url = base_url.rstrip("/") + "/chat/completions"
+    self.model, self.max_page_chars, self.max_tokens = model, max_page_chars, max_tokens
+    self.limits = limits or HttpLimits(timeout_s=60.0)
+    key = _api_key(api_key_env)
+    self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+  def __call__(self, page: str, goal: str, url: str = "") -> str:
+    """Returns the page condensed toward `goal`; raises ToolFailure."""
+    prompt = self.PROMPT.format(goal=goal, url=url, page=page[:self.max_page_chars])
+    payload = {"model": self.model, "temperature": 0.0, "max_tokens": self.max_tokens,
+               "messages": [{"role": "user", "content": prompt}]}
+    reply = _json(fetch(self.url, self.limits, payload, self._headers), "summarizer")
+    try:
+      content = reply["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+      raise ToolFailure(BAD_RESPONSE, "summarizer response has no choices[0].message.content") \
+          from None
+    if not isinstance(content, str) or not content.strip():
+      raise ToolFailure(BAD_RESPONSE, "summarizer returned an empty message")
+    return content.strip()
+
+
+class HttpCrawl(Tool):
+  """`crawl_page` over HTTP(S): '|'-separated URLs, HTML to text, optional summarizer."""
+
+  name = "crawl_page"
+  TEXT_TYPES = ("text/plain", "application/json", "application/xml", "text/xml",
+                "text/markdown", "text/csv")
+
+  def __init__(self, limits: HttpLimits | None = None, max_urls: int = 5,
+               max_page_chars: int = 6000, summarizer: ChatSummarizer | None = None,
+               max_output_chars: int = 12000):
+    super().__init__(max_output_chars)
+    self.limits, self.max_urls, self.max_page_chars = limits or HttpLimits(), max_urls, \
+        max_page_chars
+    self.summarizer = summarizer
+
+  def page(self, url: str, goal: str) -> tuple[str, dict[str, Any]]:
+    """Returns one page's text (condensed toward `goal` if there is a summarizer)."""
+    response = fetch(url, self.limits)
+    text = response.body.decode(response.charset, errors="replace")
+    if response.content_type in ("text/html", "application/xhtml+xml"):
+      text = html_to_text(text)
+    elif response.content_type not in self.TEXT_TYPES:
+      raise ToolFailure(BAD_RESPONSE, f"unsupported content type {response.content_type}")
+    info: dict[str, Any] = {"cut": response.cut or len(text) > self.max_page_chars}
+    if self.summarizer is not None and goal:
+      try:
+        return self.summarizer(text, goal, url), {**info, "summarized": True}
+      except ToolFailure as e:
+        info["summary_error"] = str(e)
+    if info["cut"]:
+      text = text[:self.max_page_chars] + "\n[the rest of the page is cut]"
+    return text, {**info, "summarized": False}
+
+  def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
+    urls = [u.strip() for u in body.split("|") if u.strip()]
+    if not urls:
+      raise ToolFailure(BAD_REQUEST, "no URL given")
+    if len(urls) > self.max_urls:
+      raise ToolFailure(BAD_REQUEST, f"{len(urls)} URLs; at most {self.max_urls} per call")
+    parts, pages, failures = [], {}, []
+    for url in urls:
+      try:
+        text, info = self.page(url, goal)
+      except ToolFailure as e:
+        failures.append(e)
+        parts.append(f"Page: {url}\nError: {e}")
+        continue
+      pages[url] = info
+      parts.append(f"Page: {url}\n{text}")
+    if not pages:
+      raise ToolFailure(failures[0].kind, "; ".join(str(e) for e in failures)[:1000])
+    return "\n\n".join(parts), {"pages": pages, "failed": [u for u in urls if u not in pages]}
