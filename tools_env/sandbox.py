@@ -106,9 +106,10 @@ class _Run:
 
 class _UidPool:
   """Dedicated uids for concurrent runs when the host is root: RLIMIT_NPROC then counts each
-  run's processes alone (it never applies to root), and a run's leftovers can be found."""
+  run's processes alone (it never applies to root), and a run's leftovers can be found and
+  killed. The range sits far above the uids of real users and of container id maps."""
 
-  def __init__(self, base: int = 61000, size: int = 1024):
+  def __init__(self, base: int = 1_900_000_000, size: int = 1024):
     self.free = list(range(base, base + size))
     self.lock = threading.Lock()
 
@@ -166,17 +167,19 @@ def _user_task_count(uid: int) -> int:
 
 
 def _hidden_and_exposed(python: str) -> tuple[list[str], list[str]]:
-  """Returns the home directories to hide from programs, and the paths within them that
-  `python` needs (its installation and import path, e.g. a pyenv under /root)."""
+  """Returns the home directories to hide from programs, and the paths within them or /tmp
+  (private in the bwrap mode) that `python` and the boot script need: e.g. a pyenv under
+  /root, a virtualenv or this checkout under /tmp."""
   hidden = [path for path in HIDDEN_DIRS if os.path.isdir(path)]
   query = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, *sys.path]))"
   paths = json.loads(subprocess.run([python, "-I", "-c", query], capture_output=True,
                                     check=True, timeout=60).stdout)
   needed = sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)}
-                  | {os.path.dirname(os.path.dirname(os.path.realpath(python)))})
+                  | {os.path.dirname(os.path.dirname(os.path.realpath(python))),
+                     os.path.dirname(_BOOT)})
   exposed = []
   for path in needed:
-    inside = any(path == h or path.startswith(h + "/") for h in hidden)
+    inside = any(path == h or path.startswith(h + "/") for h in (*hidden, "/tmp"))
     if inside and not any(path == e or path.startswith(e + "/") for e in exposed):
       exposed.append(path)
   return hidden, exposed
@@ -257,7 +260,7 @@ class CodeSandbox(Tool):
       for path in self.exposed:
         parents = []
         parent = os.path.dirname(path)
-        while parent not in self.hidden and parent != "/":
+        while parent not in (*self.hidden, "/tmp", "/"):
           parents.insert(0, parent)
           parent = os.path.dirname(parent)
         for parent in parents:  # bwrap would create them traversable by root only
