@@ -105,21 +105,23 @@ def blockwise_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
 
 
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_ids_BxT=None, kv_segment_ids_BxS=None,
-           is_causal: bool, implementation: str, block: int = 128) -> jax.Array:
+           mask_Bx1xTxS=None, is_causal: bool, implementation: str,
+           block: int = 128) -> jax.Array:
   """Returns softmax(q k^T / sqrt(H) + masks) v as (B, T, N, H).
 
-  This is the seam for the KV-cache decode path: self-attention over a sequence calls it
-  with is_causal=True; a decode step calls it with cached keys/values and kv segment ids
-  marking the valid cache slots. `implementation` is "xla" or "cudnn"
-  (`jax.nn.dot_product_attention`) or "blockwise" (`blockwise_causal_attention`, used for
-  causal self-attention; other calls fall back to the dense XLA kernel).
+  Self-attention over a sequence calls it with is_causal=True; a KV-cache decode step calls
+  it with the cached keys/values and `mask_Bx1xTxS` marking the slots each query may see.
+  `implementation` is "xla" or "cudnn" (`jax.nn.dot_product_attention`) or "blockwise"
+  (`blockwise_causal_attention`, used for causal self-attention; other calls fall back to the
+  dense XLA kernel).
   """
   if implementation == "blockwise" and is_causal and k_BxSxKxH.shape[1] == q_BxTxNxH.shape[1]:
     return blockwise_causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT, block)
-  mask = None
+  mask = mask_Bx1xTxS
   if q_segment_ids_BxT is not None:
     kv_segment_ids_BxS = q_segment_ids_BxT if kv_segment_ids_BxS is None else kv_segment_ids_BxS
-    mask = segment_mask(q_segment_ids_BxT, kv_segment_ids_BxS)
+    same = segment_mask(q_segment_ids_BxT, kv_segment_ids_BxS)
+    mask = same if mask is None else mask & same
   return jax.nn.dot_product_attention(
       q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, is_causal=is_causal,
       implementation=None if implementation == "blockwise" else implementation)

@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+import flax.struct
 
 from coa_jax.model.attention import attend
 from coa_jax.model.config import ConfigError, ModelConfig
@@ -35,6 +36,35 @@ ACT_BTNH = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 ACT_BTKH = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 ACT_BTF = ("act_batch", "act_seq", "act_mlp")
 ACT_BTV = ("act_batch", "act_seq", "act_vocab")
+CACHE_LBSKH = ("layers", "act_batch", "act_seq", "act_kv_heads", "act_head_dim")
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of every layer for every cache slot, plus each row's filled length.
+
+  Slot s of a row holds the token at position s. The model writes a call's keys and values
+  at the slots named by its positions and leaves `lengths_B` to the caller (the sampler).
+  """
+
+  k_LxBxSxKxH: jax.Array
+  v_LxBxSxKxH: jax.Array
+  lengths_B: jax.Array
+
+  @property
+  def size(self) -> int:
+    """Returns the number of slots per row."""
+    return self.k_LxBxSxKxH.shape[2]
+
+
+def _write_layer(cache_LxBxSxKxH, layer, new_BxTxKxH, starts_B):
+  """Returns the cache with `new` written at [layer, b, starts_B[b]:starts_B[b] + T]."""
+
+  def one_row(cache_LxSxKxH, new_TxKxH, start):
+    return jax.lax.dynamic_update_slice(cache_LxSxKxH, new_TxKxH[None].astype(
+        cache_LxSxKxH.dtype), (layer, start, 0, 0))
+
+  return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(cache_LxBxSxKxH, new_BxTxKxH, starts_B)
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -104,7 +134,10 @@ class Attention(nn.Module):
                       cfg.params_dtype, name=name)
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT):
+  def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, cache=None):
+    """Self-attention over x; with `cache` = (k_all, v_all, layer) it writes x's keys and values
+    at their positions in that layer's slots, attends over the slots up to each query's
+    position, and also returns the updated (k_all, v_all)."""
     cfg = self.config
     inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     q_shape, kv_shape = (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
@@ -119,12 +152,24 @@ class Attention(nn.Module):
     k_BxTxKxH = nn.with_logical_constraint(
         apply_rope(k_BxTxKxH, positions_BxT, inv_freq), ACT_BTKH)
     v_BxTxKxH = nn.with_logical_constraint(v_BxTxKxH, ACT_BTKH)
-    out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, q_segment_ids_BxT=segment_ids_BxT,
-                         is_causal=True, implementation=cfg.attention_impl,
-                         block=cfg.attention_block)
+    if cache is None:
+      out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, q_segment_ids_BxT=segment_ids_BxT,
+                           is_causal=True, implementation=cfg.attention_impl,
+                           block=cfg.attention_block)
+    else:
+      k_all, v_all, layer = cache
+      starts_B = positions_BxT[:, 0]
+      k_all = _write_layer(k_all, layer, k_BxTxKxH, starts_B)
+      v_all = _write_layer(v_all, layer, v_BxTxKxH, starts_B)
+      slots_S = jnp.arange(k_all.shape[2])
+      visible_Bx1xTxS = slots_S[None, None, None, :] <= positions_BxT[:, None, :, None]
+      out_BxTxNxH = attend(q_BxTxNxH, k_all[layer].astype(q_BxTxNxH.dtype),
+                           v_all[layer].astype(q_BxTxNxH.dtype), mask_Bx1xTxS=visible_Bx1xTxS,
+                           is_causal=False, implementation=cfg.attention_impl)
     out_BxTxNxH = nn.with_logical_constraint(out_BxTxNxH, ACT_BTNH)
-    return self._linear("o_proj", (cfg.hidden_size,), ("heads", "head_dim"),
-                        ("embed",))(out_BxTxNxH)
+    out_BxTxD = self._linear("o_proj", (cfg.hidden_size,), ("heads", "head_dim"),
+                             ("embed",))(out_BxTxNxH)
+    return out_BxTxD if cache is None else (out_BxTxD, k_all, v_all)
 
 
 class Mlp(nn.Module):
@@ -147,18 +192,28 @@ class Mlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); scan-compatible."""
+  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); scan-compatible.
+
+  The scan carry is x, or (x, k_all, v_all, layer) when decoding with a KV cache: the whole
+  cache travels as the carry so that each layer updates its slots in place.
+  """
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT):
+  def __call__(self, carry, positions_BxT, segment_ids_BxT):
     cfg = self.config
+    cached = isinstance(carry, tuple)
+    x_BxTxD = carry[0] if cached else carry
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
-    x_BxTxD = x_BxTxD + Attention(cfg, name="attn")(
-        norm("input_norm")(x_BxTxD), positions_BxT, segment_ids_BxT)
+    attended = Attention(cfg, name="attn")(norm("input_norm")(x_BxTxD), positions_BxT,
+                                           segment_ids_BxT, carry[1:] if cached else None)
+    if cached:
+      attended, k_all, v_all = attended
+    x_BxTxD = x_BxTxD + attended
     x_BxTxD = x_BxTxD + Mlp(cfg, name="mlp")(norm("post_attn_norm")(x_BxTxD))
-    return nn.with_logical_constraint(x_BxTxD, ACT_BTD), None
+    x_BxTxD = nn.with_logical_constraint(x_BxTxD, ACT_BTD)
+    return ((x_BxTxD, k_all, v_all, carry[3] + 1) if cached else x_BxTxD), None
 
 
 class Transformer(nn.Module):
@@ -167,11 +222,16 @@ class Transformer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, input_ids_BxT, positions_BxT=None, segment_ids_BxT=None):
+  def __call__(self, input_ids_BxT, positions_BxT=None, segment_ids_BxT=None,
+               cache: KVCache | None = None):
     """Returns next-token logits; positions default to 0..T-1, segment ids to one segment.
 
     With `segment_ids_BxT` (packed rows; 0 may mark padding) a token attends only to earlier
     tokens of its own segment, and `positions_BxT` should restart at 0 for every segment.
+
+    With `cache` (decoding), row b's tokens sit at consecutive positions starting anywhere;
+    their keys and values are written into the cache at those slots, each token attends to
+    the slots up to its own position, and (logits, updated cache) is returned.
     """
     cfg = self.config
     if cfg.attention_impl == "cudnn" and jax.default_backend() != "gpu":
@@ -193,7 +253,13 @@ class Transformer(nn.Module):
         layer, variable_axes={"params": 0}, split_rngs={"params": True},
         in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers, unroll=cfg.scan_unroll,
         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")
-    x_BxTxD, _ = layers(x_BxTxD, positions_BxT, segment_ids_BxT)
+    if cache is None:
+      x_BxTxD, _ = layers(x_BxTxD, positions_BxT, segment_ids_BxT)
+    else:
+      carry = (x_BxTxD, nn.with_logical_constraint(cache.k_LxBxSxKxH, CACHE_LBSKH),
+               nn.with_logical_constraint(cache.v_LxBxSxKxH, CACHE_LBSKH), jnp.int32(0))
+      (x_BxTxD, k_all, v_all, _), _ = layers(carry, positions_BxT, segment_ids_BxT)
+      cache = cache.replace(k_LxBxSxKxH=k_all, v_LxBxSxKxH=v_all)
     x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype,
                       name="final_norm")(x_BxTxD)
 
@@ -205,5 +271,5 @@ class Transformer(nn.Module):
     batch, seq, _ = x_BxTxD.shape
     logits_NxV = jnp.dot(x_BxTxD.reshape(batch * seq, -1), head_DxV.astype(cfg.compute_dtype),
                          preferred_element_type=jnp.float32)
-    logits_BxTxV = logits_NxV.reshape(batch, seq, -1)
-    return nn.with_logical_constraint(logits_BxTxV, ACT_BTV)
+    logits_BxTxV = nn.with_logical_constraint(logits_NxV.reshape(batch, seq, -1), ACT_BTV)
+    return logits_BxTxV if cache is None else (logits_BxTxV, cache)

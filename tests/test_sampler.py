@@ -1,0 +1,166 @@
+"""KV-cache decoding equals full forward passes; sampling matches its definitions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coa_jax import sharding
+from coa_jax.model import build_config
+from coa_jax.model.transformer import Transformer
+from coa_jax.sampler import Sampler, SamplingConfig, bucket, sample_tokens
+from coa_jax.train.state import init_params, param_shardings
+
+CONFIG = build_config({"preset": "tiny", "tie_embeddings": False})
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def mesh1():
+  return sharding.make_mesh(devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def params(mesh1):
+  return init_params(Transformer(CONFIG), mesh1, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def full_logits(params):
+  """Logits of a full forward pass without a cache, one sequence at a time."""
+  apply = jax.jit(lambda ids: Transformer(CONFIG).apply({"params": params}, ids))
+  return lambda seq: np.asarray(apply(jnp.asarray([seq]))[0])
+
+
+def sampler(mesh, sampling=GREEDY, batch_size=4, chunk=6, stop_ids=()):
+  return Sampler(CONFIG, mesh, batch_size=batch_size, cache_size=64, chunk=chunk,
+                 stop_ids=stop_ids, sampling=sampling)
+
+
+def run_episode(s, params, key=0):
+  """Prefills two groups of two rows, decodes, extends rows 0 and 2, decodes again.
+
+  Returns each row's full token sequence and the (position, logprob) of its sampled tokens.
+  """
+  state = s.init_state()
+  state = s.prefill_groups(params, state, [([0, 1], PROMPTS[0]), ([2, 3], PROMPTS[1])],
+                           [40, 40])
+  seqs = [list(PROMPTS[0]), list(PROMPTS[0]), list(PROMPTS[1]), list(PROMPTS[1])]
+  sampled = [[] for _ in seqs]
+
+  def take(chunk):
+    tokens, logprobs, counts = map(np.asarray, (chunk.tokens_BxK, chunk.logprobs_BxK,
+                                                chunk.counts_B))
+    for row in range(4):
+      for t, lp in zip(tokens[row, :counts[row]], logprobs[row, :counts[row]]):
+        sampled[row].append((len(seqs[row]), float(lp)))
+        seqs[row].append(int(t))
+
+  state, chunk = s.decode_chunk(params, state, jax.random.key(key))
+  take(chunk)
+  appends = {0: [100, 101, 102], 2: [200]}
+  state = s.extend_rows(params, state, appends)
+  for row, ids in appends.items():
+    seqs[row].extend(ids)
+  state, chunk = s.decode_chunk(params, state, jax.random.key(key + 1))
+  take(chunk)
+  return seqs, sampled, state
+
+
+def test_greedy_cached_decoding_equals_full_forward_argmax_across_an_extend(mesh1, params,
+                                                                          full_logits):
+  seqs, sampled, _ = run_episode(sampler(mesh1), params)
+  for row, seq in enumerate(seqs):
+    assert len(sampled[row]) == 12 if row in (0, 2) else 6 + 6
+    for position, _ in sampled[row]:
+      assert seq[position] == int(np.argmax(full_logits(seq[:position])[-1])), (row, position)
+  assert len(set(seqs[0][5:11])) > 1  # the model does not just repeat one token
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)])
+def test_recorded_logprobs_equal_teacher_forced_log_softmax(mesh1, params, full_logits,
+                                                            sampling):
+  seqs, sampled, _ = run_episode(sampler(mesh1, sampling), params)
+  for row, seq in enumerate(seqs):
+    logp = jax.nn.log_softmax(full_logits(seq)[:-1], axis=-1)
+    for position, recorded in sampled[row]:
+      np.testing.assert_allclose(recorded, logp[position - 1, seq[position]], atol=1e-4)
+
+
+def test_rows_freeze_on_stop_tokens_and_at_their_budget(mesh1, params):
+  seqs, _, _ = run_episode(sampler(mesh1), params)
+  stop = seqs[1][7]  # the third token that row 1 samples greedily
+  s = sampler(mesh1, chunk=10, stop_ids=[stop])
+  state = s.init_state()
+  state = s.prefill_groups(params, state, [([0, 1], PROMPTS[0])], [40])
+  state = s.prefill_groups(params, state, [([2, 3], PROMPTS[1])], [len(PROMPTS[1]) + 4])
+  state, chunk = s.decode_chunk(params, state, jax.random.key(0))
+  counts = np.asarray(chunk.counts_B)
+  assert counts[1] == 3 and np.asarray(chunk.tokens_BxK)[1, 2] == stop
+  assert counts[2] == counts[3] == 4  # prompt 9 + 4 sampled = budget 13
+  assert not np.asarray(state.active_B)[[1, 2, 3]].any()
+
+
+def test_group_rows_share_one_prefill_and_diverge_when_sampling(mesh1, params):
+  s = sampler(mesh1, SamplingConfig(temperature=1.0), chunk=8)
+  state = s.prefill_groups(params, s.init_state(), [([0, 1, 2, 3], PROMPTS[0])], [40])
+  state, chunk = s.decode_chunk(params, state, jax.random.key(3))
+  rows = {tuple(r) for r in np.asarray(chunk.tokens_BxK)}
+  assert len(rows) > 1
+  again = s.prefill_groups(params, s.init_state(), [([0, 1, 2, 3], PROMPTS[0])], [40])
+  _, same = s.decode_chunk(params, again, jax.random.key(3))
+  np.testing.assert_array_equal(same.tokens_BxK, chunk.tokens_BxK)  # same key, same tokens
+
+
+def test_top_k_1_is_greedy():
+  logits = jax.random.normal(jax.random.key(0), (16, 50))
+  greedy, _ = sample_tokens(logits, jax.random.key(1), GREEDY)
+  top1, _ = sample_tokens(logits, jax.random.key(1), SamplingConfig(temperature=0.7, top_k=1))
+  np.testing.assert_array_equal(greedy, top1)
+
+
+def frequencies(logits, sampling, n=40_000):
+  tokens, _ = sample_tokens(jnp.broadcast_to(logits, (n, len(logits))), jax.random.key(7),
+                            sampling)
+  return np.bincount(np.asarray(tokens), minlength=len(logits)) / n
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+  logits = jnp.log(jnp.array([0.05, 0.5, 0.15, 0.3]))
+  freq = frequencies(logits, SamplingConfig(temperature=1.0, top_p=0.7))
+  np.testing.assert_allclose(freq, [0, 0.5 / 0.8, 0, 0.3 / 0.8], atol=0.01)
+
+
+def test_temperature_scales_the_logits():
+  logits = jnp.log(jnp.array([0.1, 0.2, 0.7]))
+  expected = np.asarray(jax.nn.softmax(logits / 2.0))
+  np.testing.assert_allclose(frequencies(logits, SamplingConfig(temperature=2.0)), expected,
+                             atol=0.01)
+
+
+def test_buckets_are_powers_of_two():
+  assert [bucket(n) for n in (1, 8, 9, 16, 17, 100)] == [8, 8, 16, 16, 32, 128]
+  assert bucket(3, 1) == 4 and bucket(1, 1) == 1
+
+
+def test_no_recompilation_after_warm_up(mesh1, params):
+  s = sampler(mesh1)
+  run_episode(s, params)
+  warm = s.compilations()
+  state = s.prefill_groups(params, s.init_state(), [([0, 1], [1] * 10), ([2, 3], [4] * 15)],
+                           [40, 40])  # other prompt lengths, in the same bucket of 16
+  for i in range(4):
+    state, _ = s.decode_chunk(params, state, jax.random.key(i))
+    state = s.extend_rows(params, state, {1: [7, 8], 3: [9] * (1 + i)})
+  assert s.compilations() == warm
+
+
+def test_sharded_decoding_gives_the_same_tokens_as_one_device(mesh1, params):
+  mesh8 = sharding.make_mesh(sharding.MeshConfig(data=4, fsdp=1, tensor=2))
+  sharded = jax.device_put(params, param_shardings(Transformer(CONFIG), mesh8))
+  one, _, _ = run_episode(sampler(mesh1), params)
+  eight, _, state = run_episode(sampler(mesh8), sharded)
+  assert one == eight
+  # Rows over data (4 of them), kv heads over tensor (2).
+  assert state.cache.k_LxBxSxKxH.addressable_shards[0].data.shape == (2, 1, 64, 1, 16)
