@@ -1,0 +1,275 @@
+"""The rollout loop: exact ids and masks of scripted episodes, tools between chunks, limits."""
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coa_jax import coa_format, sharding
+from coa_jax.model import build_config
+from coa_jax.model.transformer import Transformer
+from coa_jax.rollout import Rollout, RolloutConfig, Task, summarize
+from coa_jax.sampler import Chunk, Sampler, SamplingConfig
+from coa_jax.sft_tokenize import step_ids
+from coa_jax.tokenizer import default_tokenizer
+from coa_jax.train.state import init_params
+from tools_env import Tool, ToolRegistry
+
+TOKENIZER = default_tokenizer("plain")
+SYSTEM = "You are an agent."
+CONFIG = RolloutConfig(group_size=1, max_prompt_tokens=64, max_response_tokens=160,
+                       max_turns=4, max_observation_tokens=48, tool_workers=4,
+                       tool_timeout_s=5.0)
+
+
+def steps(*pairs, first=True):
+  """Returns the ids the model writes for (tag, content) steps."""
+  ids = []
+  for i, (tag, content) in enumerate(pairs):
+    ids += step_ids(TOKENIZER, coa_format.Step(tag, content), first=first and i == 0)
+  return ids
+
+
+def observation(text):
+  return step_ids(TOKENIZER, coa_format.Step(coa_format.OBSERVATION, text), first=False)
+
+
+@dataclasses.dataclass
+class FakeState:
+  active_B: np.ndarray
+
+
+class ScriptedSampler:
+  """Stands in for `Sampler` on the host: each task's rows emit a scripted token stream,
+  stopping on the same stop ids and budgets; log-probs are -(position / 1000)."""
+
+  def __init__(self, scripts, batch_size=2, chunk=7, stop_ids=(), cache_size=10_000):
+    self.scripts, self.batch_size, self.chunk = scripts, batch_size, chunk
+    self.stop_ids, self.cache_size = set(stop_ids), cache_size
+    self.rows, self.max_busy = {}, 0
+
+  def init_state(self):
+    return FakeState(np.zeros(self.batch_size, bool))
+
+  def prefill_groups(self, params, state, groups, budgets):
+    for (rows, prompt), budget in zip(groups, budgets):
+      question = TOKENIZER.decode(prompt).split("\n\n")[1]
+      for row in rows:
+        self.rows[row] = {"script": list(self.scripts[question]), "total": len(prompt),
+                          "budget": budget}
+        state.active_B[row] = True
+    self.max_busy = max(self.max_busy, len(self.rows))
+    return state
+
+  def decode_chunk(self, params, state, key):
+    tokens = np.zeros((self.batch_size, self.chunk), np.int32)
+    logprobs = np.zeros((self.batch_size, self.chunk), np.float32)
+    counts = np.zeros(self.batch_size, np.int32)
+    for row in np.flatnonzero(state.active_B):
+      info = self.rows[row]
+      while counts[row] < self.chunk and state.active_B[row]:
+        token = info["script"].pop(0)
+        tokens[row, counts[row]], logprobs[row, counts[row]] = token, -info["total"] / 1000
+        counts[row] += 1
+        info["total"] += 1
+        if token in self.stop_ids or info["total"] >= info["budget"]:
+          state.active_B[row] = False
+    return state, Chunk(tokens, logprobs, counts)
+
+  def extend_rows(self, params, state, appends):
+    for row, ids in appends.items():
+      self.rows[row]["total"] += len(ids)
+      state.active_B[row] = True
+    return state
+
+
+class Echo(Tool):
+  """Answers `<tag> says: body`, after an optional delay; 'boom' raises inside the tool."""
+
+  def __init__(self, tag, delay=0.0, padding=0):
+    super().__init__()
+    self.tag, self.delay, self.padding = tag, delay, padding
+
+  def _run(self, body, goal):
+    time.sleep(self.delay)
+    if body == "boom":
+      raise RuntimeError("tool exploded")
+    return f"{self.tag} says: {body}" + " and more" * self.padding, {}
+
+
+class Registry(ToolRegistry):
+  """A registry whose `code` entry raises out of the registry itself for the body 'crash'."""
+
+  def call(self, tag, body, goal=""):
+    if body == "crash":
+      raise OSError("registry crashed")
+    return super().call(tag, body, goal)
+
+
+def rollout(scripts, tools=None, config=CONFIG, batch_size=2):
+  tools = tools or Registry({"code": Echo("code"), "web_search": Echo("web_search")})
+  engine = Rollout(ScriptedSampler(scripts, batch_size), None, TOKENIZER, tools, config, SYSTEM)
+  engine.sampler.stop_ids = set(engine.stop_ids())
+  return engine
+
+
+def run(scripts, **kwargs):
+  engine = rollout(scripts, **kwargs)
+  groups = list(engine.run([Task(q, q) for q in scripts]))
+  return {g[0].task_id: g[0] for g in groups}, engine
+
+
+def test_scripted_tool_episode_has_exact_ids_and_masks():
+  think = steps(("think", "I should compute."))
+  call = steps(("code", "```python\nprint(6 * 7)\n```"), first=False)
+  answer = steps(("answer", "42"), first=False)
+  record = run({"q1": think + call + answer})[0]["q1"]
+  prompt = TOKENIZER.prompt_ids(SYSTEM, "q1")
+  obs = observation("code says: ```python\nprint(6 * 7)\n```")
+  assert record.ids == prompt + think + call + obs + answer
+  assert record.loss_mask == ([0] * len(prompt) + [1] * len(think + call) + [0] * len(obs) +
+                              [1] * len(answer))
+  assert all(lp == 0 for lp, m in zip(record.logprobs, record.loss_mask) if not m)
+  assert all(lp < 0 for lp, m in zip(record.logprobs, record.loss_mask) if m)
+  assert (record.finish_reason, record.turns, record.tool_calls) == ("answer", 1, {"code": 1})
+  assert TOKENIZER.decode(obs).startswith("\n<observation>\n")
+
+
+def test_tool_failures_become_error_observations():
+  bad = {
+      "unknown": steps(("wiki_search", "Everest")) + steps(("answer", "x"), first=False),
+      "raises": steps(("code", "boom")) + steps(("answer", "x"), first=False),
+      "crash": steps(("code", "crash")) + steps(("answer", "x"), first=False),
+      "malformed": TOKENIZER.encode("no tag here") + [TOKENIZER.tag_id("code", close=True)] +
+                   steps(("answer", "x"), first=False),
+  }
+  records, _ = run(bad, batch_size=4)
+  expected = {"unknown": ("unknown_tool", "unknown tool 'wiki_search'"),
+              "raises": ("tool_error", "RuntimeError: tool exploded"),
+              "crash": ("tool_error", "OSError: registry crashed"),
+              "malformed": ("bad_request", "malformed tool call")}
+  for task, (kind, text) in expected.items():
+    record = records[task]
+    assert record.finish_reason == "answer" and record.tool_errors == {kind: 1}, task
+    observed = TOKENIZER.decode([t for t, m in zip(record.ids, record.loss_mask)
+                                 if not m][record.prompt_len:])
+    assert text in observed, (task, observed)
+
+
+def test_a_hanging_tool_times_out_without_holding_the_rollout():
+  config = dataclasses.replace(CONFIG, tool_timeout_s=0.3)
+  tools = ToolRegistry({"code": Echo("code", delay=30.0)})
+  start = time.monotonic()
+  records, _ = run({"q": steps(("code", "x")) + steps(("answer", "y"), first=False)},
+                   tools=tools, config=config)
+  assert time.monotonic() - start < 3
+  assert records["q"].tool_errors == {"timeout": 1} and records["q"].finish_reason == "answer"
+
+
+def test_slow_tools_overlap_other_rows_decoding():
+  slow = steps(("web_search", "a")) + steps(("answer", "y"), first=False)
+  scripts = {f"q{i}": slow for i in range(4)}
+  tools = ToolRegistry({"web_search": Echo("web_search", delay=0.5)})
+  start = time.monotonic()
+  records, engine = run(scripts, tools=tools, batch_size=4)
+  assert time.monotonic() - start < 1.2  # four 0.5 s calls ran at once
+  assert all(r.finish_reason == "answer" for r in records.values())
+
+
+def test_finished_rows_are_refilled_from_the_pending_tasks():
+  short = steps(("answer", "1"))
+  long = steps(("think", "a long thought " * 8)) + short
+  scripts = {"long": long, "s1": short, "s2": short, "s3": short}
+  engine = rollout(scripts)
+  order = [g[0].task_id for g in engine.run([Task(q, q) for q in scripts])]
+  assert order[-1] == "long" and sorted(order[:-1]) == ["s1", "s2", "s3"]
+  assert engine.sampler.max_busy == 2
+
+
+def test_group_samples_share_the_task():
+  config = dataclasses.replace(CONFIG, group_size=2)
+  engine = rollout({"q": steps(("answer", "1"))}, config=config)
+  (group,) = list(engine.run([Task("q", "q", {"answer": "1"})]))
+  assert [r.sample for r in group] == [0, 1] and group[0].task_data == {"answer": "1"}
+
+
+def test_prompt_longer_than_the_budget_finishes_with_an_error():
+  records, _ = run({"q " * 100: steps(("answer", "1"))})
+  (record,) = records.values()
+  assert record.finish_reason == "error" and "max_prompt_tokens" in record.task_data["error"]
+  assert record.response_len == 0
+
+
+def test_half_open_tag_at_the_budget_finishes_on_length():
+  script = steps(("think", "x")) + [TOKENIZER.tag_id("code")] + TOKENIZER.encode("y " * 400)
+  records, _ = run({"q": script})
+  record = records["q"]
+  assert record.finish_reason == "length"
+  assert record.response_len == CONFIG.max_response_tokens
+
+
+def test_max_turns_finishes_the_sample():
+  calls = sum((steps((tag, f"{tag} {i}"), first=i == 0)
+               for i, tag in enumerate(["code", "web_search"] * 3)), [])
+  records, _ = run({"q": calls})
+  record = records["q"]
+  assert record.finish_reason == "max_turns" and record.turns == CONFIG.max_turns
+
+
+def test_an_observation_overflowing_the_budget_is_cut_and_finishes_the_row():
+  config = dataclasses.replace(CONFIG, max_response_tokens=40, max_observation_tokens=200)
+  record = run({"q": steps(("code", "x")) + steps(("answer", "1"), first=False)},
+               tools=ToolRegistry({"code": Echo("code", padding=100)}), config=config)[0]["q"]
+  assert record.finish_reason == "length"
+  assert len(record.ids) == record.prompt_len + config.max_response_tokens
+  assert record.loss_mask[-1] == 0
+
+
+def test_repeated_calls_get_a_notice():
+  call = steps(("web_search", "same query"))
+  script = call + steps(("web_search", "same  QUERY"), first=False) + \
+      steps(("answer", "1"), first=False)
+  record = run({"q": script})[0]["q"]
+  assert record.tool_errors == {"repeated": 1}
+  assert summarize([record])["tool_calls"] == {"web_search": 2}
+
+
+# --- the real sampler ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real():
+  config = build_config({"preset": "tiny", "vocab_size": TOKENIZER.vocab_size,
+                         "tie_embeddings": False})
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  params = init_params(Transformer(config), mesh, jax.random.key(0))
+  rollout_config = dataclasses.replace(CONFIG, max_response_tokens=96, group_size=2)
+  sampler = Sampler(config, mesh, batch_size=4, chunk=16,
+                    cache_size=rollout_config.cache_size(Rollout.observation_bucket(rollout_config)),
+                    stop_ids=[], sampling=SamplingConfig(temperature=1.0))
+  tools = ToolRegistry({"code": Echo("code"), "web_search": Echo("web_search")})
+  engine = Rollout(sampler, params, TOKENIZER, tools, rollout_config, SYSTEM, seed=3)
+  sampler.stop_ids = tuple(engine.stop_ids())
+  apply = jax.jit(lambda ids: Transformer(config).apply({"params": params}, ids))
+  return engine, lambda seq: np.asarray(apply(jnp.asarray([seq]))[0])
+
+
+def test_real_rollout_records_are_token_exact_and_do_not_recompile(real):
+  engine, full_logits = real
+  tasks = [Task(f"t{i}", f"What is {i} + {i}?") for i in range(6)]
+  first = [r for g in engine.run(tasks[:3]) for r in g]
+  warm = engine.sampler.compilations()
+  second = [r for g in engine.run(tasks[3:]) for r in g]
+  assert engine.sampler.compilations() == warm
+  records = first + second
+  assert sum(r.turns for r in records) > 0  # the random policy did call tools
+  for record in records:
+    assert len(record.ids) == len(record.loss_mask) == len(record.logprobs)
+    assert record.finish_reason in ("answer", "eos", "max_turns", "length")
+    logp = jax.nn.log_softmax(full_logits(record.ids)[:-1], axis=-1)
+    for position in np.flatnonzero(record.loss_mask):
+      np.testing.assert_allclose(record.logprobs[position],
+                                 logp[position - 1, record.ids[position]], atol=1e-4)
