@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 ACCELERATOR := $(wildcard /dev/accel0 /dev/vfio/0 /dev/nvidia0)
 export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 
-.PHONY: install demo lm-demo test sft bench bench-tools aot clean
+.PHONY: install demo lm-demo test sft rollout bench bench-tools bench-rollout aot clean
 
 $(STAMP): setup.py
 	@# bubblewrap gives the code sandbox its strongest isolation; without it (or as non-root)
@@ -37,6 +37,13 @@ test: $(STAMP)
 
 sft: $(STAMP)
 	$(BIN)/python experiments/sft.py $(ARGS)
+
+# Rollouts of the SFT demo's exported model with the embedded tools (run `make demo` first).
+rollout: $(STAMP)
+	$(BIN)/python experiments/rollout.py $(ARGS)
+
+bench-rollout: $(STAMP)
+	$(BIN)/python experiments/bench_rollout.py $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python experiments/bench_model.py $(ARGS)

@@ -24,7 +24,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import numpy as np
@@ -128,6 +128,7 @@ class Rollout:
     self.sampler, self.params, self.tokenizer = sampler, params, tokenizer
     self.tools, self.config, self.system_prompt = tools, config, system_prompt
     self.key = jax.random.key(seed)
+    self.listener: Callable[[RolloutRecord], None] | None = None  # sees every record update
     self.chunks = 0
     self.decode_s = self.tool_wait_s = 0.0
     self._tool_stop = {tokenizer.tag_id(tag, close=True): tag for tag in coa_format.TOOL_TAGS}
@@ -222,6 +223,8 @@ class Rollout:
       record.loss_mask.extend([1] * count)
       record.logprobs.extend(float(lp) for lp in logprobs[index, :count])
       record.decode_s += elapsed
+      if self.listener:
+        self.listener(record)
       if still[index]:
         continue
       last = record.ids[-1] if count else None
@@ -295,6 +298,8 @@ class Rollout:
       record.logprobs.extend([0.0] * len(ids))
       row.call_start = len(record.ids)
       appends[index] = ids
+      if self.listener:
+        self.listener(record)
     if appends:
       state = self.sampler.extend_rows(self.params, state, appends)
     return state

@@ -19,7 +19,7 @@ from coa_jax import data_pipeline, hf_checkpoint, sharding, tokenizer as tokeniz
 from coa_jax.checkpointing import Checkpointer, PreemptionFlag
 from coa_jax.importers import DropCounter
 from coa_jax.metrics import MetricsLog, say
-from coa_jax.model import ConfigError, Transformer, build_config
+from coa_jax.model import ConfigError, ModelConfig, Transformer, build_config
 from coa_jax.train import optimizer, state as state_lib, step as step_lib
 
 
@@ -34,19 +34,28 @@ def load_tokenizer(config: Any) -> tokenizer_lib.CoATokenizer:
   return tokenizer_lib.from_hf_folder(config.tokenizer.path, config.tokenizer.template)
 
 
-def _model_and_params(config: Any, tokenizer, mesh, tx, rng):
-  """Returns (model config, TrainState): from an HF checkpoint folder or a fresh init."""
+def load_model(config: Any, tokenizer, mesh) -> tuple[ModelConfig, Any]:
+  """Returns (model config, params) from the HF folder config.model.checkpoint, or (model
+  config, None) for a fresh model built from config.model; the vocabulary covers the
+  tokenizer's."""
   if config.model.get("checkpoint"):
     overrides = {k: v for k, v in config.model.items() if k not in ("preset", "checkpoint")}
-    model_config, params = hf_checkpoint.load_checkpoint(
-        config.model.checkpoint, mesh, vocab_size=tokenizer.vocab_size, **overrides)
-    model = Transformer(model_config)
-    return model_config, state_lib.state_from_params(params, tx, model, mesh, rng)
+    return hf_checkpoint.load_checkpoint(config.model.checkpoint, mesh,
+                                         vocab_size=tokenizer.vocab_size, **overrides)
   model_config = build_config(config.model)
   if model_config.vocab_size < tokenizer.vocab_size:
     model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   sharding.check_model_fits_mesh(model_config, mesh)
-  return model_config, state_lib.init_state(Transformer(model_config), tx, mesh, rng)
+  return model_config, None
+
+
+def _model_and_params(config: Any, tokenizer, mesh, tx, rng):
+  """Returns (model config, TrainState): from an HF checkpoint folder or a fresh init."""
+  model_config, params = load_model(config, tokenizer, mesh)
+  model = Transformer(model_config)
+  if params is not None:
+    return model_config, state_lib.state_from_params(params, tx, model, mesh, rng)
+  return model_config, state_lib.init_state(model, tx, mesh, rng)
 
 
 def run(config: Any) -> dict[str, Any]:

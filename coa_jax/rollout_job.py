@@ -1,0 +1,140 @@
+"""The rollout job: a policy from a checkpoint, tools from the config, tasks from a file.
+
+`run(config)` writes `records.jsonl` (one RolloutRecord per sample, token in, token out),
+`transcripts.txt` (the first few samples as readable text) and `summary.json` under
+config.output_dir, printing progress with rate and ETA. `interactive(config)` reads
+questions from stdin and streams each step of the agent as it is decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+import jax
+
+from coa_jax import coa_format, sharding
+from coa_jax.metrics import say
+from coa_jax.model import ConfigError, Transformer
+from coa_jax.rollout import Rollout, RolloutConfig, RolloutRecord, Task, summarize
+from coa_jax.sampler import Sampler, SamplingConfig
+from coa_jax.sft import load_model, load_tokenizer
+from coa_jax.train.state import init_params
+from tools_env import registry as tools_registry
+
+
+def load_tasks(path: str, limit: int = 0) -> list[Task]:
+  """Returns tasks from a JSONL file of {"question", optional "id", ...}; other fields are
+  kept as task data (e.g. the answer). Raises ConfigError naming the first bad line."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"task file {path!r} does not exist")
+  tasks = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+        question = record["question"]
+      except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}:{number}: not a task record with a 'question' ({e})") from None
+      if not isinstance(question, str) or not question.strip():
+        raise ConfigError(f"{path}:{number}: 'question' must be a non-empty string")
+      data = {k: v for k, v in record.items() if k not in ("id", "question", "steps", "system")}
+      tasks.append(Task(str(record.get("id", number)), question, data))
+      if limit and len(tasks) == limit:
+        break
+  if not tasks:
+    raise ConfigError(f"task file {path!r} has no tasks")
+  return tasks
+
+
+def build(config: Any) -> tuple[Rollout, Any]:
+  """Returns (the Rollout engine, the tokenizer) that `config` describes."""
+  tokenizer = load_tokenizer(config)
+  mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
+  model_config, params = load_model(config, tokenizer, mesh)
+  if params is None:
+    say("model.checkpoint is empty: rolling out a freshly initialized (untrained) model")
+    params = init_params(Transformer(model_config), mesh, jax.random.key(config.seed))
+  rollout_config = RolloutConfig(**config.rollout)
+  sampler = Sampler(model_config, mesh, batch_size=config.batch_size,
+                    cache_size=rollout_config.cache_size(Rollout.observation_bucket(rollout_config)),
+                    chunk=config.chunk, stop_ids=(), sampling=SamplingConfig(**config.sampling))
+  tools = tools_registry.build_registry(config.tools.to_dict())
+  engine = Rollout(sampler, params, tokenizer, tools, rollout_config, config.system_prompt,
+                   seed=config.seed)
+  sampler.stop_ids = tuple(engine.stop_ids())
+  return engine, tokenizer
+
+
+def transcript(record: RolloutRecord, tokenizer) -> str:
+  """Returns a readable transcript of one sample."""
+  head = (f"=== task {record.task_id} sample {record.sample}: {record.finish_reason}, "
+          f"{record.response_len} tokens, {record.turns} tool calls {record.tool_calls}")
+  prompt = tokenizer.decode(record.ids[:record.prompt_len])
+  return f"{head}\n--- prompt\n{prompt}\n--- response\n{record.response_text(tokenizer)}\n"
+
+
+def run(config: Any) -> dict[str, Any]:
+  """Rolls out the tasks of config.tasks; returns the summary it also writes."""
+  tasks = load_tasks(config.tasks, config.max_tasks)
+  engine, tokenizer = build(config)
+  os.makedirs(config.output_dir, exist_ok=True)
+  paths = {name: os.path.join(config.output_dir, name)
+           for name in ("records.jsonl", "transcripts.txt", "summary.json")}
+  say(f"rolling out {len(tasks)} tasks x {engine.config.group_size} samples "
+      f"({config.batch_size} rows, chunks of {config.chunk}) -> {config.output_dir}")
+  records: list[RolloutRecord] = []
+  start = last = time.perf_counter()
+  with open(paths["records.jsonl"], "w") as out, open(paths["transcripts.txt"], "w") as text:
+    for done, group in enumerate(engine.run(tasks), 1):
+      for record in group:
+        out.write(json.dumps(record.to_json()) + "\n")
+        if len(records) < config.transcripts:
+          text.write(transcript(record, tokenizer) + "\n")
+        records.append(record)
+      now = time.perf_counter()
+      if now - last > 5 or done == len(tasks):
+        rate = done / (now - start)
+        say(f"tasks {done}/{len(tasks)}  {rate:.2f} tasks/s  "
+            f"{sum(r.response_len for r in records) / (now - start):,.0f} tokens/s  "
+            f"ETA {(len(tasks) - done) / rate:.0f}s")
+        last = now
+  summary = {**summarize(records), "wall_s": time.perf_counter() - start,
+             "decode_s": engine.decode_s, "tool_wait_s": engine.tool_wait_s,
+             "chunks": engine.chunks, "compilations": engine.sampler.compilations()}
+  with open(paths["summary.json"], "w") as f:
+    json.dump(summary, f, indent=2)
+  say(json.dumps(summary))
+  return summary
+
+
+def interactive(config: Any, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+  """Reads questions line by line and prints each step of the agent as soon as it is closed."""
+  config.rollout.group_size = 1
+  engine, tokenizer = build(config)
+  shown = [0]
+
+  def show(record: RolloutRecord) -> None:
+    steps, _ = coa_format.parse(record.response_text(tokenizer))
+    closed = [step for step in steps if step.closed]
+    for step in closed[shown[0]:]:
+      stdout.write(coa_format.render_step(step) + "\n")
+    stdout.flush()
+    shown[0] = len(closed)
+
+  engine.listener = show
+  stdout.write("Type a question (an empty line or Ctrl-D quits).\n> ")
+  stdout.flush()
+  for line in stdin:
+    if not line.strip():
+      break
+    shown[0] = 0
+    for (record,) in engine.run([Task("interactive", line.strip())]):
+      stdout.write(f"[{record.finish_reason}: {record.response_len} tokens, "
+                   f"{record.turns} tool calls]\n> ")
+      stdout.flush()

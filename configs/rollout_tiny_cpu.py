@@ -1,0 +1,35 @@
+"""Rollouts of the tiny SFT model (`make demo` exports it) with the embedded tools, on a CPU."""
+
+import os
+
+import ml_collections
+
+from configs import common
+from coa_jax.sample_data import SYSTEM_PROMPT
+from tools_env.registry import default_spec
+
+_SAMPLE = os.path.join(os.path.dirname(__file__), "..", "coa_jax", "assets", "coa_sample.jsonl")
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  # The SFT demo's model; an empty checkpoint rolls out a fresh (untrained) one.
+  config.model = common.model("tiny", hidden_size=128, intermediate_size=256, num_layers=2,
+                              num_heads=4, num_kv_heads=2)
+  config.model.checkpoint = "runs/sft_tiny/hf_export"
+  config.tokenizer = common.tokenizer("default", "plain")
+  config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
+  config.tasks = os.path.normpath(_SAMPLE)  # JSONL with "question" (and any other fields)
+  config.max_tasks = 16  # 0: all
+  config.system_prompt = SYSTEM_PROMPT
+  config.batch_size = 8  # decode rows (a multiple of rollout.group_size)
+  config.chunk = 32  # decode steps per device call
+  config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))
+  config.rollout = ml_collections.ConfigDict(dict(
+      group_size=2, max_prompt_tokens=256, max_response_tokens=768, max_turns=8,
+      max_observation_tokens=256, tool_workers=8, tool_timeout_s=60.0))
+  config.tools = default_spec()  # tag -> {"kind": ..., options}; see tools_env.registry
+  config.output_dir = "runs/rollout_tiny"
+  config.transcripts = 4  # samples written out as readable text
+  return config
