@@ -104,6 +104,20 @@ def blockwise_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
   return out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, head_dim)
 
 
+def grouped_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xTxS) -> jax.Array:
+  """Returns masked attention as (B, T, N, H) with each kv head serving its group of query
+  heads in place (no repeated keys or values): the decode path over a KV cache."""
+  batch, seq, heads, head_dim = q_BxTxNxH.shape
+  kv_heads = k_BxSxKxH.shape[2]
+  q_BxTxKxGxH = q_BxTxNxH.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
+                      preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(head_dim))
+  scores = jnp.where(mask_Bx1xTxS[:, :, None], scores, _NEG)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
+  out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
+  return out_BxTxKxGxH.reshape(batch, seq, heads, head_dim)
+
+
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_ids_BxT=None, kv_segment_ids_BxS=None,
            mask_Bx1xTxS=None, is_causal: bool, implementation: str,
            block: int = 128) -> jax.Array:
@@ -117,6 +131,8 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_ids_BxT=None, kv_segmen
   """
   if implementation == "blockwise" and is_causal and k_BxSxKxH.shape[1] == q_BxTxNxH.shape[1]:
     return blockwise_causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT, block)
+  if mask_Bx1xTxS is not None and implementation != "cudnn":
+    return grouped_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xTxS)
   mask = mask_Bx1xTxS
   if q_segment_ids_BxT is not None:
     kv_segment_ids_BxS = q_segment_ids_BxT if kv_segment_ids_BxS is None else kv_segment_ids_BxS

@@ -60,11 +60,11 @@ class KVCache:
 def _write_layer(cache_LxBxSxKxH, layer, new_BxTxKxH, starts_B):
   """Returns the cache with `new` written at [layer, b, starts_B[b]:starts_B[b] + T]."""
 
-  def one_row(cache_LxSxKxH, new_TxKxH, start):
-    return jax.lax.dynamic_update_slice(cache_LxSxKxH, new_TxKxH[None].astype(
-        cache_LxSxKxH.dtype), (layer, start, 0, 0))
-
-  return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(cache_LxBxSxKxH, new_BxTxKxH, starts_B)
+  batch, seq = new_BxTxKxH.shape[:2]
+  rows_BxT = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
+  slots_BxT = starts_B[:, None] + jnp.arange(seq)[None, :]
+  return cache_LxBxSxKxH.at[layer, rows_BxT, slots_BxT].set(
+      new_BxTxKxH.astype(cache_LxBxSxKxH.dtype), unique_indices=True, mode="promise_in_bounds")
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -247,7 +247,7 @@ class Transformer(nn.Module):
     x_BxTxD = nn.with_logical_constraint(x_BxTxD, ACT_BTD)
 
     layer = DecoderLayer
-    if cfg.remat != "none":
+    if cfg.remat != "none" and cache is None:
       layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     layers = nn.scan(
         layer, variable_axes={"params": 0}, split_rngs={"params": True},
