@@ -39,6 +39,12 @@ ANSWER, EOS, MAX_TURNS, LENGTH, ERROR = "answer", "eos", "max_turns", "length", 
 FINISH_REASONS = (ANSWER, EOS, MAX_TURNS, LENGTH, ERROR)
 
 
+def stop_ids(tokenizer: CoATokenizer) -> list[int]:
+  """Returns the token ids that freeze a row: closing tool tags, `</answer>`, the end token."""
+  return ([tokenizer.tag_id(tag, close=True) for tag in coa_format.TOOL_TAGS] +
+          [tokenizer.tag_id("answer", close=True), tokenizer.end_id])
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
   """Limits of one rollout; the sampler's batch and cache size follow from them."""
@@ -122,6 +128,10 @@ class Rollout:
       raise ValueError(f"sampler batch_size={sampler.batch_size} is not a multiple of "
                        f"group_size={config.group_size}")
     needed = config.cache_size(0) + self.observation_bucket(config)
+    missing = set(stop_ids(tokenizer)) - set(sampler.stop_ids)
+    if missing:
+      raise ValueError(f"the sampler does not stop on {sorted(missing)}; build it with "
+                       f"stop_ids=rollout.stop_ids(tokenizer)")
     if sampler.cache_size < needed:
       raise ValueError(f"sampler cache_size={sampler.cache_size} < {needed} needed by the "
                        f"rollout limits")
@@ -138,10 +148,6 @@ class Rollout:
   def observation_bucket(config: RolloutConfig) -> int:
     """Returns the padded length of the longest extend (observation plus its tags)."""
     return bucket(config.max_observation_tokens + 16)
-
-  def stop_ids(self) -> list[int]:
-    """Returns the token ids that freeze a row: closing tool tags, `</answer>`, end token."""
-    return [*self._tool_stop, self._answer_id, self._end_id]
 
   # --- the loop --------------------------------------------------------------------------
 

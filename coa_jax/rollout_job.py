@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import jax
 
-from coa_jax import coa_format, sharding
+from coa_jax import coa_format, rollout, sharding
 from coa_jax.metrics import say
 from coa_jax.model import ConfigError, Transformer
 from coa_jax.rollout import Rollout, RolloutConfig, RolloutRecord, Task, summarize
@@ -63,11 +63,11 @@ def build(config: Any) -> tuple[Rollout, Any]:
   rollout_config = RolloutConfig(**config.rollout)
   sampler = Sampler(model_config, mesh, batch_size=config.batch_size,
                     cache_size=rollout_config.cache_size(Rollout.observation_bucket(rollout_config)),
-                    chunk=config.chunk, stop_ids=(), sampling=SamplingConfig(**config.sampling))
+                    chunk=config.chunk, stop_ids=rollout.stop_ids(tokenizer),
+                    sampling=SamplingConfig(**config.sampling))
   tools = tools_registry.build_registry(config.tools.to_dict())
   engine = Rollout(sampler, params, tokenizer, tools, rollout_config, config.system_prompt,
                    seed=config.seed)
-  sampler.stop_ids = tuple(engine.stop_ids())
   return engine, tokenizer
 
 

@@ -11,7 +11,7 @@ import pytest
 from coa_jax import coa_format, sharding
 from coa_jax.model import build_config
 from coa_jax.model.transformer import Transformer
-from coa_jax.rollout import Rollout, RolloutConfig, Task, summarize
+from coa_jax.rollout import Rollout, RolloutConfig, Task, stop_ids, summarize
 from coa_jax.sampler import Chunk, Sampler, SamplingConfig
 from coa_jax.sft_tokenize import step_ids
 from coa_jax.tokenizer import default_tokenizer
@@ -48,7 +48,7 @@ class ScriptedSampler:
 
   def __init__(self, scripts, batch_size=2, chunk=7, stop_ids=(), cache_size=10_000):
     self.scripts, self.batch_size, self.chunk = scripts, batch_size, chunk
-    self.stop_ids, self.cache_size = set(stop_ids), cache_size
+    self.stop_ids, self.cache_size = tuple(stop_ids), cache_size
     self.rows, self.max_busy = {}, 0
 
   def init_state(self):
@@ -111,9 +111,8 @@ class Registry(ToolRegistry):
 
 def rollout(scripts, tools=None, config=CONFIG, batch_size=2):
   tools = tools or Registry({"code": Echo("code"), "web_search": Echo("web_search")})
-  engine = Rollout(ScriptedSampler(scripts, batch_size), None, TOKENIZER, tools, config, SYSTEM)
-  engine.sampler.stop_ids = set(engine.stop_ids())
-  return engine
+  sampler = ScriptedSampler(scripts, batch_size, stop_ids=stop_ids(TOKENIZER))
+  return Rollout(sampler, None, TOKENIZER, tools, config, SYSTEM)
 
 
 def run(scripts, **kwargs):
@@ -249,10 +248,9 @@ def real():
   rollout_config = dataclasses.replace(CONFIG, max_response_tokens=96, group_size=2)
   sampler = Sampler(config, mesh, batch_size=4, chunk=16,
                     cache_size=rollout_config.cache_size(Rollout.observation_bucket(rollout_config)),
-                    stop_ids=[], sampling=SamplingConfig(temperature=1.0))
+                    stop_ids=stop_ids(TOKENIZER), sampling=SamplingConfig(temperature=1.0))
   tools = ToolRegistry({"code": Echo("code"), "web_search": Echo("web_search")})
   engine = Rollout(sampler, params, TOKENIZER, tools, rollout_config, SYSTEM, seed=3)
-  sampler.stop_ids = tuple(engine.stop_ids())
   apply = jax.jit(lambda ids: Transformer(config).apply({"params": params}, ids))
   return engine, lambda seq: np.asarray(apply(jnp.asarray([seq]))[0])
 

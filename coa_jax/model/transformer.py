@@ -51,20 +51,15 @@ class KVCache:
   v_LxBxSxKxH: jax.Array
   lengths_B: jax.Array
 
-  @property
-  def size(self) -> int:
-    """Returns the number of slots per row."""
-    return self.k_LxBxSxKxH.shape[2]
-
 
 def _write_layer(cache_LxBxSxKxH, layer, new_BxTxKxH, starts_B):
   """Returns the cache with `new` written at [layer, b, starts_B[b]:starts_B[b] + T]."""
-
   batch, seq = new_BxTxKxH.shape[:2]
   rows_BxT = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
   slots_BxT = starts_B[:, None] + jnp.arange(seq)[None, :]
   return cache_LxBxSxKxH.at[layer, rows_BxT, slots_BxT].set(
       new_BxTxKxH.astype(cache_LxBxSxKxH.dtype), unique_indices=True, mode="promise_in_bounds")
+
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
