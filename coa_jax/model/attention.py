@@ -104,40 +104,50 @@ def blockwise_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
   return out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, head_dim)
 
 
-def grouped_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xTxS) -> jax.Array:
-  """Returns masked attention as (B, T, N, H) with each kv head serving its group of query
-  heads in place (no repeated keys or values): the decode path over a KV cache."""
+def cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache_BxSxKxH, v_cache_BxSxKxH,
+                     starts_B) -> jax.Array:
+  """Returns (B, T, N, H) attention of T new tokens over the cache slots before their first
+  position `starts_B` and, causally, over each other (the KV-cache decode path).
+
+  Each kv head serves its group of query heads in place, and the cache and the new keys are
+  scored separately and combined in one softmax, so no key or value is copied or repeated.
+  """
   batch, seq, heads, head_dim = q_BxTxNxH.shape
-  kv_heads = k_BxSxKxH.shape[2]
+  kv_heads = k_BxTxKxH.shape[2]
   q_BxTxKxGxH = q_BxTxNxH.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
-                      preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(head_dim))
-  scores = jnp.where(mask_Bx1xTxS[:, :, None], scores, _NEG)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
-  out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
-  return out_BxTxKxGxH.reshape(batch, seq, heads, head_dim)
+  q_BxTxKxGxH = q_BxTxKxGxH / jnp.sqrt(jnp.asarray(head_dim, q_BxTxNxH.dtype))
+  old = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_cache_BxSxKxH.astype(q_BxTxNxH.dtype),
+                   preferred_element_type=jnp.float32)
+  new = jnp.einsum("btkgh,bukh->bkgtu", q_BxTxKxGxH, k_BxTxKxH,
+                   preferred_element_type=jnp.float32)
+  slots = jnp.arange(k_cache_BxSxKxH.shape[1])
+  old = jnp.where((slots[None, :] < starts_B[:, None])[:, None, None, None, :], old, _NEG)
+  new = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), new, _NEG)
+  peak = jnp.maximum(old.max(axis=-1, keepdims=True), new.max(axis=-1, keepdims=True))
+  old, new = jnp.exp(old - peak), jnp.exp(new - peak)
+  total = old.sum(axis=-1, keepdims=True) + new.sum(axis=-1, keepdims=True)
+  dtype = v_BxTxKxH.dtype
+  out = (jnp.einsum("bkgts,bskh->btkgh", (old / total).astype(dtype),
+                    v_cache_BxSxKxH.astype(dtype), preferred_element_type=jnp.float32) +
+         jnp.einsum("bkgtu,bukh->btkgh", (new / total).astype(dtype), v_BxTxKxH,
+                    preferred_element_type=jnp.float32))
+  return out.reshape(batch, seq, heads, head_dim).astype(q_BxTxNxH.dtype)
 
 
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_ids_BxT=None, kv_segment_ids_BxS=None,
-           mask_Bx1xTxS=None, is_causal: bool, implementation: str,
-           block: int = 128) -> jax.Array:
+           is_causal: bool, implementation: str, block: int = 128) -> jax.Array:
   """Returns softmax(q k^T / sqrt(H) + masks) v as (B, T, N, H).
 
-  Self-attention over a sequence calls it with is_causal=True; a KV-cache decode step calls
-  it with the cached keys/values and `mask_Bx1xTxS` marking the slots each query may see.
   `implementation` is "xla" or "cudnn" (`jax.nn.dot_product_attention`) or "blockwise"
   (`blockwise_causal_attention`, used for causal self-attention; other calls fall back to the
-  dense XLA kernel).
+  dense XLA kernel). The KV-cache decode path uses `cached_attention`.
   """
   if implementation == "blockwise" and is_causal and k_BxSxKxH.shape[1] == q_BxTxNxH.shape[1]:
     return blockwise_causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT, block)
-  if mask_Bx1xTxS is not None and implementation != "cudnn":
-    return grouped_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xTxS)
-  mask = mask_Bx1xTxS
+  mask = None
   if q_segment_ids_BxT is not None:
     kv_segment_ids_BxS = q_segment_ids_BxT if kv_segment_ids_BxS is None else kv_segment_ids_BxS
-    same = segment_mask(q_segment_ids_BxT, kv_segment_ids_BxS)
-    mask = same if mask is None else mask & same
+    mask = segment_mask(q_segment_ids_BxT, kv_segment_ids_BxS)
   return jax.nn.dot_product_attention(
       q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, is_causal=is_causal,
       implementation=None if implementation == "blockwise" else implementation)

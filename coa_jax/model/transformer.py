@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 import flax.struct
 
-from coa_jax.model.attention import attend
+from coa_jax.model.attention import attend, cached_attention
 from coa_jax.model.config import ConfigError, ModelConfig
 from coa_jax.model.rope import apply_rope, inverse_frequencies
 
@@ -52,13 +52,12 @@ class KVCache:
   lengths_B: jax.Array
 
 
-def _write_layer(cache_LxBxSxKxH, layer, new_BxTxKxH, starts_B):
-  """Returns the cache with `new` written at [layer, b, starts_B[b]:starts_B[b] + T]."""
-  batch, seq = new_BxTxKxH.shape[:2]
+def _write(cache_LxBxSxKxH, new_LxBxTxKxH, positions_BxT):
+  """Returns the cache with new[:, b, t] written at slot positions[b, t] of every layer."""
+  batch, seq = positions_BxT.shape
   rows_BxT = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
-  slots_BxT = starts_B[:, None] + jnp.arange(seq)[None, :]
-  return cache_LxBxSxKxH.at[layer, rows_BxT, slots_BxT].set(
-      new_BxTxKxH.astype(cache_LxBxSxKxH.dtype), unique_indices=True, mode="promise_in_bounds")
+  return cache_LxBxSxKxH.at[:, rows_BxT, positions_BxT].set(
+      new_LxBxTxKxH.astype(cache_LxBxSxKxH.dtype), unique_indices=True, mode="promise_in_bounds")
 
 
 _REMAT_POLICIES = {
@@ -130,9 +129,9 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, cache=None):
-    """Self-attention over x; with `cache` = (k_all, v_all, layer) it writes x's keys and values
-    at their positions in that layer's slots, attends over the slots up to each query's
-    position, and also returns the updated (k_all, v_all)."""
+    """Self-attention over x. With `cache` = this layer's (keys, values) it attends over the
+    cache slots before x's first position and causally within x, and also returns x's keys
+    and values (the caller writes them into the cache)."""
     cfg = self.config
     inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     q_shape, kv_shape = (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
@@ -152,19 +151,13 @@ class Attention(nn.Module):
                            is_causal=True, implementation=cfg.attention_impl,
                            block=cfg.attention_block)
     else:
-      k_all, v_all, layer = cache
-      starts_B = positions_BxT[:, 0]
-      k_all = _write_layer(k_all, layer, k_BxTxKxH, starts_B)
-      v_all = _write_layer(v_all, layer, v_BxTxKxH, starts_B)
-      slots_S = jnp.arange(k_all.shape[2])
-      visible_Bx1xTxS = slots_S[None, None, None, :] <= positions_BxT[:, None, :, None]
-      out_BxTxNxH = attend(q_BxTxNxH, k_all[layer].astype(q_BxTxNxH.dtype),
-                           v_all[layer].astype(q_BxTxNxH.dtype), mask_Bx1xTxS=visible_Bx1xTxS,
-                           is_causal=False, implementation=cfg.attention_impl)
+      k_cache_BxSxKxH, v_cache_BxSxKxH = cache
+      out_BxTxNxH = cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache_BxSxKxH,
+                                     v_cache_BxSxKxH, positions_BxT[:, 0])
     out_BxTxNxH = nn.with_logical_constraint(out_BxTxNxH, ACT_BTNH)
     out_BxTxD = self._linear("o_proj", (cfg.hidden_size,), ("heads", "head_dim"),
                              ("embed",))(out_BxTxNxH)
-    return out_BxTxD if cache is None else (out_BxTxD, k_all, v_all)
+    return out_BxTxD if cache is None else (out_BxTxD, k_BxTxKxH, v_BxTxKxH)
 
 
 class Mlp(nn.Module):
@@ -189,8 +182,10 @@ class Mlp(nn.Module):
 class DecoderLayer(nn.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); scan-compatible.
 
-  The scan carry is x, or (x, k_all, v_all, layer) when decoding with a KV cache: the whole
-  cache travels as the carry so that each layer updates its slots in place.
+  With a KV cache the scan carry is (x, k_all, v_all, layer): the layer reads its slice of
+  the whole cache, passes the cache on unchanged and returns x's new keys and values as the
+  scan output. (Carrying the cache, rather than scanning over it, lets XLA update it in place
+  after the loop instead of copying it to keep the loop's input alive.)
   """
 
   config: ModelConfig
@@ -201,14 +196,19 @@ class DecoderLayer(nn.Module):
     cached = isinstance(carry, tuple)
     x_BxTxD = carry[0] if cached else carry
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
-    attended = Attention(cfg, name="attn")(norm("input_norm")(x_BxTxD), positions_BxT,
-                                           segment_ids_BxT, carry[1:] if cached else None)
+    cache = None
     if cached:
-      attended, k_all, v_all = attended
+      _, k_all, v_all, layer = carry
+      cache = (k_all[layer], v_all[layer])
+    attended = Attention(cfg, name="attn")(norm("input_norm")(x_BxTxD), positions_BxT,
+                                           segment_ids_BxT, cache)
+    new_kv = None
+    if cached:
+      attended, *new_kv = attended
     x_BxTxD = x_BxTxD + attended
     x_BxTxD = x_BxTxD + Mlp(cfg, name="mlp")(norm("post_attn_norm")(x_BxTxD))
     x_BxTxD = nn.with_logical_constraint(x_BxTxD, ACT_BTD)
-    return ((x_BxTxD, k_all, v_all, carry[3] + 1) if cached else x_BxTxD), None
+    return ((x_BxTxD, k_all, v_all, layer + 1) if cached else x_BxTxD), new_kv
 
 
 class Transformer(nn.Module):
@@ -251,10 +251,14 @@ class Transformer(nn.Module):
     if cache is None:
       x_BxTxD, _ = layers(x_BxTxD, positions_BxT, segment_ids_BxT)
     else:
-      carry = (x_BxTxD, nn.with_logical_constraint(cache.k_LxBxSxKxH, CACHE_LBSKH),
-               nn.with_logical_constraint(cache.v_LxBxSxKxH, CACHE_LBSKH), jnp.int32(0))
-      (x_BxTxD, k_all, v_all, _), _ = layers(carry, positions_BxT, segment_ids_BxT)
-      cache = cache.replace(k_LxBxSxKxH=k_all, v_LxBxSxKxH=v_all)
+      # Layers only read the cache; the new keys and values are written once, after the scan,
+      # so the cache is updated in place rather than copied through the layer loop.
+      k_all = nn.with_logical_constraint(cache.k_LxBxSxKxH, CACHE_LBSKH)
+      v_all = nn.with_logical_constraint(cache.v_LxBxSxKxH, CACHE_LBSKH)
+      (x_BxTxD, k_all, v_all, _), (k_new, v_new) = layers(
+          (x_BxTxD, k_all, v_all, jnp.int32(0)), positions_BxT, segment_ids_BxT)
+      cache = cache.replace(k_LxBxSxKxH=_write(k_all, k_new, positions_BxT),
+                            v_LxBxSxKxH=_write(v_all, v_new, positions_BxT))
     x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype,
                       name="final_norm")(x_BxTxD)
 
