@@ -328,7 +328,11 @@ class Rollout:
       marker = self.tokenizer.encode("\n...[observation cut]...\n")
       head = (cap - len(marker)) // 2
       text = self.tokenizer.decode(ids[:head] + marker + ids[len(ids) - (cap - len(marker) - head):])
-    return step_ids(self.tokenizer, coa_format.Step(coa_format.OBSERVATION, text), first=False)
+    ids = step_ids(self.tokenizer, coa_format.Step(coa_format.OBSERVATION, text), first=False)
+    limit = self.observation_bucket(self.config)  # what the KV cache leaves room for
+    if len(ids) > limit:  # re-tokenizing around the cut can add a few tokens
+      ids = ids[:limit - 1] + [self.tokenizer.tag_id(coa_format.OBSERVATION, close=True)]
+    return ids
 
 
 def summarize(records: Iterable[RolloutRecord]) -> dict[str, Any]:
