@@ -121,8 +121,9 @@ def trajectory_from_record(record: Any) -> tuple[Trajectory, list]:
   raise ValueError("unknown_layout")
 
 
-def _records(path: str) -> Iterator[Any]:
-  """Yields parsed records, or BAD_JSON for a line that does not parse."""
+def read_records(path: str) -> Iterator[Any]:
+  """Yields the records of a JSONL file (or a .json array), BAD_JSON for a line that does not
+  parse; raises DataError for a missing or empty file."""
   if not os.path.isfile(path):
     raise DataError(f"data file {path!r} does not exist")
   if os.path.getsize(path) == 0:
@@ -166,4 +167,4 @@ def valid_trajectories(records: Iterable[Any], counter: DropCounter) -> Iterator
 
 def read_trajectories(path: str, counter: DropCounter | None = None) -> Iterator[Trajectory]:
   """Yields the valid trajectories of a file; invalid ones are counted in `counter`."""
-  return valid_trajectories(_records(path), counter if counter is not None else DropCounter())
+  return valid_trajectories(read_records(path), counter if counter is not None else DropCounter())

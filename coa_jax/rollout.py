@@ -65,9 +65,15 @@ class RolloutConfig:
     if self.tool_timeout_s <= 0:
       raise ValueError(f"rollout.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
 
-  def cache_size(self, observation_bucket: int) -> int:
+  @property
+  def observation_bucket(self) -> int:
+    """Returns the padded length of the longest extend (an observation plus its tags)."""
+    return bucket(self.max_observation_tokens + 16)
+
+  @property
+  def cache_size(self) -> int:
     """Returns the KV-cache slots a row needs: prompt, response and one padded extend."""
-    return self.max_prompt_tokens + self.max_response_tokens + observation_bucket
+    return self.max_prompt_tokens + self.max_response_tokens + self.observation_bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +102,12 @@ class RolloutRecord:
   decode_s: float = 0.0
   tool_s: float = 0.0
   task_data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def append(self, ids: list[int], logprobs: list[float] | None = None) -> None:
+    """Appends sampled tokens (with their log-probs: mask 1) or given ones (mask 0)."""
+    self.ids.extend(ids)
+    self.loss_mask.extend([0 if logprobs is None else 1] * len(ids))
+    self.logprobs.extend([0.0] * len(ids) if logprobs is None else logprobs)
 
   @property
   def response_len(self) -> int:
@@ -127,14 +139,13 @@ class Rollout:
     if sampler.batch_size % config.group_size:
       raise ValueError(f"sampler batch_size={sampler.batch_size} is not a multiple of "
                        f"group_size={config.group_size}")
-    needed = config.cache_size(0) + self.observation_bucket(config)
     missing = set(stop_ids(tokenizer)) - set(sampler.stop_ids)
     if missing:
       raise ValueError(f"the sampler does not stop on {sorted(missing)}; build it with "
                        f"stop_ids=rollout.stop_ids(tokenizer)")
-    if sampler.cache_size < needed:
-      raise ValueError(f"sampler cache_size={sampler.cache_size} < {needed} needed by the "
-                       f"rollout limits")
+    if sampler.cache_size < config.cache_size:
+      raise ValueError(f"sampler cache_size={sampler.cache_size} < {config.cache_size} needed "
+                       f"by the rollout limits")
     self.sampler, self.params, self.tokenizer = sampler, params, tokenizer
     self.tools, self.config, self.system_prompt = tools, config, system_prompt
     self.key = jax.random.key(seed)
@@ -143,11 +154,6 @@ class Rollout:
     self.decode_s = self.tool_wait_s = 0.0
     self._tool_stop = {tokenizer.tag_id(tag, close=True): tag for tag in coa_format.TOOL_TAGS}
     self._answer_id, self._end_id = tokenizer.tag_id("answer", close=True), tokenizer.end_id
-
-  @staticmethod
-  def observation_bucket(config: RolloutConfig) -> int:
-    """Returns the padded length of the longest extend (observation plus its tags)."""
-    return bucket(config.max_observation_tokens + 16)
 
   # --- the loop --------------------------------------------------------------------------
 
@@ -192,8 +198,10 @@ class Rollout:
       if task is None:
         break
       prompt = self.tokenizer.prompt_ids(self.system_prompt, task.question)
-      records = [RolloutRecord(task.id, i, list(prompt), [0] * len(prompt), [0.0] * len(prompt),
-                               len(prompt), task_data=dict(task.data)) for i in range(n)]
+      records = [RolloutRecord(task.id, i, [], [], [], len(prompt), task_data=dict(task.data))
+                 for i in range(n)]
+      for record in records:
+        record.append(prompt)
       if len(prompt) > cfg.max_prompt_tokens:
         for record in records:
           record.finish_reason = ERROR
@@ -225,9 +233,7 @@ class Rollout:
       if row is None:
         continue
       record, count = row.record, int(counts[index])
-      record.ids.extend(int(t) for t in tokens[index, :count])
-      record.loss_mask.extend([1] * count)
-      record.logprobs.extend(float(lp) for lp in logprobs[index, :count])
+      record.append(tokens[index, :count].tolist(), logprobs[index, :count].tolist())
       record.decode_s += elapsed
       if self.listener:
         self.listener(record)
@@ -291,17 +297,11 @@ class Rollout:
         kind = result.error_kind or "tool_error"
         record.tool_errors[kind] = record.tool_errors.get(kind, 0) + 1
       ids = self._observation_ids(result.observation)
-      room = record.prompt_len + self.config.max_response_tokens - len(record.ids) - 1
-      if len(ids) > room:  # the budget cannot take the whole observation: cut it and stop
-        ids = ids[:max(room + 1, 0)]  # filling the budget exactly
-        record.ids.extend(ids)
-        record.loss_mask.extend([0] * len(ids))
-        record.logprobs.extend([0.0] * len(ids))
+      room = record.prompt_len + self.config.max_response_tokens - len(record.ids)
+      record.append(ids[:room])  # an overflowing observation fills the budget exactly
+      if len(ids) >= room:  # and leaves no room to sample: the sample ends
         self._finish(row, LENGTH)
         continue
-      record.ids.extend(ids)
-      record.loss_mask.extend([0] * len(ids))
-      record.logprobs.extend([0.0] * len(ids))
       row.call_start = len(record.ids)
       appends[index] = ids
       if self.listener:
@@ -327,9 +327,10 @@ class Rollout:
     if len(ids) > cap:
       marker = self.tokenizer.encode("\n...[observation cut]...\n")
       head = (cap - len(marker)) // 2
-      text = self.tokenizer.decode(ids[:head] + marker + ids[len(ids) - (cap - len(marker) - head):])
+      tail = cap - len(marker) - head
+      text = self.tokenizer.decode(ids[:head] + marker + ids[len(ids) - tail:])
     ids = step_ids(self.tokenizer, coa_format.Step(coa_format.OBSERVATION, text), first=False)
-    limit = self.observation_bucket(self.config)  # what the KV cache leaves room for
+    limit = self.config.observation_bucket  # what the KV cache leaves room for
     if len(ids) > limit:  # re-tokenizing around the cut can add a few tokens
       ids = ids[:limit - 1] + [self.tokenizer.tag_id(coa_format.OBSERVATION, close=True)]
     return ids

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import jax
 
-from coa_jax import coa_format, rollout, sharding
+from coa_jax import coa_format, importers, rollout, sharding
 from coa_jax.metrics import say
 from coa_jax.model import ConfigError, Transformer
 from coa_jax.rollout import Rollout, RolloutConfig, RolloutRecord, Task, summarize
@@ -28,25 +28,22 @@ from tools_env import registry as tools_registry
 
 def load_tasks(path: str, limit: int = 0) -> list[Task]:
   """Returns tasks from a JSONL file of {"question", optional "id", ...}; other fields are
-  kept as task data (e.g. the answer). Raises ConfigError naming the first bad line."""
+  kept as task data (e.g. the answer). Raises ConfigError naming the first bad record."""
   if not os.path.isfile(path):
     raise ConfigError(f"task file {path!r} does not exist")
   tasks = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-        question = record["question"]
-      except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path}:{number}: not a task record with a 'question' ({e})") from None
-      if not isinstance(question, str) or not question.strip():
-        raise ConfigError(f"{path}:{number}: 'question' must be a non-empty string")
-      data = {k: v for k, v in record.items() if k not in ("id", "question", "steps", "system")}
-      tasks.append(Task(str(record.get("id", number)), question, data))
-      if limit and len(tasks) == limit:
-        break
+  records = importers.read_records(path) if os.path.getsize(path) else []
+  for number, record in enumerate(records, 1):
+    if not isinstance(record, dict) or "question" not in record:
+      raise ConfigError(f"{path}:{number}: not a task record with a 'question'"
+                        f"{' (not JSON)' if record is importers.BAD_JSON else ''}")
+    question = record["question"]
+    if not isinstance(question, str) or not question.strip():
+      raise ConfigError(f"{path}:{number}: 'question' must be a non-empty string")
+    data = {k: v for k, v in record.items() if k not in ("id", "question", "steps", "system")}
+    tasks.append(Task(str(record.get("id", number)), question, data))
+    if limit and len(tasks) == limit:
+      break
   if not tasks:
     raise ConfigError(f"task file {path!r} has no tasks")
   return tasks
@@ -62,7 +59,7 @@ def build(config: Any) -> tuple[Rollout, Any]:
     params = init_params(Transformer(model_config), mesh, jax.random.key(config.seed))
   rollout_config = RolloutConfig(**config.rollout)
   sampler = Sampler(model_config, mesh, batch_size=config.batch_size,
-                    cache_size=rollout_config.cache_size(Rollout.observation_bucket(rollout_config)),
+                    cache_size=rollout_config.cache_size,
                     chunk=config.chunk, stop_ids=rollout.stop_ids(tokenizer),
                     sampling=SamplingConfig(**config.sampling))
   tools = tools_registry.build_registry(config.tools.to_dict())

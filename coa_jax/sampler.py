@@ -152,9 +152,9 @@ class Sampler:
     """Returns an empty state (every row inactive), laid out on the mesh."""
     cfg, b, s = self.config, self.batch_size, self.cache_size
     shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
-    state = DecodeState(KVCache(np.zeros(shape, self.cache_dtype), np.zeros(shape, self.cache_dtype),
-                                np.zeros((b,), np.int32)),
-                        np.zeros((b,), np.int32), np.zeros((b,), bool), np.zeros((b,), np.int32))
+    rows = lambda dtype=np.int32: np.zeros((b,), dtype)  # a fresh buffer each: all are donated
+    cache = KVCache(np.zeros(shape, self.cache_dtype), np.zeros(shape, self.cache_dtype), rows())
+    state = DecodeState(cache, rows(), rows(bool), rows())
     return jax.device_put(state, self.state_shardings())
 
   # --- jitted steps ----------------------------------------------------------------------

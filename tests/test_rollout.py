@@ -247,7 +247,7 @@ def real():
   params = init_params(Transformer(config), mesh, jax.random.key(0))
   rollout_config = dataclasses.replace(CONFIG, max_response_tokens=96, group_size=2)
   sampler = Sampler(config, mesh, batch_size=4, chunk=16,
-                    cache_size=rollout_config.cache_size(Rollout.observation_bucket(rollout_config)),
+                    cache_size=rollout_config.cache_size,
                     stop_ids=stop_ids(TOKENIZER), sampling=SamplingConfig(temperature=1.0))
   tools = ToolRegistry({"code": Echo("code"), "web_search": Echo("web_search")})
   engine = Rollout(sampler, params, TOKENIZER, tools, rollout_config, SYSTEM, seed=3)

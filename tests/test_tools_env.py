@@ -47,7 +47,7 @@ def test_crawl_serves_pages_by_url_and_reports_missing_ones():
   crawl = search.LocalCrawl()
   result = crawl("https://wiki.example/everest | https://nowhere.example/x")
   assert result.ok and "8,849 metres" in result.observation
-  assert result.metadata["missing"] == ["https://nowhere.example/x"]
+  assert result.metadata["failed"] == ["https://nowhere.example/x"]
   assert crawl("https://nowhere.example/x").error_kind == base.NOT_FOUND
   assert crawl("").error_kind == base.BAD_REQUEST
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from tools_env.base import (BAD_REQUEST, BAD_RESPONSE, HTTP_ERROR, NO_RESULTS, NOT_FOUND,
                             TIMEOUT, Tool, ToolFailure)
-from tools_env.search import format_results
+from tools_env.search import Crawl, format_results
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -244,20 +244,17 @@ class ChatSummarizer:
     return content.strip()
 
 
-class HttpCrawl(Tool):
-  """`crawl_page` over HTTP(S): '|'-separated URLs, HTML to text, optional summarizer."""
+class HttpCrawl(Crawl):
+  """`crawl_page` over HTTP(S): HTML to text, optional summarizer toward the goal."""
 
-  name = "crawl_page"
   TEXT_TYPES = ("text/plain", "application/json", "application/xml", "text/xml",
                 "text/markdown", "text/csv")
 
   def __init__(self, limits: HttpLimits | None = None, max_urls: int = 5,
                max_page_chars: int = 6000, summarizer: ChatSummarizer | None = None,
                max_output_chars: int = 12000):
-    super().__init__(max_output_chars)
-    self.limits, self.max_urls, self.max_page_chars = limits or HttpLimits(), max_urls, \
-        max_page_chars
-    self.summarizer = summarizer
+    super().__init__(max_urls, max_page_chars, max_output_chars)
+    self.limits, self.summarizer = limits or HttpLimits(), summarizer
 
   def page(self, url: str, goal: str) -> tuple[str, dict[str, Any]]:
     """Returns one page's text (condensed toward `goal` if there is a summarizer)."""
@@ -276,23 +273,3 @@ class HttpCrawl(Tool):
     if info["cut"]:
       text = text[:self.max_page_chars] + "\n[the rest of the page is cut]"
     return text, {**info, "summarized": False}
-
-  def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
-    urls = [u.strip() for u in body.split("|") if u.strip()]
-    if not urls:
-      raise ToolFailure(BAD_REQUEST, "no URL given")
-    if len(urls) > self.max_urls:
-      raise ToolFailure(BAD_REQUEST, f"{len(urls)} URLs; at most {self.max_urls} per call")
-    parts, pages, failures = [], {}, []
-    for url in urls:
-      try:
-        text, info = self.page(url, goal)
-      except ToolFailure as e:
-        failures.append(e)
-        parts.append(f"Page: {url}\nError: {e}")
-        continue
-      pages[url] = info
-      parts.append(f"Page: {url}\n{text}")
-    if not pages:
-      raise ToolFailure(failures[0].kind, "; ".join(str(e) for e in failures)[:1000])
-    return "\n\n".join(parts), {"pages": pages, "failed": [u for u in urls if u not in pages]}

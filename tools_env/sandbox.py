@@ -130,25 +130,32 @@ _PROBE_LOCK = threading.Lock()
 _WARNED: list[str] = []  # the rlimit-only warning is given once per process
 
 
+def _processes_of(uid: int) -> Iterator[int]:
+  """Yields the pids of the live (not zombie) processes owned by `uid`."""
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      if os.stat(f"/proc/{entry}").st_uid != uid:
+        continue
+      with open(f"/proc/{entry}/stat", "rb") as f:
+        if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+          continue  # a zombie: already dead, waiting for its parent to reap it
+    except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
+      continue
+    yield int(entry)
+
+
 def _kill_uid(uid: int) -> None:
   """SIGKILLs every process owned by `uid` (as root, on a run's dedicated uid), until none is
   left: a process may fork between one sweep and the next."""
   for _ in range(100):
-    found = False
-    for entry in os.listdir("/proc"):
-      if entry.isdigit():
-        try:
-          if os.stat(f"/proc/{entry}").st_uid != uid:
-            continue
-          with open(f"/proc/{entry}/stat", "rb") as f:
-            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-              continue  # a zombie: already dead, waiting for its parent to reap it
-          os.kill(int(entry), signal.SIGKILL)
-          found = True
-        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
-          pass
-    if not found:
+    pids = list(_processes_of(uid))
+    if not pids:
       return
+    for pid in pids:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
     time.sleep(0.01)
   log.error("code sandbox: processes of uid %d survive repeated SIGKILL sweeps", uid)
 
@@ -156,13 +163,9 @@ def _kill_uid(uid: int) -> None:
 def _user_task_count(uid: int) -> int:
   """Returns the number of threads owned by `uid` (RLIMIT_NPROC counts them all)."""
   count = 0
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        if os.stat(f"/proc/{entry}").st_uid == uid:
-          count += len(os.listdir(f"/proc/{entry}/task"))
-      except (FileNotFoundError, PermissionError):
-        pass
+  for pid in _processes_of(uid):
+    with contextlib.suppress(FileNotFoundError):
+      count += len(os.listdir(f"/proc/{pid}/task"))
   return count
 
 

@@ -1,4 +1,4 @@
-"""Embedded search (`web_search`, `wiki_search`) and page fetching (`crawl_page`) over a local corpus.
+"""Embedded search (`web_search`, `wiki_search`) and pages (`crawl_page`) from a local corpus.
 
 The corpus is a JSONL file of {"id", "title", "url", "text"} records. Search ranks documents
 with BM25 (`bm25s`); the index is built once and cached on disk next to a fingerprint of the
@@ -13,6 +13,7 @@ Limits (constructor arguments): `top_k` results, `snippet_chars` per result,
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import os
@@ -110,16 +111,20 @@ class Bm25Search(Tool):
                   "scores": [round(s, 4) for _, s in hits]}
 
 
-class LocalCrawl(Tool):
-  """Serves page text from the local corpus by URL; the body holds URLs separated by '|'."""
+class Crawl(Tool):
+  """`crawl_page`: the body holds URLs separated by '|'; subclasses fetch one page with
+  `page(url, goal) -> (text, info)`, raising ToolFailure. A failed page is reported inline;
+  the call fails (with the first failure's kind) only when every page does."""
 
   name = "crawl_page"
 
-  def __init__(self, corpus_path: str = DEFAULT_CORPUS, max_urls: int = 5,
-               max_page_chars: int = 6000, max_output_chars: int = 12000):
+  def __init__(self, max_urls: int, max_page_chars: int, max_output_chars: int):
     super().__init__(max_output_chars)
     self.max_urls, self.max_page_chars = max_urls, max_page_chars
-    self.pages = {d["url"]: d for d in load_corpus(corpus_path)}
+
+  @abc.abstractmethod
+  def page(self, url: str, goal: str) -> tuple[str, dict[str, Any]]:
+    """Returns one page's text and metadata; raises ToolFailure."""
 
   def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
     urls = [u.strip() for u in body.split("|") if u.strip()]
@@ -127,14 +132,31 @@ class LocalCrawl(Tool):
       raise ToolFailure(BAD_REQUEST, "no URL given")
     if len(urls) > self.max_urls:
       raise ToolFailure(BAD_REQUEST, f"{len(urls)} URLs; at most {self.max_urls} per call")
-    parts, found = [], []
+    parts, pages, failures = [], {}, []
     for url in urls:
-      doc = self.pages.get(url)
-      if doc is None:
-        parts.append(f"Page: {url}\nError: page not found")
+      try:
+        text, info = self.page(url, goal)
+      except ToolFailure as e:
+        failures.append(e)
+        parts.append(f"Page: {url}\nError: {e}")
         continue
-      found.append(url)
-      parts.append(f"Page: {url}\n{doc['title']}\n\n{doc['text'][:self.max_page_chars]}")
-    if not found:
-      raise ToolFailure(NOT_FOUND, "none of the pages was found: " + ", ".join(urls)[:300])
-    return "\n\n".join(parts), {"found": found, "missing": [u for u in urls if u not in found]}
+      pages[url] = info
+      parts.append(f"Page: {url}\n{text}")
+    if not pages:
+      raise ToolFailure(failures[0].kind, "; ".join(str(e) for e in failures)[:1000])
+    return "\n\n".join(parts), {"pages": pages, "failed": [u for u in urls if u not in pages]}
+
+
+class LocalCrawl(Crawl):
+  """Serves page text from the local corpus by URL."""
+
+  def __init__(self, corpus_path: str = DEFAULT_CORPUS, max_urls: int = 5,
+               max_page_chars: int = 6000, max_output_chars: int = 12000):
+    super().__init__(max_urls, max_page_chars, max_output_chars)
+    self.pages = {d["url"]: d for d in load_corpus(corpus_path)}
+
+  def page(self, url: str, goal: str) -> tuple[str, dict[str, Any]]:
+    doc = self.pages.get(url)
+    if doc is None:
+      raise ToolFailure(NOT_FOUND, f"page not found: {url[:200]}")
+    return f"{doc['title']}\n\n{doc['text'][:self.max_page_chars]}", {"id": doc["id"]}
