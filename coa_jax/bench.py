@@ -28,14 +28,19 @@ def time_calls(fn: Callable[[], Any], warmup: int, steps: int) -> float:
 
 def matmul_peak_flops(n: int = 2048) -> dict[str, float]:
   """Returns the measured float32 FLOP/s of an n x n matmul in JAX and in PyTorch."""
+  return matmul_flops(n, n, n)
+
+
+def matmul_flops(m: int, k: int, n: int) -> dict[str, float]:
+  """Returns the measured float32 FLOP/s of an (m, k) x (k, n) matmul in JAX and PyTorch."""
   import torch
 
-  a = jnp.ones((n, n), jnp.float32)
-  matmul = jax.jit(lambda x: x @ x)
-  jax_s = time_calls(lambda: matmul(a).block_until_ready(), 2, 10)
-  t = torch.ones(n, n)
-  torch_s = time_calls(lambda: t @ t, 2, 10)
-  return {"jax": 2 * n**3 / jax_s, "torch": 2 * n**3 / torch_s}
+  a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+  matmul = jax.jit(lambda x, y: x @ y)
+  jax_s = time_calls(lambda: matmul(a, b).block_until_ready(), 2, 10)
+  ta, tb = torch.ones(m, k), torch.ones(k, n)
+  torch_s = time_calls(lambda: ta @ tb, 2, 10)
+  return {"jax": 2 * m * k * n / jax_s, "torch": 2 * m * k * n / torch_s}
 
 
 def jax_train_step_seconds(config: ModelConfig, optimizer_config: Any, batch_size: int,

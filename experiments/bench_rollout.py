@@ -163,6 +163,19 @@ def bench_tool_latency():
   return result
 
 
+def bench_decode_gemms():
+  """The ~100M model's decode matmuls at batch 64 in both frameworks: the floor under a step."""
+  spec = bench_model.get_config().models["qwen2_100m"]
+  d, f, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
+  rows = []
+  for m, k, n in [(64, d, d), (64, d, f), (64, f, d), (64, d, v)]:
+    rates = bench.matmul_flops(m, k, n)
+    rows.append(dict(shape=[m, k, n], **rates))
+    print(f"GEMM {m}x{k}x{n}: JAX {rates['jax'] / 1e9:.0f} GFLOP/s, PyTorch "
+          f"{rates['torch'] / 1e9:.0f} GFLOP/s ({rates['jax'] / rates['torch']:.2f}x)", flush=True)
+  return rows
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -171,7 +184,8 @@ def main(argv):
   print(f"matmul peak (float32, 2048^3): JAX {peaks['jax'] / 1e9:.1f} GFLOP/s, "
         f"PyTorch {peaks['torch'] / 1e9:.1f} GFLOP/s; prompts {_PROMPT.value} tokens, "
         f"{_NEW.value} new tokens, greedy")
-  figures = dict(peak_flops=peaks, decode=bench_decode(peak), tools=bench_tool_latency())
+  figures = dict(peak_flops=peaks, decode_gemms=bench_decode_gemms(),
+                 decode=bench_decode(peak), tools=bench_tool_latency())
   os.makedirs(os.path.dirname(_OUTPUT.value) or ".", exist_ok=True)
   with open(_OUTPUT.value, "w") as f:
     json.dump(figures, f, indent=2)
