@@ -30,7 +30,7 @@ def _loss_sums(model: nn.Module, params: Any, batch: dict[str, jax.Array]):
   return token_cross_entropy_and_z(logits_BxTxV, batch["targets"], batch["loss_mask"])
 
 
-def _micro_batches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
+def split_micro_batches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
   """Returns the batch as (count, B / count, ...): micro-batch m holds rows m, m+count, ...,
   so every micro-batch stays evenly split over the devices that hold the batch."""
   def split(x):
@@ -41,6 +41,41 @@ def _micro_batches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Arr
   return jax.tree_util.tree_map(split, batch)
 
 
+def summed_grads(objective: Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, Any]],
+                 params: Any, batch: dict[str, jax.Array], micro_batches: int = 1):
+  """Returns (aux, grads) of `objective(params, micro) -> (value, aux)` summed over the
+  micro-batches of `batch` (a scan): exact when value and aux are sums over tokens."""
+  grad_fn = jax.grad(objective, has_aux=True)
+  if micro_batches == 1:
+    grads, aux = grad_fn(params, batch)
+    return aux, grads
+
+  def accumulate(carry, micro):
+    return jax.tree_util.tree_map(jnp.add, carry, grad_fn(params, micro)), None
+
+  micro = split_micro_batches(batch, micro_batches)
+  first = jax.tree_util.tree_map(lambda x: x[0], micro)
+  zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                 jax.eval_shape(grad_fn, params, first))
+  (grads, aux), _ = jax.lax.scan(accumulate, zeros, micro)
+  return aux, grads
+
+
+def apply_if_finite(tx: optax.GradientTransformation, state: TrainState, grads: Any,
+                    loss: jax.Array) -> tuple[TrainState, jax.Array, jax.Array]:
+  """Returns (state after one optimizer update, grad norm, is_finite); a non-finite loss or
+  gradient leaves the state unchanged (params, optimizer state and step)."""
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+  new_state = state.replace(step=jnp.where(finite, state.step + 1, state.step),
+                            params=keep(params, state.params),
+                            opt_state=keep(opt_state, state.opt_state))
+  return new_state, grad_norm, finite
+
+
 def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainState,
                batch: dict[str, jax.Array], *, micro_batches: int = 1, z_loss: float = 0.0,
                schedule: optax.Schedule | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -48,40 +83,18 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
 
   The loss is the sum over unmasked tokens of the whole batch divided by their count, so
   accumulating gradients over `micro_batches` (a scan) is token-exact. A non-finite loss or
-  gradient leaves the state unchanged (params, optimizer state and step) and reports
-  is_finite=False, so the caller can stop with the last good state intact.
+  gradient leaves the state unchanged and reports is_finite=False, so the caller can stop
+  with the last good state intact.
   """
-  def sums_and_grads(params, micro):
-    def objective(p):
-      ce, z_total = _loss_sums(model, p, micro)
-      return ce.total + z_loss * z_total, (ce, z_total)
-    (_, (ce, z_total)), grads = jax.value_and_grad(objective, has_aux=True)(params)
-    return ce, z_total, grads
+  def objective(params, micro):
+    ce, z_total = _loss_sums(model, params, micro)
+    return ce.total + z_loss * z_total, (ce, z_total)
 
-  if micro_batches == 1:
-    ce, z_total, grad_sums = sums_and_grads(state.params, batch)
-  else:
-    def accumulate(carry, micro):
-      ce, z_total, grads = sums_and_grads(state.params, micro)
-      acc_ce, acc_z, acc_grads = carry
-      return (acc_ce + ce, acc_z + z_total,
-              jax.tree_util.tree_map(jnp.add, acc_grads, grads)), None
-
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
-    init = (LossSums(jnp.zeros(()), jnp.zeros(())), jnp.zeros(()), zeros)
-    (ce, z_total, grad_sums), _ = jax.lax.scan(accumulate, init,
-                                               _micro_batches(batch, micro_batches))
+  (ce, z_total), grad_sums = summed_grads(objective, state.params, batch, micro_batches)
   count = jnp.maximum(ce.count, 1.0)
   grads = jax.tree_util.tree_map(lambda g: g / count, grad_sums)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  grad_norm = optax.tree.norm(grads)
   loss = ce.mean()
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
-  new_state = state.replace(step=jnp.where(finite, state.step + 1, state.step),
-                            params=keep(params, state.params),
-                            opt_state=keep(opt_state, state.opt_state))
+  new_state, grad_norm, finite = apply_if_finite(tx, state, grads, loss)
   positions = jnp.maximum(jnp.sum(batch["segment_ids"] > 0), 1)
   metrics = dict(loss=loss, z_loss=z_total / count, tokens=ce.count,
                  unmasked_fraction=ce.count / positions, grad_norm=grad_norm,

@@ -1,0 +1,157 @@
+"""The DAPO clipped policy-gradient loss, as token-exact sums over a global mini-batch.
+
+Per token (mask 1): ratio = exp(clamp(logp - old_logp)); the PPO surrogate
+max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)) with decoupled clip ratios
+("clip-higher"); for negative advantages a dual clip caps it at -A c. Optional terms: a k3
+KL to a reference policy and an entropy bonus (both off by default, as in the reference).
+
+How per-token losses combine is the aggregation, expressed as a weight per token that
+`aggregation_weights` computes from the masks of the whole (global) mini-batch before it is
+split into micro-batches or over devices. The loss is then the plain sum of weight x loss, so
+micro-batching and sharding leave it, and its gradient, exactly unchanged:
+
+- `token-mean` (the default, and the reference's): every unmasked token of the mini-batch
+  counts once: w = 1 / (unmasked tokens);
+- `seq-mean-token-mean` (original GRPO): the mean over sequences of each sequence's token mean;
+- `seq-mean-token-sum-norm` (Dr.GRPO): each sequence's token sum over a constant length,
+  averaged over sequences;
+- `group-token-mean` (the DAPO paper's formula read literally): a token mean within each
+  prompt's group of samples, averaged over groups.
+
+Sequences (or groups) without any unmasked token (e.g. overlong-filtered) count in no mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                "group-token-mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+  """The clipped objective's settings (the reference's values by default)."""
+
+  eps_low: float = 0.2
+  eps_high: float = 0.28
+  dual_clip: float = 10.0  # cap -A * c for A < 0; 0 turns the dual clip off
+  aggregation: str = "token-mean"
+  norm_tokens: int = 0  # seq-mean-token-sum-norm's constant length; 0: the padded row length
+  log_ratio_clamp: float = 20.0  # |logp - old_logp| is clamped before exp
+  kl_coef: float = 0.0  # k3 KL to the reference policy
+  entropy_coef: float = 0.0  # entropy bonus
+
+  def __post_init__(self):
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(f"aggregation={self.aggregation!r}: expected one of {AGGREGATIONS}")
+    if not 0 <= self.eps_low < 1 or self.eps_high < 0:
+      raise ValueError(f"clip ratios must satisfy 0 <= eps_low < 1 and eps_high >= 0, got "
+                       f"eps_low={self.eps_low}, eps_high={self.eps_high}")
+    if self.dual_clip and self.dual_clip <= 1 + self.eps_high:
+      raise ValueError(f"dual_clip={self.dual_clip} must exceed 1 + eps_high (or be 0: off)")
+    if self.norm_tokens < 0 or self.log_ratio_clamp <= 0:
+      raise ValueError(f"norm_tokens must be >= 0 and log_ratio_clamp > 0, got "
+                       f"{self.norm_tokens}, {self.log_ratio_clamp}")
+    if self.kl_coef < 0 or self.entropy_coef < 0:
+      raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, "
+                       f"{self.entropy_coef}")
+
+
+@flax.struct.dataclass
+class PolicyLossSums:
+  """The weighted loss (already normalized by its aggregation) and token sums of metrics.
+
+  Adding two of these (micro-batches, devices) gives the pair of the union of their tokens;
+  `metrics()` divides each metric sum by the unmasked token count.
+  """
+
+  loss: jax.Array
+  tokens: jax.Array
+  clip_high: jax.Array  # A > 0 and ratio > 1 + eps_high (the gradient is cut)
+  clip_low: jax.Array  # A < 0 and ratio < 1 - eps_low
+  dual_clip: jax.Array  # A < 0 and ratio > c
+  approx_kl: jax.Array  # k3 estimate of KL(old || new)
+  ratio: jax.Array
+  entropy: jax.Array
+  ref_kl: jax.Array
+
+  def __add__(self, other: "PolicyLossSums") -> "PolicyLossSums":
+    return jax.tree_util.tree_map(jnp.add, self, other)
+
+  def metrics(self) -> dict[str, jax.Array]:
+    """Returns the loss and every metric as a mean over unmasked tokens."""
+    count = jnp.maximum(self.tokens, 1.0)
+    means = {name: getattr(self, name) / count for name in
+             ("clip_high", "clip_low", "dual_clip", "approx_kl", "ratio", "entropy", "ref_kl")}
+    return dict(pg_loss=self.loss, tokens=self.tokens, **means)
+
+
+def aggregation_weights(mask_BxT: jax.Array, group_B: jax.Array, aggregation: str,
+                        norm_tokens: int = 0) -> jax.Array:
+  """Returns the (B, T) weights whose sum with per-token losses is the aggregated loss.
+
+  `mask_BxT` and `group_B` (each row's prompt-group id, in [0, B)) must cover the whole
+  mini-batch; the weights are 0 wherever the mask is 0.
+  """
+  mask = mask_BxT.astype(jnp.float32)
+  row_tokens_B = mask.sum(axis=1)
+  rows_with_tokens = jnp.maximum(jnp.sum(row_tokens_B > 0), 1)
+  if aggregation == "token-mean":
+    return mask / jnp.maximum(mask.sum(), 1.0)
+  if aggregation == "seq-mean-token-mean":
+    return mask / jnp.maximum(row_tokens_B, 1.0)[:, None] / rows_with_tokens
+  if aggregation == "seq-mean-token-sum-norm":
+    length = norm_tokens or mask.shape[1]
+    return mask / (length * rows_with_tokens)
+  if aggregation == "group-token-mean":
+    batch = mask.shape[0]
+    group_tokens_G = jax.ops.segment_sum(row_tokens_B, group_B, num_segments=batch)
+    groups_with_tokens = jnp.maximum(jnp.sum(group_tokens_G > 0), 1)
+    return mask / jnp.maximum(group_tokens_G[group_B], 1.0)[:, None] / groups_with_tokens
+  raise ValueError(f"aggregation={aggregation!r}: expected one of {AGGREGATIONS}")
+
+
+def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array,
+                mask_BxT: jax.Array, weights_BxT: jax.Array, config: PolicyLossConfig,
+                ref_logp_BxT: jax.Array | None = None,
+                entropy_BxT: jax.Array | None = None) -> PolicyLossSums:
+  """Returns the weighted clipped-surrogate loss and metric sums over unmasked tokens."""
+  mask = mask_BxT.astype(jnp.float32)
+  adv = advantages_BxT.astype(jnp.float32)
+  log_ratio = jnp.clip(logp_BxT - old_logp_BxT, -config.log_ratio_clamp, config.log_ratio_clamp)
+  ratio = jnp.exp(log_ratio)
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
+  per_token = jnp.maximum(unclipped, clipped)
+  dual = jnp.zeros_like(mask)
+  if config.dual_clip:
+    per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * config.dual_clip), per_token)
+    dual = ((adv < 0) & (ratio > config.dual_clip)).astype(jnp.float32)
+  ref_kl = jnp.zeros_like(mask)
+  if ref_logp_BxT is not None:
+    ref_kl = _k3(ref_logp_BxT - logp_BxT)
+    per_token = per_token + config.kl_coef * ref_kl
+  entropy = jnp.zeros_like(mask) if entropy_BxT is None else entropy_BxT
+  if entropy_BxT is not None and config.entropy_coef:
+    per_token = per_token - config.entropy_coef * entropy_BxT
+  masked_sum = lambda x: jnp.sum(jnp.where(mask > 0, x, 0.0))
+  return PolicyLossSums(
+      loss=masked_sum(per_token * weights_BxT),
+      tokens=mask.sum(),
+      clip_high=masked_sum((adv > 0) & (ratio > 1.0 + config.eps_high)),
+      clip_low=masked_sum((adv < 0) & (ratio < 1.0 - config.eps_low)),
+      dual_clip=masked_sum(dual),
+      approx_kl=masked_sum(_k3(-log_ratio)),
+      ratio=masked_sum(ratio),
+      entropy=masked_sum(entropy),
+      ref_kl=masked_sum(ref_kl))
+
+
+def _k3(log_q_over_p: jax.Array) -> jax.Array:
+  """Returns the k3 estimator of KL(p || q) from log(q / p) at samples of p (>= 0)."""
+  return jnp.exp(log_q_over_p) - log_q_over_p - 1.0

@@ -1,0 +1,50 @@
+"""Rollout records -> the fixed-shape arrays a DAPO update trains on (token in, token out)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from coa_jax.rollout import RolloutRecord
+
+BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids", "old_logp",
+              "advantages", "group")
+
+
+def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
+                  groups: Sequence[int], seq_len: int,
+                  drop_mask: Sequence[bool] | None = None) -> dict[str, np.ndarray]:
+  """Returns the (B, seq_len) next-token arrays of `records`, right-padded.
+
+  Row b predicts ids[1:] from ids[:-1]; its loss mask is the record's mask on the predicted
+  tokens (sampled tokens only) and 0 where `drop_mask[b]` (e.g. overlong filtering);
+  old_logp holds the sampler's log-probs there; every token gets the row's advantage;
+  `group` is the row's prompt-group id.
+  """
+  rows = len(records)
+  if not rows == len(advantages) == len(groups):
+    raise ValueError(f"{rows} records, {len(advantages)} advantages, {len(groups)} groups")
+  arrays = {k: np.zeros((rows, seq_len), np.int32) for k in
+            ("input_ids", "targets", "loss_mask", "positions", "segment_ids")}
+  arrays["old_logp"] = np.zeros((rows, seq_len), np.float32)
+  arrays["advantages"] = np.zeros((rows, seq_len), np.float32)
+  for b, record in enumerate(records):
+    n = len(record.ids) - 1
+    if n > seq_len:
+      raise ValueError(f"task {record.task_id} sample {record.sample}: {len(record.ids)} tokens "
+                       f"exceed the update's seq_len + 1 = {seq_len + 1}")
+    if not len(record.ids) == len(record.loss_mask) == len(record.logprobs):
+      raise ValueError(f"task {record.task_id} sample {record.sample}: ids, loss_mask and "
+                       f"logprobs differ in length")
+    ids = np.asarray(record.ids, np.int32)
+    arrays["input_ids"][b, :n] = ids[:-1]
+    arrays["targets"][b, :n] = ids[1:]
+    if not (drop_mask is not None and drop_mask[b]):
+      arrays["loss_mask"][b, :n] = record.loss_mask[1:]
+    arrays["positions"][b, :n] = np.arange(n)
+    arrays["segment_ids"][b, :n] = 1
+    arrays["old_logp"][b, :n] = record.logprobs[1:]
+    arrays["advantages"][b, :n] = advantages[b]
+  arrays["group"] = np.asarray(groups, np.int32)
+  return arrays

@@ -1,0 +1,83 @@
+"""Jitted, sharded DAPO computations: teacher-forced log-probs and the policy update step."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from coa_jax import sharding
+from coa_jax.losses.dapo import PolicyLossConfig, aggregation_weights, policy_loss
+from coa_jax.rl.batch import BATCH_KEYS
+from coa_jax.train.state import TrainState, state_shardings
+from coa_jax.train.step import apply_if_finite, summed_grads
+
+
+def token_logprobs(model: nn.Module, params: Any,
+                   batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """Returns (log p(target), entropy of the next-token distribution), each (B, T) float32."""
+  logits_BxTxV = model.apply({"params": params}, batch["input_ids"], batch["positions"],
+                             batch["segment_ids"]).astype(jnp.float32)
+  log_z_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+  target_BxT = jnp.take_along_axis(logits_BxTxV, batch["targets"][..., None], axis=-1)[..., 0]
+  probs_BxTxV = jnp.exp(logits_BxTxV - log_z_BxT[..., None])
+  entropy_BxT = log_z_BxT - jnp.sum(probs_BxTxV * logits_BxTxV, axis=-1)
+  return target_BxT - log_z_BxT, entropy_BxT
+
+
+def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainState,
+              batch: dict[str, jax.Array], *, loss_config: PolicyLossConfig,
+              micro_batches: int = 1,
+              schedule: optax.Schedule | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+  """Returns the state after one optimizer step on the mini-batch `batch`, and its metrics.
+
+  The aggregation weights come from the whole mini-batch's masks before it is split into
+  `micro_batches`, so the loss and its gradient do not depend on the split or the sharding.
+  `batch["old_logp"]` must hold the rollout policy's teacher-forced log-probs and
+  `batch["ref_logp"]` (only when loss_config.kl_coef > 0) the reference policy's. A
+  non-finite loss or gradient leaves the state unchanged and reports is_finite=False.
+  """
+  weights = aggregation_weights(batch["loss_mask"], batch["group"], loss_config.aggregation,
+                                loss_config.norm_tokens)
+  batch = dict(batch, weights=weights)
+
+  def objective(params, micro):
+    logp, entropy = token_logprobs(model, params, micro)
+    sums = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["loss_mask"],
+                       micro["weights"], loss_config, micro.get("ref_logp"), entropy)
+    return sums.loss, sums
+
+  sums, grads = summed_grads(objective, state.params, batch, micro_batches)
+  new_state, grad_norm, finite = apply_if_finite(tx, state, grads, sums.loss)
+  metrics = dict(sums.metrics(), grad_norm=grad_norm, is_finite=finite)
+  if schedule is not None:
+    metrics["lr"] = schedule(state.step)
+  return new_state, metrics
+
+
+def jit_dapo_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
+                  with_ref: bool = False, donate: bool = True, **step_options: Any) -> Callable:
+  """Returns `dapo_step` jitted with explicit shardings: called as step(state, batch), with
+  `.lower` for ahead-of-time compiles; `step_options` go to `dapo_step`."""
+  state_sh = state_shardings(model, tx, mesh)
+  keys = BATCH_KEYS + (("ref_logp",) if with_ref else ())
+  batch_sh = {k: sharding.batch_sharding(mesh) for k in keys}
+  jitted = jax.jit(lambda s, b: dapo_step(model, tx, s, b, **step_options),
+                   in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, sharding.replicated(mesh)),
+                   donate_argnums=(0,) if donate else ())
+  return sharding.bind_mesh(jitted, mesh)
+
+
+def jit_token_logprobs(model: nn.Module, mesh: Mesh, params_shardings: Any) -> Callable:
+  """Returns `token_logprobs` jitted on `mesh`: called as fn(params, batch) -> (logp, entropy),
+  both sharded like the batch."""
+  batch_sh = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
+  jitted = jax.jit(lambda p, b: token_logprobs(model, p, b),
+                   in_shardings=(params_shardings, batch_sh),
+                   out_shardings=sharding.batch_sharding(mesh))
+  return sharding.bind_mesh(jitted, mesh)

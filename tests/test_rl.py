@@ -1,0 +1,135 @@
+"""DAPO pieces on the host and the jitted update: advantages, overlong shaping, dynamic
+sampling, rollout batches, and an update that micro-batching and sharding leave unchanged."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from coa_jax import sharding
+from coa_jax.losses.dapo import PolicyLossConfig
+from coa_jax.model import Transformer, get_preset
+from coa_jax.rl import update
+from coa_jax.rl.advantages import group_advantages, overlong_penalty
+from coa_jax.rl.batch import rollout_batch
+from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup, fill_batch
+from coa_jax.rollout import RolloutRecord
+from coa_jax.train import state as state_lib
+
+
+def test_group_advantages_use_bessel_corrected_std():
+  adv = group_advantages(np.array([[1.0, 0.0, 0.0, 1.0], [1.0, -1.0, -1.0, -1.0]]), eps=0.0)
+  std = np.sqrt(1 / 3)  # ddof=1 of (1, 0, 0, 1): sum of squares 1 over 3
+  np.testing.assert_allclose(adv[0], [0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std])
+  np.testing.assert_allclose(adv[1], [1.5, -0.5, -0.5, -0.5] / np.sqrt(1.0), rtol=1e-12)
+
+
+def test_group_advantages_of_equal_rewards_and_single_samples_are_zero():
+  np.testing.assert_array_equal(group_advantages(np.array([[1.0, 1.0, 1.0]])), [[0, 0, 0]])
+  np.testing.assert_array_equal(group_advantages(np.array([[1.0], [-1.0]])), [[0], [0]])
+
+
+def test_mean_only_advantages_are_centered_rewards():
+  np.testing.assert_allclose(group_advantages(np.array([[1.0, 0.0, 0.0, 0.0]]), "mean"),
+                             [[0.75, -0.25, -0.25, -0.25]])
+
+
+@pytest.mark.parametrize("length,expected", [(0, 0.0), (60, 0.0), (70, -0.5), (79, -0.95),
+                                             (80, -1.0), (500, -1.0)])
+def test_overlong_penalty_is_linear_over_the_cache(length, expected):
+  assert overlong_penalty(length, max_len=80, cache_len=20) == pytest.approx(expected)
+
+
+def _group(task, correct):
+  return ScoredGroup(task, [], [1.0 if c else -1.0 for c in correct], list(correct))
+
+
+def test_dynamic_sampling_keeps_mixed_groups_over_rounds():
+  rounds = iter([[_group("a", [1, 1]), _group("b", [0, 1])],
+                 [_group("c", [0, 0]), _group("d", [1, 0])],
+                 [_group("e", [0, 1]), _group("f", [1, 0])]])
+  kept, stats = fill_batch(lambda: next(rounds), batch_groups=3, max_rounds=5)
+  assert [g.task_id for g in kept] == ["b", "d", "e"]
+  assert (stats.rounds, stats.groups, stats.kept, stats.surplus) == (3, 6, 3, 1)
+  assert (stats.all_correct, stats.all_wrong) == (1, 1)
+  assert (stats.solved, stats.unsolved) == (["a"], ["c"])
+
+
+def test_dynamic_sampling_cap_raises():
+  with pytest.raises(DynamicSamplingError, match="after 2 generation rounds"):
+    fill_batch(lambda: [_group("a", [1, 1]), _group("b", [0, 0])], batch_groups=1,
+               max_rounds=2)
+
+
+def test_dynamic_sampling_off_keeps_uniform_groups():
+  kept, stats = fill_batch(lambda: [_group("a", [1, 1]), _group("b", [0, 0])], batch_groups=2,
+                           max_rounds=1, drop_uniform=False)
+  assert [g.task_id for g in kept] == ["a", "b"] and stats.all_correct == 1
+
+
+def _record(ids, mask, logprobs, prompt_len=2):
+  return RolloutRecord("t", 0, list(ids), list(mask), list(logprobs), prompt_len)
+
+
+def test_rollout_batch_shifts_ids_masks_and_logprobs():
+  record = _record([5, 6, 7, 8, 9], [0, 0, 1, 0, 1], [0, 0, -0.5, 0, -0.25])
+  batch = rollout_batch([record, record], [1.5, -1.5], [0, 0], seq_len=6,
+                        drop_mask=[False, True])
+  np.testing.assert_array_equal(batch["input_ids"][0], [5, 6, 7, 8, 0, 0])
+  np.testing.assert_array_equal(batch["targets"][0], [6, 7, 8, 9, 0, 0])
+  np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 0, 1, 0, 0], [0] * 6])
+  np.testing.assert_array_equal(batch["old_logp"][0], [0, -0.5, 0, -0.25, 0, 0])
+  np.testing.assert_array_equal(batch["segment_ids"][0], [1, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(batch["advantages"][1, :4], [-1.5] * 4)
+
+
+def test_rollout_batch_rejects_records_longer_than_the_update():
+  with pytest.raises(ValueError, match="exceed the update's seq_len"):
+    rollout_batch([_record(range(9), [0] * 9, [0] * 9)], [0.0], [0], seq_len=4)
+
+
+def _random_batch(model_config, rows=8, length=16, seed=0):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(3, model_config.vocab_size, (rows, length + 1))
+  mask = (rng.random((rows, length + 1)) < 0.6).astype(int)
+  mask[:, 0] = 0
+  mask[2] = 0  # an overlong-filtered sample
+  records = [_record(ids[r], mask[r], rng.normal(-3.0, 0.3, length + 1) * mask[r])
+             for r in range(rows)]
+  adv = rng.normal(size=rows)
+  return rollout_batch(records, adv, np.arange(rows) // 2, seq_len=length)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  model_config = get_preset("tiny")
+  model = Transformer(model_config)
+  return model_config, model, optax.sgd(1.0)  # new params = params - gradient
+
+
+def _step(tiny, mesh, micro_batches, aggregation="token-mean"):
+  model_config, model, tx = tiny
+  state = state_lib.init_state(model, tx, mesh, jax.random.key(0))
+  batch = _random_batch(model_config)
+  loss_config = PolicyLossConfig(aggregation=aggregation)
+  step = update.jit_dapo_step(model, tx, mesh, loss_config=loss_config,
+                              micro_batches=micro_batches)
+  state, metrics = step(state, sharding.shard_batch(batch, mesh))
+  return jax.device_get(state.params), jax.device_get(metrics)
+
+
+def test_update_is_unchanged_by_micro_batching_and_sharding(tiny, single_device_mesh):
+  reference, ref_metrics = _step(tiny, single_device_mesh, 1)
+  assert ref_metrics["is_finite"] and ref_metrics["tokens"] > 0
+  mesh8 = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
+  for mesh, micro in [(single_device_mesh, 2), (single_device_mesh, 4), (mesh8, 1), (mesh8, 2)]:
+    params, metrics = _step(tiny, mesh, micro)
+    np.testing.assert_allclose(metrics["pg_loss"], ref_metrics["pg_loss"], rtol=1e-5)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+                           params, reference)
+
+
+def test_group_token_mean_is_unchanged_by_micro_batching(tiny, single_device_mesh):
+  one = _step(tiny, single_device_mesh, 1, "group-token-mean")
+  four = _step(tiny, single_device_mesh, 4, "group-token-mean")
+  np.testing.assert_allclose(four[1]["pg_loss"], one[1]["pg_loss"], rtol=1e-5)
