@@ -57,3 +57,23 @@ def optimizer(**overrides) -> ml_collections.ConfigDict:
                 grad_clip=1.0)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
+
+
+def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
+  """DAPO settings; the defaults are the reference's (see DESIGN.md, "Reference facts").
+
+  A step gathers `batch_groups` prompt groups (dynamic sampling generates rounds of
+  `prompts_per_round` prompts, at most `max_rounds`), then updates once per mini-batch of
+  `mini_batch_groups` groups, each accumulated over `micro_batches`.
+  """
+  values = dict(
+      steps=steps, batch_groups=512, prompts_per_round=512, max_rounds=8, mini_batch_groups=32,
+      micro_batches=1, dynamic_sampling=True,
+      advantage="std", advantage_eps=1e-6,  # "std": (R - mean) / (std + eps); "mean": Dr.GRPO
+      overlong_shaping=True, overlong_cache=4096, overlong_filter=False,
+      # the policy loss (coa_jax.losses.dapo.PolicyLossConfig)
+      eps_low=0.2, eps_high=0.28, dual_clip=10.0, aggregation="token-mean", norm_tokens=0,
+      log_ratio_clamp=20.0, kl_coef=0.0, entropy_coef=0.0,
+      eval_every=10, log_every=1, stop_after=0)
+  values.update(overrides)
+  return ml_collections.ConfigDict(values)

@@ -1,0 +1,284 @@
+"""The DAPO job: rollout -> reward -> dynamic sampling -> advantages -> updates -> evaluation.
+
+`run(config)` is the whole job behind `experiments/dapo.py`; see configs/dapo_tiny_cpu.py for
+every field. The sampler and the updates share one mesh and one copy of the parameters: each
+step's rollouts use the params the previous step's updates produced, with no transfer.
+
+A step: dynamic sampling generates rounds of prompt groups with the current policy and scores
+every sample (`coa_jax.rewards`), keeping groups whose samples disagree until the batch is
+full; rewards get overlong shaping, groups get normalized advantages, and truncated samples
+can be masked out (overlong filtering). The rollout policy's log-probs are recomputed
+teacher-forced (and compared with the sampler's, a health metric), then the batch is split into
+mini-batches, each one optimizer step. Checkpoints hold the train state and the task cursor;
+rollout randomness is derived from the seed and the step, so a resumed run repeats the
+uninterrupted one. A non-finite loss stops the run with the last good checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coa_jax import hf_checkpoint, rewards as rewards_lib, rollout, rollout_job, sharding
+from coa_jax.checkpointing import Checkpointer, PreemptionFlag
+from coa_jax.losses.dapo import PolicyLossConfig
+from coa_jax.metrics import MetricsLog, say
+from coa_jax.model import ConfigError, Transformer
+from coa_jax.rl import update
+from coa_jax.rl.advantages import group_advantages, overlong_penalty
+from coa_jax.rl.batch import rollout_batch
+from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup, fill_batch
+from coa_jax.rollout import Rollout, RolloutConfig, Task
+from coa_jax.sampler import Sampler, SamplingConfig
+from coa_jax.sft import NonFiniteLossError, load_model, load_tokenizer
+from coa_jax.train import optimizer, state as state_lib
+from tools_env import registry as tools_registry
+
+PLOT_KEYS = ("reward", "accuracy", "response_len", "entropy", "clip_high", "clip_low")
+
+
+def loss_config(rl: Any) -> PolicyLossConfig:
+  """Returns the policy-loss settings held in config.rl."""
+  return PolicyLossConfig(eps_low=rl.eps_low, eps_high=rl.eps_high, dual_clip=rl.dual_clip,
+                          aggregation=rl.aggregation, norm_tokens=rl.norm_tokens,
+                          log_ratio_clamp=rl.log_ratio_clamp, kl_coef=rl.kl_coef,
+                          entropy_coef=rl.entropy_coef)
+
+
+class TaskStream:
+  """The training tasks in a fresh seeded order every epoch, read from a cursor (resumable)."""
+
+  def __init__(self, tasks: list[Task], seed: int, cursor: int = 0):
+    self.tasks, self.seed, self.cursor = tasks, seed, cursor
+
+  def take(self, count: int) -> list[Task]:
+    """Returns the next `count` tasks and moves the cursor past them."""
+    out = []
+    for position in range(self.cursor, self.cursor + count):
+      epoch, index = divmod(position, len(self.tasks))
+      order = np.random.default_rng([self.seed, epoch]).permutation(len(self.tasks))
+      out.append(self.tasks[order[index]])
+    self.cursor += count
+    return out
+
+
+def _reward_data(task_data: dict[str, Any]) -> dict[str, Any]:
+  """Returns a task's data with its `metadata` fields (domain, ground truth) lifted up."""
+  return {**task_data, **task_data.get("metadata", {})}
+
+
+class Trainer:
+  """The DAPO loop's parts, built from a config; `step()` does one rollout-and-update step."""
+
+  def __init__(self, config: Any):
+    self.config, rl = config, config.rl
+    self.tokenizer = load_tokenizer(config)
+    self.mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
+    self.rollout_config = RolloutConfig(**config.rollout)
+    self.n = self.rollout_config.group_size
+    if rl.batch_groups % rl.mini_batch_groups:
+      raise ConfigError(f"rl.batch_groups={rl.batch_groups} is not a multiple of "
+                        f"rl.mini_batch_groups={rl.mini_batch_groups}")
+    sharding.check_batch_fits_mesh(rl.mini_batch_groups * self.n, rl.micro_batches, self.mesh)
+    self.loss_config = loss_config(rl)
+    self.tasks = rollout_job.load_tasks(config.tasks, config.max_tasks)
+    self.eval_tasks = (rollout_job.load_tasks(config.eval_tasks, config.eval_max_tasks)
+                       if config.eval_tasks else [])
+    self.rewarder = rewards_lib.build_rewarder(config.rewards.to_dict())
+
+    model_config, params = load_model(config, self.tokenizer, self.mesh)
+    self.model_config, self.model = model_config, Transformer(model_config)
+    self.schedule = optimizer.learning_rate_schedule(config.optimizer)
+    self.tx = optimizer.make_optimizer(config.optimizer)
+    rng = jax.random.key(config.seed)
+    if params is None:
+      say("model.checkpoint is empty: DAPO starts from a freshly initialized model")
+      self.state = state_lib.init_state(self.model, self.tx, self.mesh, rng)
+    else:
+      self.state = state_lib.state_from_params(params, self.tx, self.model, self.mesh, rng)
+    self.ref_params = None
+    if rl.kl_coef:  # a copy: the train state's params are donated to the updates
+      self.ref_params = jax.tree_util.tree_map(lambda x: x.copy(), self.state.params)
+
+    self.seq_len = self.rollout_config.max_prompt_tokens + self.rollout_config.max_response_tokens
+    sampler = Sampler(model_config, self.mesh, batch_size=config.batch_size,
+                      cache_size=self.rollout_config.cache_size, chunk=config.chunk,
+                      stop_ids=rollout.stop_ids(self.tokenizer),
+                      sampling=SamplingConfig(**config.sampling))
+    tools = tools_registry.build_registry(config.tools.to_dict())
+    self.engine = Rollout(sampler, self.state.params, self.tokenizer, tools, self.rollout_config,
+                          config.system_prompt, seed=config.seed)
+    self.update = update.jit_dapo_step(self.model, self.tx, self.mesh,
+                                       with_ref=self.ref_params is not None,
+                                       loss_config=self.loss_config,
+                                       micro_batches=rl.micro_batches, schedule=self.schedule)
+    self.logprobs = update.jit_token_logprobs(
+        self.model, self.mesh, state_lib.param_shardings(self.model, self.mesh))
+    self.stream = TaskStream(self.tasks, config.seed)
+    self.reward_pool = concurrent.futures.ThreadPoolExecutor(config.reward_workers,
+                                                             "reward")
+
+  # --- rollouts and rewards ----------------------------------------------------------------
+
+  def _rollouts(self, tasks: list[Task], key: jax.Array) -> Iterator[ScoredGroup]:
+    """Yields the scored group of each task, rolled out with the current params from `key`."""
+    self.engine.params, self.engine.key = self.state.params, key
+    for group in self.engine.run(tasks):
+      texts = [record.response_text(self.tokenizer) for record in group]
+      data = _reward_data(group[0].task_data)
+      rewards = list(self.reward_pool.map(lambda text: self.rewarder(text, data), texts))
+      scores = [r.score + self._overlong(record.response_len)
+                for r, record in zip(rewards, group)]
+      for record, reward in zip(group, rewards):
+        record.task_data = {**record.task_data, "reward": reward.score, "correct": reward.correct}
+      yield ScoredGroup(group[0].task_id, group, scores, [r.correct for r in rewards])
+
+  def _overlong(self, response_len: int) -> float:
+    rl = self.config.rl
+    if not rl.overlong_shaping:
+      return 0.0
+    return overlong_penalty(response_len, self.rollout_config.max_response_tokens,
+                            rl.overlong_cache)
+
+  # --- one step ----------------------------------------------------------------------------
+
+  def step(self, step: int) -> dict[str, float]:
+    """Rolls out, filters and updates once; returns the step's metrics."""
+    rl = self.config.rl
+    generated: list[ScoredGroup] = []
+    rounds = iter(range(rl.max_rounds))
+    step_key = jax.random.fold_in(jax.random.key(self.config.seed), step)
+
+    def next_round():
+      key = jax.random.fold_in(step_key, next(rounds))
+      for group in self._rollouts(self.stream.take(rl.prompts_per_round), key):
+        generated.append(group)
+        yield group
+
+    t0 = time.perf_counter()
+    kept, stats = fill_batch(next_round, rl.batch_groups, rl.max_rounds, rl.dynamic_sampling)
+    rollout_s = time.perf_counter() - t0
+    records = [record for group in kept for record in group.records]
+    advantages = group_advantages(np.array([g.scores for g in kept]), rl.advantage,
+                                  rl.advantage_eps).reshape(-1)
+    drop = [rl.overlong_filter and r.finish_reason == "length" for r in records]
+    rows = rl.mini_batch_groups * self.n
+    mini_batches = []
+    for start in range(0, len(records), rows):
+      part = slice(start, start + rows)
+      batch = rollout_batch(records[part], advantages[part], np.arange(rows) // self.n,
+                            self.seq_len, drop[part])
+      mini_batches.append(sharding.shard_batch(batch, self.mesh))
+    health = self._recompute_old_logprobs(mini_batches)
+    update_metrics = []
+    for batch in mini_batches:
+      self.state, metrics = self.update(self.state, batch)
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      if not metrics.pop("is_finite"):
+        raise NonFiniteLossError(f"non-finite DAPO loss or gradient at step {step} ({metrics}); "
+                                 f"the update was not applied")
+      update_metrics.append(metrics)
+    every = [r for g in generated for r in g.records]
+    scores = [s for g in generated for s in g.scores]
+    correct = [c for g in generated for c in g.correct]
+    out = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
+    out.update(health, reward=float(np.mean(scores)), accuracy=float(np.mean(correct)),
+               response_len=float(np.mean([r.response_len for r in every])),
+               truncated=float(np.mean([r.finish_reason == "length" for r in every])),
+               rollout_s=rollout_s, **stats.to_json())
+    return out
+
+  def _recompute_old_logprobs(self, mini_batches: list[dict[str, jax.Array]]) -> dict[str, float]:
+    """Replaces each batch's old_logp by the rollout policy's teacher-forced log-probs (and
+    adds ref_logp when a KL term is on); returns how far the sampler's were from them."""
+    diffs, tokens, worst = 0.0, 0.0, 0.0
+    for batch in mini_batches:
+      old_logp, _ = self.logprobs(self.state.params, batch)
+      mask = batch["loss_mask"] > 0
+      gap = jnp.where(mask, jnp.abs(old_logp - batch["old_logp"]), 0.0)
+      diffs += float(gap.sum())
+      tokens += float(mask.sum())
+      worst = max(worst, float(gap.max()))
+      batch["old_logp"] = old_logp
+      if self.ref_params is not None:
+        batch["ref_logp"] = self.logprobs(self.ref_params, batch)[0]
+    return dict(logp_diff_mean=diffs / max(tokens, 1.0), logp_diff_max=worst)
+
+  def evaluate(self, step: int) -> dict[str, float]:
+    """Returns accuracy (avg@n at the sampling temperature) and lengths on the held-out tasks."""
+    key = jax.random.fold_in(jax.random.key(self.config.seed + 1), step)
+    groups = list(self._rollouts(self.eval_tasks, key))
+    correct = [c for g in groups for c in g.correct]
+    records = [r for g in groups for r in g.records]
+    return dict(eval_accuracy=float(np.mean(correct)),
+                eval_response_len=float(np.mean([r.response_len for r in records])))
+
+  def close(self) -> None:
+    self.reward_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run(config: Any) -> dict[str, Any]:
+  """Trains per `config`; returns a summary (rewards, accuracy, steps, paths)."""
+  rl = config.rl
+  trainer = Trainer(config)
+  say(f"DAPO: {trainer.model_config.num_params():,} params on mesh {dict(trainer.mesh.shape)}; "
+      f"{len(trainer.tasks)} tasks, {rl.batch_groups} groups x {trainer.n} samples per step in "
+      f"{rl.batch_groups // rl.mini_batch_groups} mini-batch(es); "
+      f"{len(trainer.eval_tasks)} held-out tasks")
+  checkpointer = Checkpointer(config.checkpoint.directory, config.checkpoint.max_to_keep,
+                              config.checkpoint.async_save)
+  start = 0
+  restored = checkpointer.restore_latest(
+      state_lib.abstract_state(trainer.model, trainer.tx, trainer.mesh))
+  if restored is not None:
+    trainer.state, data_state = restored
+    trainer.stream.cursor, start = int(data_state["cursor"]), int(data_state["step"])
+    say(f"resumed from step {start} in {checkpointer.directory}")
+  os.makedirs(config.workdir, exist_ok=True)
+  log = MetricsLog(os.path.join(config.workdir, "metrics.jsonl"), rl.steps, rl.log_every,
+                   unit="samples", append=restored is not None)
+  last = rl.steps if not rl.stop_after else min(rl.steps, start + rl.stop_after)
+  stopped_by_signal, completed = False, start
+  try:
+    with PreemptionFlag() as preempted:
+      for step in range(start + 1, last + 1):
+        metrics = trainer.step(step)
+        if trainer.eval_tasks and (step % rl.eval_every == 0 or step == rl.steps):
+          metrics.update(trainer.evaluate(step))
+        log.log(step, metrics, units=rl.batch_groups * trainer.n)
+        if step % config.checkpoint.every == 0 or step == last or preempted.requested:
+          checkpointer.save(step, trainer.state, {"cursor": trainer.stream.cursor, "step": step},
+                            force=preempted.requested)
+        completed = step
+        if preempted.requested:
+          stopped_by_signal = True
+          break
+  finally:
+    checkpointer.close()
+    trainer.close()
+  summary: dict[str, Any] = dict(steps=completed, resumed_from=start,
+                                 stopped_by_signal=stopped_by_signal, metrics=log.path)
+  if log.rows:
+    first, final = log.rows[0], log.rows[-1]
+    summary.update(first_reward=first["reward"], final_reward=final["reward"],
+                   first_accuracy=first["accuracy"], final_accuracy=final["accuracy"])
+    summary["plot"] = log.plot(os.path.join(config.workdir, "dapo.png"), PLOT_KEYS,
+                               title="DAPO")
+    say(f"reward {first['reward']:.3f} -> {final['reward']:.3f}, accuracy "
+        f"{first['accuracy']:.3f} -> {final['accuracy']:.3f}; plot {summary['plot']}")
+  if config.export_dir and summary["steps"] == rl.steps:
+    hf_checkpoint.save_checkpoint(config.export_dir, trainer.model_config, trainer.state.params,
+                                  dtype=config.export_dtype)
+    summary["export_dir"] = config.export_dir
+    say(f"exported HF checkpoint to {config.export_dir}")
+  summary["state"] = trainer.state
+  return summary
+
+
+__all__ = ["DynamicSamplingError", "NonFiniteLossError", "TaskStream", "Trainer", "run"]
