@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation of the training step for a TPU topology, on any host (CPU too).
+"""Ahead-of-time compilation of a training step (SFT, or a DAPO update when given a policy-loss
+config) for a TPU topology, on any host (CPU too).
 
 Needs libtpu (the `tpu` extra). The report combines three sources, each labelled:
 - memory per device: the compiler's `memory_analysis()` of the real (scanned) step;
@@ -19,7 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from coa_jax import flops, hardware, sharding
+from coa_jax.losses.dapo import PolicyLossConfig
 from coa_jax.model import ModelConfig, Transformer
+from coa_jax.rl import batch as rl_batch, update as rl_update
 from coa_jax.train import optimizer, state as state_lib, step as step_lib
 
 
@@ -45,6 +48,7 @@ class AotReport:
   compiler_flops: float  # per device, extrapolated from 1- and 2-layer compiles
   compiler_seconds: float  # the compiler's estimated step time, extrapolated likewise
   peak_flops: float  # per device
+  step: str = "train step (fwd + bwd + AdamW)"
 
   @property
   def peak_bytes(self) -> int:
@@ -68,8 +72,8 @@ class AotReport:
                      else f"{b / (1 << 20):.2f} MiB")
     tokens = self.batch_size * self.seq_len
     lines = [
-        f"model {self.model} ({self.num_params / 1e9:.2f}B params), train step "
-        f"(fwd + bwd + AdamW), batch {self.batch_size} x {self.seq_len} = {tokens:,} tokens",
+        f"model {self.model} ({self.num_params / 1e9:.2f}B params), {self.step}, "
+        f"batch {self.batch_size} x {self.seq_len} = {tokens:,} tokens",
         f"topology {self.topology}: {self.num_devices} x {self.device_kind}, mesh {self.mesh}, "
         f"compiled in {self.compile_seconds:.1f}s",
         f"memory per device (compiler): arguments {gib(self.argument_bytes)}, outputs "
@@ -98,20 +102,33 @@ def topology_devices(topology: str) -> list[Any]:
                      f"libtpu, installed?): {e}") from None
 
 
+def _abstract_batch(mesh, batch_size: int, seq_len: int, dapo: bool) -> dict[str, Any]:
+  """Returns the step's batch as ShapeDtypeStructs sharded over the batch axes."""
+  def spec(key):
+    shape = (batch_size,) if key == "group" else (batch_size, seq_len)
+    dtype = jnp.float32 if key in ("old_logp", "advantages", "ref_logp") else jnp.int32
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh))
+
+  return {k: spec(k) for k in (rl_batch.BATCH_KEYS if dapo else step_lib.BATCH_KEYS)}
+
+
 def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list[Any],
                        mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int,
-                       micro_batches: int = 1):
-  """Returns (compiled train step, mesh, compile seconds) for `devices` without running it."""
+                       micro_batches: int = 1, loss_config: PolicyLossConfig | None = None):
+  """Returns (compiled step, mesh, compile seconds) for `devices` without running it: the SFT
+  train step, or the DAPO update step when `loss_config` is given."""
   mesh = sharding.make_mesh(mesh_config, devices=devices)
   sharding.check_model_fits_mesh(config, mesh)
   sharding.check_batch_fits_mesh(batch_size, micro_batches, mesh)
   model, tx = Transformer(config), optimizer.make_optimizer(optimizer_config)
   state = state_lib.abstract_state(model, tx, mesh)
-  batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32,
-                                   sharding=sharding.batch_sharding(mesh))
-           for k in step_lib.BATCH_KEYS}
+  batch = _abstract_batch(mesh, batch_size, seq_len, loss_config is not None)
   start = time.perf_counter()
-  step = step_lib.jit_train_step(model, tx, mesh, micro_batches=micro_batches)
+  if loss_config is None:
+    step = step_lib.jit_train_step(model, tx, mesh, micro_batches=micro_batches)
+  else:
+    step = rl_update.jit_dapo_step(model, tx, mesh, loss_config=loss_config,
+                                   micro_batches=micro_batches)
   compiled = step.lower(state, batch).compile()
   return compiled, mesh, time.perf_counter() - start
 
@@ -125,11 +142,12 @@ def _cost(compiled) -> tuple[float, float]:
 
 def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: str,
                mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int,
-               micro_batches: int = 1) -> AotReport:
-  """Compiles the train step of `config` for `topology` and returns what the compiler found."""
+               micro_batches: int = 1, loss_config: PolicyLossConfig | None = None) -> AotReport:
+  """Compiles the train step of `config` (the DAPO update with `loss_config`) for `topology`
+  and returns what the compiler found."""
   devices = topology_devices(topology)
   compiled, mesh, seconds = compile_train_step(config, optimizer_config, devices, mesh_config,
-                                               batch_size, seq_len, micro_batches)
+                                               batch_size, seq_len, micro_batches, loss_config)
   memory = compiled.memory_analysis()
   # Cost analysis counts a loop body once: layers are unrolled in these small compiles and
   # micro-batch accumulation is costed as one micro-batch times their number.
@@ -137,7 +155,8 @@ def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: 
   for layers in (1, 2):
     small = config.replace(num_layers=layers, scan_unroll=layers)
     flops_, seconds_ = _cost(compile_train_step(small, optimizer_config, devices, mesh_config,
-                                                batch_size // micro_batches, seq_len)[0])
+                                                batch_size // micro_batches, seq_len,
+                                                loss_config=loss_config)[0])
     per_layer_costs.append((flops_ * micro_batches, seconds_ * micro_batches))
   (f1, t1), (f2, t2) = per_layer_costs
   extra = config.num_layers - 1
@@ -152,4 +171,5 @@ def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: 
       hbm_bytes=int(chip.hbm_bytes / devices_per_chip),
       model_flops=flops.train_flops(config, batch_size, seq_len),
       compiler_flops=f1 + extra * (f2 - f1), compiler_seconds=t1 + extra * (t2 - t1),
-      peak_flops=chip.peak_bf16_flops / devices_per_chip)
+      peak_flops=chip.peak_bf16_flops / devices_per_chip,
+      step="DAPO update step (fwd + bwd + AdamW)" if loss_config else AotReport.step)

@@ -24,8 +24,9 @@ class MetricsLog:
   """
 
   def __init__(self, path: str, total_steps: int, every: int = 10, unit: str = "tokens",
-               append: bool = False):
+               append: bool = False, shown: Sequence[str] = ()):
     self.path, self.total_steps, self.every, self.unit = path, total_steps, max(every, 1), unit
+    self.shown = tuple(shown)  # the metrics in progress lines (all when empty)
     self.rows: list[dict[str, Any]] = []
     self._active = jax.process_index() == 0
     self._start = self._last = self._previous = time.perf_counter()
@@ -56,7 +57,8 @@ class MetricsLog:
       rate = self._units_since / max(now - self._last, 1e-9)
       done = step - self._first_step + 1
       eta = (now - self._start) / done * (self.total_steps - step)
-      shown = "  ".join(f"{k}={float(v):.4g}" for k, v in metrics.items())
+      shown = "  ".join(f"{k}={float(v):.4g}" for k, v in metrics.items()
+                        if not self.shown or k in self.shown)
       print(f"step {step}/{self.total_steps}  {shown}  {rate:,.0f} {self.unit}/s  "
             f"ETA {eta:.0f}s", flush=True)
       self._last, self._units_since = now, 0.0

@@ -74,6 +74,7 @@ def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
       # the policy loss (coa_jax.losses.dapo.PolicyLossConfig)
       eps_low=0.2, eps_high=0.28, dual_clip=10.0, aggregation="token-mean", norm_tokens=0,
       log_ratio_clamp=20.0, kl_coef=0.0, entropy_coef=0.0,
-      eval_every=10, log_every=1, stop_after=0)
+      eval_every=10, log_every=1, stop_after=0,
+      track_prompts=True)  # write the tasks always / never solved to workdir/prompts.json
   values.update(overrides)
   return ml_collections.ConfigDict(values)

@@ -3,6 +3,7 @@
   python experiments/aot_compile.py --model=qwen2_5_7b --topology=v5p:2x2x1 \
       [--config.batch_size=16 --config.seq_len=4096 --config.mesh.tensor=2 ...]
   python experiments/aot_compile.py --config=configs/sft_qwen2_5_7b.py   # an SFT config
+  python experiments/aot_compile.py --config=configs/dapo_qwen2_5_32b.py  # a DAPO update
 
 Needs the `tpu` extra (libtpu). --model and --topology are shorthands for
 --config.model.preset and --config.topology.
@@ -19,12 +20,14 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from coa_jax import aot, sharding  # noqa: E402
+from coa_jax.rl import dapo  # noqa: E402
 from coa_jax.model import build_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/aot_train.py"))
 _MODEL = flags.DEFINE_string("model", None, "model preset (overrides config.model.preset)")
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:2x2x1")
+_REPORT = flags.DEFINE_string("report_json", None, "also write the report here (JSON)")
 
 
 def main(argv):
@@ -35,12 +38,18 @@ def main(argv):
   if _TOPOLOGY.value:
     config.topology = _TOPOLOGY.value
   micro_batches = config.train.micro_batches if "train" in config else 1
+  batch_size, seq_len, loss_config = config.get("batch_size"), config.get("seq_len"), None
+  if "rl" in config:  # a DAPO config: one mini-batch of whole prompt groups
+    batch_size = config.rl.mini_batch_groups * config.rollout.group_size
+    seq_len = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
+    micro_batches, loss_config = config.rl.micro_batches, dapo.loss_config(config.rl)
   report = aot.aot_report(config.model.preset, build_config(config.model), config.optimizer,
                           config.topology, sharding.MeshConfig(**config.mesh),
-                          config.batch_size, config.seq_len, micro_batches)
+                          batch_size, seq_len, micro_batches, loss_config)
   print(report.format())
-  if config.get("report_json"):
-    with open(config.report_json, "w") as f:
+  path = _REPORT.value or config.get("report_json")
+  if path:
+    with open(path, "w") as f:
       json.dump(dict(dataclasses.asdict(report), peak_bytes=report.peak_bytes, fits=report.fits,
                      implied_mfu=report.implied_mfu), f, indent=2)
 

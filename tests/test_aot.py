@@ -63,3 +63,19 @@ def test_the_7b_sft_config_compiles_scaled_down():
                           sharding.MeshConfig(**config.mesh), batch_size=16, seq_len=128,
                           micro_batches=config.train.micro_batches)
   assert report.mesh == {"data": 1, "fsdp": 4, "tensor": 1} and report.fits
+
+
+def test_the_32b_dapo_update_compiles_scaled_down():
+  from configs import dapo_qwen2_5_32b
+  from coa_jax.model import build_config
+  from coa_jax.rl import dapo
+
+  config = dapo_qwen2_5_32b.get_config()
+  model = build_config(config.model).replace(num_layers=2, hidden_size=512,
+                                             intermediate_size=1024, vocab_size=4096)
+  compiled, mesh, _ = aot.compile_train_step(
+      model, config.optimizer, aot.topology_devices("v5e:2x2"),
+      sharding.MeshConfig(data=1, fsdp=2, tensor=2), batch_size=8, seq_len=64, micro_batches=2,
+      loss_config=dapo.loss_config(config.rl))
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
+  assert compiled.memory_analysis().temp_size_in_bytes > 0

@@ -48,6 +48,8 @@ def test_job_writes_metrics_plot_and_checkpoints(uninterrupted):
   assert rows[0]["kept"] == 2 and rows[0]["rounds"] == 1
   assert rows[0]["logp_diff_max"] < 1e-3  # the sampler's log-probs equal teacher forcing
   assert (tmp / "whole" / "dapo.png").stat().st_size > 0
+  prompts = json.load(open(summary["prompts"]))
+  assert len(prompts["never_solved"]) == 4  # 2 steps x 2 groups of a fresh model, all wrong
   assert sorted(p.name for p in (tmp / "whole" / "ckpt").iterdir() if p.name.isdigit()) == [
       "1", "2"]
 

@@ -166,3 +166,16 @@ def test_dapo_steps_raise_a_verifiable_reward(tiny, single_device_mesh):
     state, metrics = step(state, batch)
     assert metrics["is_finite"]
   assert np.mean(rewards[:5]) < 0.7 and np.mean(rewards[-5:]) > 0.9, rewards
+
+
+def test_non_finite_update_is_flagged_and_not_applied(tiny, single_device_mesh):
+  model_config, model, tx = tiny
+  state = state_lib.init_state(model, tx, single_device_mesh, jax.random.key(0))
+  batch = _random_batch(model_config)
+  batch["advantages"][0, :] = np.nan
+  step = update.jit_dapo_step(model, tx, single_device_mesh, donate=False,
+                              loss_config=PolicyLossConfig())
+  new_state, metrics = step(state, sharding.shard_batch(batch, single_device_mesh))
+  assert not metrics["is_finite"] and int(new_state.step) == 0
+  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(new_state.params),
+                         jax.device_get(state.params))

@@ -17,6 +17,7 @@ uninterrupted one. A non-finite loss stops the run with the last good checkpoint
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import time
 from typing import Any, Iterator
@@ -41,6 +42,8 @@ from coa_jax.train import optimizer, state as state_lib
 from tools_env import registry as tools_registry
 
 PLOT_KEYS = ("reward", "accuracy", "response_len", "entropy", "clip_high", "clip_low")
+SHOWN = ("reward", "accuracy", "eval_accuracy", "response_len", "kept", "rounds", "pg_loss",
+         "entropy", "clip_high", "clip_low", "grad_norm", "logp_diff_max")
 
 
 def loss_config(rl: Any) -> PolicyLossConfig:
@@ -121,6 +124,7 @@ class Trainer:
     self.logprobs = update.jit_token_logprobs(
         self.model, self.mesh, state_lib.param_shardings(self.model, self.mesh))
     self.stream = TaskStream(self.tasks, config.seed)
+    self.prompts: dict[str, list[int]] = {}  # task id -> [groups, all correct, all wrong]
     self.reward_pool = concurrent.futures.ThreadPoolExecutor(config.reward_workers,
                                                              "reward")
 
@@ -184,6 +188,12 @@ class Trainer:
         raise NonFiniteLossError(f"non-finite DAPO loss or gradient at step {step} ({metrics}); "
                                  f"the update was not applied")
       update_metrics.append(metrics)
+    if rl.track_prompts:
+      for group in generated:
+        counts = self.prompts.setdefault(group.task_id, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += all(group.correct)
+        counts[2] += not any(group.correct)
     every = [r for g in generated for r in g.records]
     scores = [s for g in generated for s in g.scores]
     correct = [c for g in generated for c in g.correct]
@@ -219,6 +229,15 @@ class Trainer:
     return dict(eval_accuracy=float(np.mean(correct)),
                 eval_response_len=float(np.mean([r.response_len for r in records])))
 
+  def prompt_report(self) -> dict[str, list[str]]:
+    """Returns the task ids every one of whose groups was all correct, or all wrong."""
+    return {"always_solved": sorted(t for t, (n, ok, _) in self.prompts.items() if ok == n),
+            "never_solved": sorted(t for t, (n, _, bad) in self.prompts.items() if bad == n)}
+
+  def data_state(self, step: int) -> dict[str, Any]:
+    """Returns what a checkpoint keeps beside the train state."""
+    return {"cursor": self.stream.cursor, "step": step, "prompts": self.prompts}
+
   def close(self) -> None:
     self.reward_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -239,10 +258,11 @@ def run(config: Any) -> dict[str, Any]:
   if restored is not None:
     trainer.state, data_state = restored
     trainer.stream.cursor, start = int(data_state["cursor"]), int(data_state["step"])
+    trainer.prompts = data_state.get("prompts", {})
     say(f"resumed from step {start} in {checkpointer.directory}")
   os.makedirs(config.workdir, exist_ok=True)
   log = MetricsLog(os.path.join(config.workdir, "metrics.jsonl"), rl.steps, rl.log_every,
-                   unit="samples", append=restored is not None)
+                   unit="samples", append=restored is not None, shown=SHOWN)
   last = rl.steps if not rl.stop_after else min(rl.steps, start + rl.stop_after)
   stopped_by_signal, completed = False, start
   try:
@@ -253,7 +273,7 @@ def run(config: Any) -> dict[str, Any]:
           metrics.update(trainer.evaluate(step))
         log.log(step, metrics, units=rl.batch_groups * trainer.n)
         if step % config.checkpoint.every == 0 or step == last or preempted.requested:
-          checkpointer.save(step, trainer.state, {"cursor": trainer.stream.cursor, "step": step},
+          checkpointer.save(step, trainer.state, trainer.data_state(step),
                             force=preempted.requested)
         completed = step
         if preempted.requested:
@@ -264,6 +284,10 @@ def run(config: Any) -> dict[str, Any]:
     trainer.close()
   summary: dict[str, Any] = dict(steps=completed, resumed_from=start,
                                  stopped_by_signal=stopped_by_signal, metrics=log.path)
+  if rl.track_prompts and jax.process_index() == 0:
+    summary["prompts"] = os.path.join(config.workdir, "prompts.json")
+    with open(summary["prompts"], "w") as f:
+      json.dump(trainer.prompt_report(), f, indent=1)
   if log.rows:
     first, final = log.rows[0], log.rows[-1]
     summary.update(first_reward=first["reward"], final_reward=final["reward"],
