@@ -59,10 +59,14 @@ def test_the_7b_sft_config_compiles_scaled_down():
 
   config = sft_qwen2_5_7b.get_config()
   model = build_config(config.model).replace(num_layers=2)
-  report = aot.aot_report("qwen2_5_7b-2layers", model, config.optimizer, "v5e:2x2",
-                          sharding.MeshConfig(**config.mesh), batch_size=16, seq_len=128,
-                          micro_batches=config.train.micro_batches)
-  assert report.mesh == {"data": 1, "fsdp": 4, "tensor": 1} and report.fits
+  compiled, mesh, _ = aot.compile_train_step(
+      model, config.optimizer, aot.topology_devices("v5e:2x2"),
+      sharding.MeshConfig(**config.mesh), batch_size=16, seq_len=128,
+      micro_batches=config.train.micro_batches)
+  memory = compiled.memory_analysis()
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+  assert memory.argument_size_in_bytes + memory.temp_size_in_bytes < hardware.chip_for(
+      "TPU v5 lite").hbm_bytes
 
 
 def test_the_32b_dapo_update_compiles_scaled_down():

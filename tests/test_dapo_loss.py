@@ -102,9 +102,11 @@ def test_reference_kl_and_entropy_terms_are_added_per_token():
   np.testing.assert_allclose(sums.metrics()["ref_kl"], k3.mean(), rtol=1e-5)
 
 
-def test_sums_of_halves_equal_the_whole():
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_sums_of_halves_equal_the_whole(aggregation):
+  """Weights from the whole mini-batch make any split (micro-batches, devices) exact."""
   logp, old, adv, mask, groups = _inputs()
-  weights = aggregation_weights(jnp.asarray(mask), jnp.asarray(groups), "token-mean")
+  weights = aggregation_weights(jnp.asarray(mask), jnp.asarray(groups), aggregation)
   adv_bxt = jnp.broadcast_to(jnp.asarray(adv, jnp.float32)[:, None], logp.shape)
   parts = [policy_loss(jnp.asarray(logp[s]), jnp.asarray(old[s]), adv_bxt[s],
                        jnp.asarray(mask[s]), weights[s], CONFIG)
