@@ -1,0 +1,24 @@
+"""Distillation in the embedded world: the scripted teacher's traces -> filtered trajectories."""
+
+import ml_collections
+
+from coa_jax.sample_data import SYSTEM_PROMPT
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  # coa_jax.world.WorldConfig: entities per kind and split, task counts, difficulty.
+  config.world = ml_collections.ConfigDict(dict(
+      seed=0, entities=24, train_tasks=1000, heldout_tasks=200,
+      families=(("lookup", 0.5), ("arithmetic", 0.25), ("mixed", 0.25)),
+      hops=(0.4, 0.4, 0.2), digits=3))
+  # coa_jax.teacher.TeacherConfig: how often the scripted teacher errs.
+  config.teacher = ml_collections.ConfigDict(dict(
+      seed=0, vague_query_rate=0.3, misread_rate=0.2, skip_verify_rate=0.1))
+  # coa_jax.distill.FilterConfig: the complexity range kept.
+  config.filters = ml_collections.ConfigDict(dict(min_tool_calls=1, max_tool_calls=12,
+                                                  max_steps=48))
+  config.system_prompt = SYSTEM_PROMPT
+  config.workers = 4  # tasks solved at once
+  config.output_dir = "runs/distill_tiny"
+  return config

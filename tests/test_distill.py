@@ -1,0 +1,143 @@
+"""The embedded world, the scripted teacher system and distillation's filter stages."""
+
+import json
+
+import numpy as np
+import pytest
+
+from coa_jax import coa_format, sft_tokenize, tokenizer as tokenizer_lib
+from coa_jax.coa_format import Step, Trajectory
+from coa_jax.distill import Distiller, FilterConfig, format_report, to_trajectory
+from coa_jax.sample_data import SYSTEM_PROMPT
+from coa_jax.teacher import ScriptedTeacher, TeacherConfig, read_question
+from coa_jax.world import RELATIONS, World, WorldConfig
+from tools_env import registry
+
+CONFIG = WorldConfig(seed=3, entities=6, train_tasks=40, heldout_tasks=10)
+
+
+@pytest.fixture(scope="module")
+def world_and_tools(tmp_path_factory):
+  world = World(CONFIG)
+  paths = world.write(str(tmp_path_factory.mktemp("world")))
+  with open(paths["tools"]) as f:
+    return world, registry.build_registry(json.load(f))
+
+
+def test_world_is_deterministic_and_its_splits_are_disjoint(world_and_tools):
+  world, _ = world_and_tools
+  again = World(CONFIG)
+  assert again.tasks == world.tasks and again.corpus() == world.corpus()
+  assert World(WorldConfig(seed=4, entities=6, train_tasks=40)).tasks != world.tasks
+  names = {split: {e.name for kind in world.entities[split].values() for e in kind}
+           for split in ("train", "heldout")}
+  assert not names["train"] & names["heldout"]
+  for entity in world.by_name.values():  # links stay inside the entity's split
+    linked = [v for k, v in entity.attrs.items() if (entity.kind, k) in RELATIONS]
+    assert all(world.by_name[name].split == entity.split for name in linked)
+  for task in world.tasks["heldout"]:
+    plan = read_question(task["question"])
+    assert "expression" in plan or plan["name"] in names["heldout"]
+
+
+@pytest.mark.parametrize("question,plan", [
+    ("Question: What is 12 * 34 - 5?", {"expression": "12 * 34 - 5"}),
+    ("Question: Who is the CEO of Norvale Works?",
+     {"name": "Norvale Works", "path": ["ceo"], "multiplier": None}),
+    ("Question: What is the population of the city where the CEO of Norvale Works was born?",
+     {"name": "Norvale Works", "path": ["ceo", "birthplace", "population"], "multiplier": None}),
+    ("Question: What is the birth year of the mayor of Tunim multiplied by 24?",
+     {"name": "Tunim", "path": ["mayor", "born"], "multiplier": 24}),
+])
+def test_questions_are_read_into_plans(question, plan):
+  assert read_question(question) == plan
+
+
+def test_teacher_answers_every_task_through_real_tool_calls(world_and_tools):
+  world, tools = world_and_tools
+  teacher = ScriptedTeacher(tools, TeacherConfig(vague_query_rate=0, misread_rate=0,
+                                                 skip_verify_rate=0))
+  for task in world.tasks["train"][:20]:
+    trace = teacher.run(task)
+    assert trace.answer == task["metadata"]["ground_truth"], task["question"]
+    calls = [a for a in trace.activations if a.tool_call is not None]
+    assert calls and all(a.tool_ok and a.tool_result for a in calls)
+    assert not trace.mistakes and trace.tokens > 0
+
+
+def test_teacher_mistakes_appear_with_their_recoveries(world_and_tools):
+  world, tools = world_and_tools
+  teacher = ScriptedTeacher(tools, TeacherConfig(vague_query_rate=1, misread_rate=1,
+                                                 skip_verify_rate=0))
+  lookups = [t for t in world.tasks["train"] if t["metadata"]["family"] != "arithmetic"]
+  numeric = [t for t in lookups if t["metadata"]["domain"] == "math"]
+  for task in numeric[:5]:
+    trace = teacher.run(task)
+    steps = [a.step for a in trace.activations]
+    assert {"vague_query", "misread"} <= set(trace.mistakes)
+    assert trace.answer == task["metadata"]["ground_truth"]  # the verifier caught the misread
+    rejected = next(i for i, a in enumerate(trace.activations)
+                    if a.step == "double_check" and a.output.content.endswith("Score: 1"))
+    assert "reflection" in steps[rejected:] and steps[0] == "plan"
+    first_search = next(a for a in trace.activations if a.step == "web_search")
+    assert steps[steps.index("web_search") + 1] == "reflection", first_search.tool_call
+
+
+def test_the_default_rates_give_an_imperfect_teacher(world_and_tools):
+  world, tools = world_and_tools
+  teacher = ScriptedTeacher(tools, TeacherConfig(vague_query_rate=0.3, misread_rate=0.5,
+                                                 skip_verify_rate=0.5))
+  traces = [teacher.run(task) for task in world.tasks["train"]]
+  correct = np.mean([t.answer == t.task_data["ground_truth"] for t in traces])
+  assert 0.6 < correct < 1.0
+  assert any("skipped_verification" in t.mistakes for t in traces)
+
+
+def _trajectory(*steps, answer="42", truth="42"):
+  return Trajectory(SYSTEM_PROMPT, "Question: q?", tuple(Step(t, c) for t, c in steps) +
+                    (Step("answer", answer),), {"domain": "math", "ground_truth": truth})
+
+
+_GOOD = [("plan", "1. Compute."), ("code", "```python\nprint(6 * 7)\n```"),
+         ("observation", "42\n"), ("suggested_answer", "42"), ("double_check", "Yes. Score: 4")]
+
+
+def test_each_filter_stage_drops_exactly_its_examples():
+  examples = {
+      "good": _trajectory(*_GOOD),
+      "wrong": _trajectory(*_GOOD, answer="41"),
+      "bad_format": _trajectory(("code", "```python\nprint(1)\n```"), ("think", "no obs"),
+                                *_GOOD[3:]),
+      "no_tools": _trajectory(("think", "42"), *_GOOD[3:]),
+      "duplicate": _trajectory(*_GOOD[:3], *_GOOD[1:]),
+      "no_reflection": _trajectory(*_GOOD[:4], ("double_check", "Wrong. Score: 1"),
+                                   ("suggested_answer", "42"), ("double_check", "ok Score: 4")),
+      "skipped": _trajectory(*_GOOD[:3], ("think", "It is 42.")),
+  }
+  kept, report = Distiller(FilterConfig(min_tool_calls=1)).filter(examples.values())
+  assert kept == [examples["good"]]
+  reasons = {row["stage"]: row["reasons"] for row in report["stages"]}
+  assert reasons == {"correct": {"wrong_answer": 1}, "format": {"missing_observation": 1},
+                     "complexity": {"tool_calls_out_of_range": 1},
+                     "quality": {"duplicate_call": 1, "no_reflection_after_error": 1,
+                                 "verification_skipped": 1}}
+  assert [row["kept"] for row in report["stages"]] == [6, 5, 4, 1]
+  assert "overall: 1 of 7" in format_report(report)
+
+
+def test_distilled_trajectories_tokenize_with_observations_masked(world_and_tools):
+  world, tools = world_and_tools
+  tokenizer = tokenizer_lib.default_tokenizer("plain")
+  teacher = ScriptedTeacher(tools, TeacherConfig(seed=1))
+  for task in world.tasks["train"][:6]:
+    trajectory = to_trajectory(teacher.run(task), SYSTEM_PROMPT)
+    assert not coa_format.validate(list(trajectory.steps))
+    example = sft_tokenize.tokenize_trajectory(trajectory, tokenizer, max_len=4096)
+    ids, mask = example.input_ids.tolist(), example.loss_mask.tolist()
+    position = len(tokenizer.prompt_ids(trajectory.system, trajectory.question))
+    assert not any(mask[:position])
+    for i, step in enumerate(trajectory.steps):
+      span = sft_tokenize.step_ids(tokenizer, step, first=i == 0)
+      assert ids[position:position + len(span)] == span
+      assert set(mask[position:position + len(span)]) == {int(step.tag != "observation")}
+      position += len(span)
