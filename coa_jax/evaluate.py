@@ -1,0 +1,246 @@
+"""Evaluation: run a policy (a checkpoint with tools, or the teacher system) on tasks, k samples
+each, and report pass@1, avg@k, pass@k (unbiased), majority-vote best-of-k, tokens and tool
+calls per task, the format-error rate and finish reasons.
+
+Task files (local only), by extension and fields:
+- JSONL of {"question", ...} (ours; answers in `answer` / `metadata.ground_truth`), including
+  the reference release's plain QA JSONL ({"question", "answer": str | list, "data_source"});
+- parquet rows of the reference release's RL files ({"prompt": [messages],
+  "reward_model": {"ground_truth": '{"target": ...}'}, "data_source", "extra_info"});
+- benchmark files (AIME, MATH500, GAIA text, HLE, BrowseComp, WebWalker) as JSONL or parquet
+  whose question and answer sit under any of the usual names (`problem`, `Question`, ...).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Iterable, Sequence
+
+from coa_jax import coa_format, rewards
+from coa_jax.model import ConfigError
+from coa_jax.rollout import Task
+
+_QUESTION_KEYS = ("question", "Question", "problem", "prompt", "query", "input")
+_ANSWER_KEYS = ("answer", "Answer", "Final answer", "final_answer", "ground_truth", "solution",
+                "target", "gold")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """One sampled solution's outcome."""
+
+  correct: bool
+  answer: str | None
+  tokens: int  # response tokens
+  tool_calls: dict[str, int]
+  format_errors: int
+  finish_reason: str = "answer"
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Returns the unbiased estimate of pass@k from n samples of which c are correct:
+  1 - C(n - c, k) / C(n, k)."""
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(samples: Sequence[Sample]) -> bool:
+  """Returns whether the most frequent normalized answer (ties: the first seen) is correct."""
+  votes: dict[str, list[Sample]] = {}
+  for sample in samples:
+    if sample.answer is not None:
+      votes.setdefault(rewards.normalize_text(sample.answer), []).append(sample)
+  if not votes:
+    return False
+  best = max(votes.values(), key=len)  # max keeps the first of equal counts
+  return best[0].correct
+
+
+def summarize(outcomes: dict[str, Sequence[Sample]], k: int) -> dict[str, Any]:
+  """Returns the metrics of per-task samples (each task with the same n >= k samples)."""
+  if not outcomes:
+    raise ValueError("no tasks to summarize")
+  tasks = len(outcomes)
+  samples = [s for group in outcomes.values() for s in group]
+  calls: collections.Counter = collections.Counter()
+  for s in samples:
+    calls.update(s.tool_calls)
+  per_task = lambda values: sum(values) / tasks
+  return {
+      "tasks": tasks, "samples_per_task": len(samples) / tasks,
+      "pass@1": per_task(pass_at_k(len(g), sum(s.correct for s in g), 1)
+                         for g in outcomes.values()),
+      f"avg@{k}": per_task(sum(s.correct for s in g[:k]) / k for g in outcomes.values()),
+      f"pass@{k}": per_task(pass_at_k(len(g), sum(s.correct for s in g), k)
+                            for g in outcomes.values()),
+      f"maj@{k}": per_task(majority_correct(g[:k]) for g in outcomes.values()),
+      "tokens_per_task": sum(s.tokens for s in samples) / len(samples),
+      "tool_calls_per_task": sum(calls.values()) / len(samples),
+      "tool_calls_by_kind": {kind: n / len(samples) for kind, n in sorted(calls.items())},
+      "format_error_rate": sum(s.format_errors > 0 for s in samples) / len(samples),
+      "finish_reasons": dict(collections.Counter(s.finish_reason for s in samples)),
+  }
+
+
+def format_table(rows: dict[str, dict[str, Any]], k: int) -> str:
+  """Returns a text table of several systems' metrics (one row each)."""
+  columns = ["pass@1", f"avg@{k}", f"pass@{k}", f"maj@{k}", "tokens_per_task",
+             "tool_calls_per_task", "format_error_rate"]
+  width = max(len(name) for name in rows) + 2
+  lines = [f"{'system':<{width}}" + "".join(f"{c:>21}" for c in columns)]
+  for name, metrics in rows.items():
+    cells = [f"{metrics[c]:>21.3f}" if metrics[c] < 10 else f"{metrics[c]:>21,.0f}"
+             for c in columns]
+    lines.append(f"{name:<{width}}" + "".join(cells))
+  return "\n".join(lines)
+
+
+def sample_from_response(text: str, tokens: int, tool_calls: dict[str, int],
+                         finish_reason: str, reward: rewards.Reward) -> Sample:
+  """Returns the outcome of one response text scored by `reward`."""
+  _, errors = coa_format.parse_and_validate(text)
+  return Sample(reward.correct, reward.details.get("answer"), tokens, dict(tool_calls),
+                len(errors), finish_reason)
+
+
+# --- task files ----------------------------------------------------------------------------
+
+
+def _rows(path: str) -> Iterable[dict[str, Any]]:
+  if path.endswith(".parquet"):
+    import pyarrow.parquet as pq
+
+    yield from pq.read_table(path).to_pylist()
+    return
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      if line.strip():
+        try:
+          yield json.loads(line)
+        except json.JSONDecodeError:
+          raise ConfigError(f"{path}:{number}: not JSON") from None
+
+
+def task_from_row(row: dict[str, Any], number: int) -> Task:
+  """Returns the Task of one task-file row in any of the supported layouts."""
+  data = {k: v for k, v in row.items() if k not in ("steps", "system")}
+  data.update(row.get("metadata") or {})
+  prompt = row.get("prompt")
+  if isinstance(prompt, (list, tuple)):  # the reference RL rows: chat messages
+    question = next((m.get("content") for m in reversed(prompt) if m.get("role") == "user"), None)
+    truth = (row.get("reward_model") or {}).get("ground_truth")
+    data["ground_truth"] = rewards.gold_answers(truth)
+  else:
+    question = next((row[k] for k in _QUESTION_KEYS if isinstance(row.get(k), str)), None)
+    if "ground_truth" not in data:
+      answer = next((row[k] for k in _ANSWER_KEYS if row.get(k) is not None), None)
+      data["ground_truth"] = answer
+  if not isinstance(question, str) or not question.strip():
+    raise ConfigError(f"task {number}: no question under any of {_QUESTION_KEYS} or prompt "
+                      f"messages")
+  if data.get("ground_truth") in (None, [], ""):
+    raise ConfigError(f"task {number}: no answer under any of {_ANSWER_KEYS} or "
+                      f"reward_model.ground_truth")
+  if not question.lstrip().startswith("Question:"):
+    question = f"Question: {question.strip()}"
+  return Task(str(row.get("id", row.get("task_id", number))), question, data)
+
+
+def load_tasks(path: str, limit: int = 0) -> list[Task]:
+  """Returns the tasks of a local task file (JSONL or parquet, see the module docstring)."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"task file {path!r} does not exist")
+  tasks = []
+  for number, row in enumerate(_rows(path), 1):
+    if not isinstance(row, dict):
+      raise ConfigError(f"{path}:{number}: not a JSON object")
+    tasks.append(task_from_row(row, number))
+    if limit and len(tasks) == limit:
+      break
+  if not tasks:
+    raise ConfigError(f"task file {path!r} has no tasks")
+  return tasks
+
+
+# --- runners -------------------------------------------------------------------------------
+
+
+def evaluate_rollouts(engine: Any, tokenizer: Any, tasks: Sequence[Task],
+                      rewarder: rewards.Rewarder) -> dict[str, list[Sample]]:
+  """Returns each task's samples from a Rollout engine (its group size is k)."""
+  outcomes: dict[str, list[Sample]] = {}
+  for group in engine.run(tasks):
+    for record in group:
+      text = record.response_text(tokenizer)
+      reward = rewarder(text, record.task_data)
+      outcomes.setdefault(record.task_id, []).append(sample_from_response(
+          text, record.response_len, record.tool_calls, record.finish_reason, reward))
+  return outcomes
+
+
+def evaluate_teacher(teachers: Sequence[Any], tasks: Sequence[Task], system_prompt: str,
+                     rewarder: rewards.Rewarder, tokenizer: Any) -> dict[str, list[Sample]]:
+  """Returns each task's samples from teacher systems (one sample per teacher, e.g. seeds);
+  tokens are the multi-agent system's whole message traffic, in `tokenizer` tokens."""
+  from coa_jax.distill import to_trajectory
+
+  outcomes: dict[str, list[Sample]] = {}
+  for task in tasks:
+    record = {"id": task.id, "question": task.question, "metadata": task.data}
+    for teacher in teachers:
+      try:
+        trace = teacher.run(record)
+      except Exception:  # noqa: BLE001 - a task the teacher cannot solve is a failed sample
+        outcomes.setdefault(task.id, []).append(Sample(False, None, 0, {}, 1, "error"))
+        continue
+      text = to_trajectory(trace, system_prompt).response_text()
+      traffic = "\n".join(m.content for a in trace.activations
+                          for m in a.inputs + [a.output]) + "".join(
+                              a.tool_result or "" for a in trace.activations)
+      calls = collections.Counter(a.step for a in trace.activations if a.tool_call is not None)
+      outcomes.setdefault(task.id, []).append(sample_from_response(
+          text, len(tokenizer.encode(traffic)), calls, "answer", rewarder(text, task.data)))
+  return outcomes
+
+
+def run(config: Any) -> dict[str, Any]:
+  """Evaluates config.system ("model": a checkpoint with tools, or "teacher") on config.tasks
+  with k samples per task; prints the table and writes metrics.json and samples.jsonl."""
+  from coa_jax import rollout_job, tokenizer as tokenizer_lib
+  from coa_jax.metrics import say
+  from coa_jax.teacher import ScriptedTeacher, TeacherConfig
+  from tools_env import registry as tools_registry
+
+  tasks = load_tasks(config.tasks, config.max_tasks)
+  rewarder = rewards.build_rewarder(config.rewards.to_dict())
+  k = config.k
+  say(f"evaluating {config.system} on {len(tasks)} tasks x {k} samples from {config.tasks}")
+  if config.system == "teacher":
+    tools = tools_registry.build_registry(config.tools.to_dict())
+    teachers = [ScriptedTeacher(tools, TeacherConfig(**{**config.teacher, "seed": seed}))
+                for seed in range(k)]
+    outcomes = evaluate_teacher(teachers, tasks, config.system_prompt, rewarder,
+                                tokenizer_lib.default_tokenizer("plain"))
+  elif config.system == "model":
+    config.rollout.group_size = k
+    engine, tokenizer = rollout_job.build(config)
+    outcomes = evaluate_rollouts(engine, tokenizer, tasks, rewarder)
+  else:
+    raise ConfigError(f"evaluate system={config.system!r}: expected 'model' or 'teacher'")
+  metrics = summarize(outcomes, k)
+  say(format_table({config.system: metrics}, k))
+  os.makedirs(config.output_dir, exist_ok=True)
+  with open(os.path.join(config.output_dir, "metrics.json"), "w") as f:
+    json.dump(metrics, f, indent=1)
+  with open(os.path.join(config.output_dir, "samples.jsonl"), "w") as f:
+    for task_id, samples in outcomes.items():
+      f.write(json.dumps({"task_id": task_id, "samples": [dataclasses.asdict(s)
+                                                          for s in samples]}) + "\n")
+  return metrics

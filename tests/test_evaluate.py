@@ -1,0 +1,76 @@
+"""Evaluation metrics on scripted outcomes, and the task-file loaders."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from coa_jax import evaluate
+from coa_jax.evaluate import Sample, pass_at_k, summarize
+from coa_jax.model import ConfigError
+
+
+@pytest.mark.parametrize("n,c,k,expected", [(5, 2, 1, 0.4), (5, 2, 2, 0.7), (5, 0, 3, 0.0),
+                                            (5, 4, 2, 1.0), (4, 1, 4, 1.0)])
+def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
+  assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def _s(correct, answer, tokens=10, calls=None, errors=0, reason="answer"):
+  return Sample(correct, answer, tokens, calls or {}, errors, reason)
+
+
+def test_summary_metrics_equal_hand_computed_values():
+  outcomes = {
+      "a": [_s(True, "5", 10, {"code": 1}), _s(False, "6", 20), _s(True, "5", 30)],
+      "b": [_s(False, "x", 40, {"web_search": 2}), _s(False, "y", 50, errors=1),
+            _s(False, None, 60, reason="length")],
+      "c": [_s(False, "7"), _s(True, "8"), _s(False, "7")],  # the majority is wrong
+  }
+  m = summarize(outcomes, k=3)
+  assert m["pass@1"] == pytest.approx((2 / 3 + 0 + 1 / 3) / 3)
+  assert m["avg@3"] == pytest.approx(m["pass@1"])
+  assert m["pass@3"] == pytest.approx((1 + 0 + 1) / 3)
+  assert m["maj@3"] == pytest.approx(1 / 3)
+  assert m["tokens_per_task"] == pytest.approx((10 + 20 + 30 + 40 + 50 + 60 + 30) / 9)
+  assert m["tool_calls_per_task"] == pytest.approx(3 / 9)
+  assert m["tool_calls_by_kind"] == pytest.approx({"code": 1 / 9, "web_search": 2 / 9})
+  assert m["format_error_rate"] == pytest.approx(1 / 9)
+  assert m["finish_reasons"] == {"answer": 8, "length": 1}
+
+
+def test_majority_vote_normalizes_answers_and_breaks_ties_by_first_seen():
+  assert evaluate.majority_correct([_s(True, "Paris"), _s(False, "Rome"), _s(True, "paris.")])
+  assert not evaluate.majority_correct([_s(False, "Rome"), _s(True, "Paris")])
+  assert not evaluate.majority_correct([_s(False, None)])
+
+
+def test_task_files_in_every_layout_load(tmp_path):
+  ours = tmp_path / "ours.jsonl"
+  ours.write_text(json.dumps({"id": "t1", "question": "Question: 2+2?",
+                              "metadata": {"domain": "math", "ground_truth": "4"}}) + "\n")
+  qa = tmp_path / "qa.jsonl"
+  qa.write_text(json.dumps({"question": "Capital of France?", "answer": ["Paris", "paris"],
+                            "data_source": "nq"}) + "\n")
+  bench = tmp_path / "aime.jsonl"
+  bench.write_text(json.dumps({"problem": "Find x.", "solution": "12"}) + "\n")
+  rl = tmp_path / "rl.parquet"
+  pq.write_table(pa.Table.from_pylist([{
+      "prompt": [{"role": "system", "content": "sys"}, {"role": "user", "content": "Who?"}],
+      "reward_model": {"ground_truth": json.dumps({"target": ["Ada"]})},
+      "data_source": "hotpotqa", "extra_info": {"index": 3}}]), rl)
+  (t1,), (t2,), (t3,), (t4,) = (evaluate.load_tasks(str(p)) for p in (ours, qa, bench, rl))
+  assert (t1.id, t1.question, t1.data["ground_truth"]) == ("t1", "Question: 2+2?", "4")
+  assert t2.question == "Question: Capital of France?" and t2.data["ground_truth"] == [
+      "Paris", "paris"]
+  assert t3.data["ground_truth"] == "12" and t3.question == "Question: Find x."
+  assert t4.question == "Question: Who?" and t4.data["ground_truth"] == ["Ada"]
+  assert t4.data["data_source"] == "hotpotqa"
+
+
+def test_a_task_without_an_answer_is_named(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  path.write_text(json.dumps({"question": "Why?"}) + "\n")
+  with pytest.raises(ConfigError, match="task 1: no answer"):
+    evaluate.load_tasks(str(path))
