@@ -247,11 +247,11 @@ class World:
 
   # --- files -------------------------------------------------------------------------------
 
-  def tools_spec(self, corpus_path: str, snippet_chars: int = 60) -> dict[str, dict]:
+  def tools_spec(self, corpus_path: str, snippet_chars: int = 40) -> dict[str, dict]:
     """Returns the tools_env registry spec serving this world: search with short snippets
     (facts need a crawl), crawl by URL, the code sandbox."""
     search = {"kind": "bm25", "corpus_path": corpus_path, "snippet_chars": snippet_chars,
-              "top_k": 5}
+              "top_k": 3}
     return {"web_search": search, "wiki_search": dict(search),
             "crawl_page": {"kind": "local_crawl", "corpus_path": corpus_path},
             "code": {"kind": "sandbox"}}
