@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import re
 import string
 import threading
@@ -31,8 +30,8 @@ from fractions import Fraction
 from typing import Any, Callable, Mapping
 
 from coa_jax import coa_format
-from tools_env.base import BAD_RESPONSE, ToolFailure
-from tools_env.remote import HttpLimits, fetch
+from tools_env.base import ToolFailure
+from tools_env.remote import ChatClient, HttpLimits
 from tools_env.sandbox import CodeSandbox, SandboxLimits, extract_program
 
 KINDS = ("math", "qa", "code", "judge")
@@ -373,30 +372,12 @@ class JudgeClient:
 
   def __init__(self, base_url: str, model: str, api_key_env: str | None = "OPENAI_API_KEY",
                limits: HttpLimits | None = None, max_tokens: int = 256):
-    self.url = base_url.rstrip("/") + "/chat/completions"
-    self.model, self.max_tokens = model, max_tokens
-    self.limits = limits or HttpLimits(timeout_s=60.0)
-    key = os.environ.get(api_key_env) if api_key_env else None
-    if api_key_env and not key:
-      raise ValueError(f"environment variable {api_key_env} (the judge's API key) is not set; "
-                       f"set it or pass api_key_env=None for an endpoint without a key")
-    self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+    self.client = ChatClient(base_url, model, api_key_env, limits, max_tokens, what="judge")
 
   def __call__(self, question: str, gold: str, predicted: str) -> str:
     """Returns the judge's reply text; raises ToolFailure."""
     prompt = self.PROMPT.format(question=question, gold=gold, predicted=predicted)
-    payload = {"model": self.model, "temperature": 0.0, "max_tokens": self.max_tokens,
-               "messages": [{"role": "user", "content": prompt}]}
-    response = fetch(self.url, self.limits, payload, self._headers)
-    try:
-      reply = json.loads(response.body.decode(response.charset, errors="replace"))
-      content = reply["choices"][0]["message"]["content"]
-    except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-      raise ToolFailure(BAD_RESPONSE, "judge response has no choices[0].message.content") \
-          from None
-    if not isinstance(content, str):
-      raise ToolFailure(BAD_RESPONSE, "judge message content is not text")
-    return content
+    return self.client.complete([{"role": "user", "content": prompt}])
 
 
 _VERDICT_WORDS = {"true": True, "yes": True, "correct": True,

@@ -212,6 +212,33 @@ def html_to_text(page: str) -> str:
   return "\n".join(line for line in lines if line)
 
 
+class ChatClient:
+  """An OpenAI-compatible /chat/completions client; HttpLimits give its timeout and retries."""
+
+  def __init__(self, base_url: str, model: str, api_key_env: str | None = "OPENAI_API_KEY",
+               limits: HttpLimits | None = None, max_tokens: int = 1024,
+               temperature: float = 0.0, what: str = "chat"):
+    self.url = base_url.rstrip("/") + "/chat/completions"
+    self.model, self.max_tokens, self.temperature, self.what = model, max_tokens, temperature, what
+    self.limits = limits or HttpLimits(timeout_s=60.0)
+    key = _api_key(api_key_env)
+    self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+  def complete(self, messages: list[dict[str, str]]) -> str:
+    """Returns the reply's message text; raises ToolFailure."""
+    payload = {"model": self.model, "temperature": self.temperature,
+               "max_tokens": self.max_tokens, "messages": messages}
+    reply = _json(fetch(self.url, self.limits, payload, self._headers), self.what)
+    try:
+      content = reply["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+      raise ToolFailure(BAD_RESPONSE, f"{self.what} response has no "
+                                      f"choices[0].message.content") from None
+    if not isinstance(content, str):
+      raise ToolFailure(BAD_RESPONSE, f"{self.what} message content is not text")
+    return content
+
+
 class ChatSummarizer:
   """Condenses a page toward a goal through an OpenAI-compatible chat completions endpoint."""
 
@@ -222,24 +249,15 @@ class ChatSummarizer:
   def __init__(self, base_url: str, model: str, api_key_env: str | None = "OPENAI_API_KEY",
                limits: HttpLimits | None = None, max_page_chars: int = 30000,
                max_tokens: int = 1024):
-    self.url = base_url.rstrip("/") + "/chat/completions"
-    self.model, self.max_page_chars, self.max_tokens = model, max_page_chars, max_tokens
-    self.limits = limits or HttpLimits(timeout_s=60.0)
-    key = _api_key(api_key_env)
-    self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+    self.client = ChatClient(base_url, model, api_key_env, limits, max_tokens,
+                             what="summarizer")
+    self.max_page_chars = max_page_chars
 
   def __call__(self, page: str, goal: str, url: str = "") -> str:
     """Returns the page condensed toward `goal`; raises ToolFailure."""
     prompt = self.PROMPT.format(goal=goal, url=url, page=page[:self.max_page_chars])
-    payload = {"model": self.model, "temperature": 0.0, "max_tokens": self.max_tokens,
-               "messages": [{"role": "user", "content": prompt}]}
-    reply = _json(fetch(self.url, self.limits, payload, self._headers), "summarizer")
-    try:
-      content = reply["choices"][0]["message"]["content"]
-    except (KeyError, IndexError, TypeError):
-      raise ToolFailure(BAD_RESPONSE, "summarizer response has no choices[0].message.content") \
-          from None
-    if not isinstance(content, str) or not content.strip():
+    content = self.client.complete([{"role": "user", "content": prompt}])
+    if not content.strip():
       raise ToolFailure(BAD_RESPONSE, "summarizer returned an empty message")
     return content.strip()
 
