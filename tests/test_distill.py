@@ -1,6 +1,8 @@
-"""The embedded world, the scripted teacher system and distillation's filter stages."""
+"""The embedded world, the teacher systems and distillation's filter stages."""
 
+import http.server
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -9,9 +11,10 @@ from coa_jax import coa_format, sft_tokenize, tokenizer as tokenizer_lib
 from coa_jax.coa_format import Step, Trajectory
 from coa_jax.distill import Distiller, FilterConfig, format_report, to_trajectory
 from coa_jax.sample_data import SYSTEM_PROMPT
-from coa_jax.teacher import ScriptedTeacher, TeacherConfig, read_question
+from coa_jax.teacher import ChatTeacher, ScriptedTeacher, TeacherConfig, read_question
 from coa_jax.world import RELATIONS, World, WorldConfig
 from tools_env import registry
+from tools_env.remote import ChatClient, HttpLimits
 
 CONFIG = WorldConfig(seed=3, entities=6, train_tasks=40, heldout_tasks=10)
 
@@ -141,3 +144,57 @@ def test_distilled_trajectories_tokenize_with_observations_masked(world_and_tool
       assert ids[position:position + len(span)] == span
       assert set(mask[position:position + len(span)]) == {int(step.tag != "observation")}
       position += len(span)
+
+
+class _ChatHandler(http.server.BaseHTTPRequestHandler):
+  """A fake OpenAI-compatible endpoint: each role prompt gets its scripted reply; the
+  controller's decisions are served in order."""
+
+  ROLES = {"planner": "1. Search for France.\n2. Read its page.", "search agent": "France",
+           "crawl agent": "https://facts.example/france", "proposer": "Paris",
+           "verifier": "The page says Paris. Score: 4", "answerer": "Paris",
+           "reflector": "The decision was unreadable; continue with the search."}
+
+  def log_message(self, *args):
+    pass
+
+  def do_POST(self):
+    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    system = body["messages"][0]["content"]
+    if system.startswith("You coordinate"):
+      content = self.server.decisions.pop(0)
+    else:
+      content = next(reply for role, reply in self.ROLES.items() if f"the {role}" in system)
+    data = json.dumps({"choices": [{"message": {"content": content}}]}).encode()
+    self.send_response(200)
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Content-Length", str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+
+
+def test_chat_teacher_runs_the_agents_on_a_fake_endpoint_with_real_tools():
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ChatHandler)
+  server.decisions = ["not json at all",
+                      json.dumps({"agent": "search_agent", "instruction": "find France"}),
+                      json.dumps({"agent": "crawl_agent", "instruction": "read it"}),
+                      'Next: {"agent": "proposer", "instruction": "propose"}']
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    client = ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "fake",
+                        api_key_env=None, limits=HttpLimits(timeout_s=5.0, retries=0))
+    teacher = ChatTeacher(registry.build_registry(registry.default_spec()), client)
+    trace = teacher.run({"id": "q1", "question": "Question: What is the capital of France?",
+                         "metadata": {"domain": "qa", "ground_truth": "Paris"}})
+  finally:
+    server.shutdown()
+    server.server_close()
+  steps = [a.step for a in trace.activations]
+  assert steps == ["plan", "reflection", "web_search", "crawl_page", "suggested_answer",
+                   "double_check", "answer"]
+  crawl = trace.activations[3]
+  assert crawl.tool_ok and "Paris is the capital" in crawl.tool_result
+  assert trace.answer == "Paris"
+  trajectory = to_trajectory(trace, SYSTEM_PROMPT)
+  assert not coa_format.validate(list(trajectory.steps))
+  assert Distiller().filter([trajectory])[1]["output"] == 1
