@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 ACCELERATOR := $(wildcard /dev/accel0 /dev/vfio/0 /dev/nvidia0)
 export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 
-.PHONY: install demo lm-demo test sft rollout dapo bench bench-tools bench-rollout aot clean
+.PHONY: install demo lm-demo test sft rollout dapo pipeline distill evaluate bench bench-tools bench-rollout aot clean
 
 $(STAMP): setup.py
 	@# bubblewrap gives the code sandbox its strongest isolation; without it (or as non-root)
@@ -41,6 +41,16 @@ sft: $(STAMP)
 # Rollouts of the SFT demo's exported model with the embedded tools (run `make demo` first).
 rollout: $(STAMP)
 	$(BIN)/python experiments/rollout.py $(ARGS)
+
+# The end-to-end recipe on the embedded world (ARGS=--quick: a smoke test of every stage).
+pipeline: $(STAMP)
+	$(BIN)/python experiments/pipeline.py $(ARGS)
+
+distill: $(STAMP)
+	$(BIN)/python experiments/distill.py $(ARGS)
+
+evaluate: $(STAMP)
+	$(BIN)/python experiments/evaluate.py $(ARGS)
 
 # DAPO of the SFT demo's exported model with tools and rewards (run `make demo` first).
 dapo: $(STAMP)
