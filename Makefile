@@ -19,7 +19,7 @@ $(STAMP): setup.py
 	  echo "bubblewrap not installed: the code sandbox will use unshare or resource limits"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test,tpu,plots]"
+	$(BIN)/pip install --quiet -e ".[test,tpu,plots,tfds]"
 	touch $(STAMP)
 
 install: $(STAMP)

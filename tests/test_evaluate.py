@@ -74,3 +74,26 @@ def test_a_task_without_an_answer_is_named(tmp_path):
   path.write_text(json.dumps({"question": "Why?"}) + "\n")
   with pytest.raises(ConfigError, match="task 1: no answer"):
     evaluate.load_tasks(str(path))
+
+
+def test_livecodebench_rows_become_code_tasks(tmp_path):
+  path = tmp_path / "lcb.jsonl"
+  cases = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"},
+           {"input": "f(1)", "output": "2", "testtype": "functional"}]
+  path.write_text(json.dumps({"question_id": "abc1", "question_content": "Add two numbers.",
+                              "public_test_cases": json.dumps(cases)}) + "\n")
+  (task,) = evaluate.load_tasks(str(path))
+  assert task.data["domain"] == "code" and task.data["tests"] == [
+      {"stdin": "1 2\n", "stdout": "3\n"}]
+
+
+@pytest.mark.parametrize("name,split", [("trivia_qa/rc.nocontext", "validation"),
+                                        ("natural_questions_open", "validation")])
+def test_tfds_datasets_load_offline_from_mock_data(name, split):
+  tfds = pytest.importorskip("tensorflow_datasets")
+  with tfds.testing.mock_data(num_examples=3):
+    tasks = evaluate.load_tasks(f"tfds:{name}:{split}", limit=2)
+  assert len(tasks) == 2
+  for task in tasks:
+    assert task.question.startswith("Question: ") and task.data["domain"] == "qa"
+    assert task.data["ground_truth"] and all(isinstance(g, str) for g in task.data["ground_truth"])
