@@ -6,7 +6,7 @@ job): distil with the scripted teacher, SFT from scratch, DAPO, evaluate on held
 
 import ml_collections
 
-from configs import common
+from configs import common, distill_tiny
 from coa_jax.sample_data import SYSTEM_PROMPT
 
 
@@ -18,14 +18,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.workers = 4
   config.log_every = 20
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
-  config.world = ml_collections.ConfigDict(dict(
-      seed=0, entities=24, train_tasks=1000, heldout_tasks=200,
-      families=(("lookup", 0.5), ("arithmetic", 0.25), ("mixed", 0.25)),
-      hops=(0.4, 0.4, 0.2), digits=3))
-  config.teacher = ml_collections.ConfigDict(dict(
-      seed=0, vague_query_rate=0.3, misread_rate=0.2, skip_verify_rate=0.1))
-  config.filters = ml_collections.ConfigDict(dict(min_tool_calls=1, max_tool_calls=12,
-                                                  max_steps=48))
+  distill = distill_tiny.get_config()  # the world, the teacher's error rates, the filters
+  config.world, config.teacher, config.filters = distill.world, distill.teacher, distill.filters
   config.model = ml_collections.ConfigDict(dict(
       preset="tiny", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
       num_kv_heads=2, attention_impl="blockwise"))

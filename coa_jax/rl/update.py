@@ -13,8 +13,8 @@ from jax.sharding import Mesh
 from coa_jax import sharding
 from coa_jax.losses.dapo import PolicyLossConfig, aggregation_weights, policy_loss
 from coa_jax.rl.batch import BATCH_KEYS
-from coa_jax.train.state import TrainState, state_shardings
-from coa_jax.train.step import apply_if_finite, summed_grads
+from coa_jax.train.state import TrainState
+from coa_jax.train.step import apply_if_finite, jit_state_step, summed_grads
 
 
 def token_logprobs(model: nn.Module, params: Any,
@@ -61,16 +61,11 @@ def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainSt
 
 def jit_dapo_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
                   with_ref: bool = False, donate: bool = True, **step_options: Any) -> Callable:
-  """Returns `dapo_step` jitted with explicit shardings: called as step(state, batch), with
-  `.lower` for ahead-of-time compiles; `step_options` go to `dapo_step`."""
-  state_sh = state_shardings(model, tx, mesh)
+  """Returns `dapo_step` jitted by `jit_state_step` (called as step(state, batch), with
+  `.lower`); `step_options` go to `dapo_step`."""
   keys = BATCH_KEYS + (("ref_logp",) if with_ref else ())
-  batch_sh = {k: sharding.batch_sharding(mesh) for k in keys}
-  jitted = jax.jit(lambda s, b: dapo_step(model, tx, s, b, **step_options),
-                   in_shardings=(state_sh, batch_sh),
-                   out_shardings=(state_sh, sharding.replicated(mesh)),
-                   donate_argnums=(0,) if donate else ())
-  return sharding.bind_mesh(jitted, mesh)
+  return jit_state_step(lambda s, b: dapo_step(model, tx, s, b, **step_options), model, tx,
+                        mesh, keys, donate)
 
 
 def jit_token_logprobs(model: nn.Module, mesh: Mesh, params_shardings: Any) -> Callable:

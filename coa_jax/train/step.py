@@ -104,21 +104,25 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
   return new_state, metrics
 
 
-def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
-                   donate: bool = True, **step_options: Any) -> Callable:
-  """Returns `train_step` jitted with explicit state/batch shardings on `mesh`.
-
-  The result is called as step(state, batch) and also offers `.lower(state, batch)` for
-  ahead-of-time compilation; the state argument is donated unless donate=False.
-  `step_options` (micro_batches, z_loss, schedule) are passed to `train_step`.
-  """
+def jit_state_step(step: Callable, model: nn.Module, tx: optax.GradientTransformation,
+                   mesh: Mesh, batch_keys: tuple[str, ...], donate: bool = True) -> Callable:
+  """Returns step(state, batch) -> (state, metrics) jitted on `mesh` with the train state's
+  shardings, the batch over the batch axes and replicated metrics; it also offers
+  `.lower(state, batch)` for ahead-of-time compiles. The state is donated unless donate=False."""
   state_sh = state_shardings(model, tx, mesh)
-  batch_sh = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
-  jitted = jax.jit(lambda s, b: train_step(model, tx, s, b, **step_options),
-                   in_shardings=(state_sh, batch_sh),
+  batch_sh = {k: sharding.batch_sharding(mesh) for k in batch_keys}
+  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
                    out_shardings=(state_sh, sharding.replicated(mesh)),
                    donate_argnums=(0,) if donate else ())
   return sharding.bind_mesh(jitted, mesh)
+
+
+def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
+                   donate: bool = True, **step_options: Any) -> Callable:
+  """Returns `train_step` jitted by `jit_state_step`; `step_options` (micro_batches, z_loss,
+  schedule) are passed to `train_step`."""
+  return jit_state_step(lambda s, b: train_step(model, tx, s, b, **step_options), model, tx,
+                        mesh, BATCH_KEYS, donate)
 
 
 def next_token_batch(tokens_BxT1: np.ndarray) -> dict[str, np.ndarray]:
