@@ -61,9 +61,10 @@ def stage_configs(config: Any) -> dict[str, ml_collections.ConfigDict]:
   sft_config.workdir = os.path.join(out, "sft")
   sft_config.export_dir = os.path.join(out, "sft", "hf_export")
 
-  tools = ml_collections.ConfigDict(json.load(open(os.path.join(world_dir, "tools.json")))
-                                    if os.path.exists(os.path.join(world_dir, "tools.json"))
-                                    else {})
+  tools = ml_collections.ConfigDict()  # the world's tools, once distillation has written them
+  if os.path.exists(os.path.join(world_dir, "tools.json")):
+    with open(os.path.join(world_dir, "tools.json")) as f:
+      tools = ml_collections.ConfigDict(json.load(f))
 
   def evaluation(system: str, checkpoint: str, name: str) -> ml_collections.ConfigDict:
     cfg = evaluate_tiny.get_config()
