@@ -188,3 +188,14 @@ def test_grown_vocabulary_loads_sharded(tmp_path):
                                             vocab_size=104)
   assert params["embedding"].shape == (104, 32)
   assert params["embedding"].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+
+
+def test_a_model_config_contradicting_the_checkpoint_is_named(tmp_path, single_device_mesh):
+  from coa_jax.model import ConfigError
+
+  make_hf_model("qwen2", layers=2).save_pretrained(tmp_path / "hf")
+  with pytest.raises(ConfigError, match=r"num_layers=1 \(checkpoint: 2\)"):
+    hf_checkpoint.load_checkpoint(str(tmp_path / "hf"), single_device_mesh, num_layers=1)
+  config, _ = hf_checkpoint.load_checkpoint(str(tmp_path / "hf"), single_device_mesh,
+                                            num_layers=2, remat="full", vocab_size=128)
+  assert (config.num_layers, config.remat, config.vocab_size) == (2, "full", 128)

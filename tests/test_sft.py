@@ -169,7 +169,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 def test_fine_tuning_an_hf_checkpoint_grows_its_vocabulary_for_the_tags(tmp_path):
   from hf_reference import make_hf_model
 
-  make_hf_model("qwen2", vocab=96, heads=4, kv_heads=2).save_pretrained(tmp_path / "hf")
+  make_hf_model("qwen2", vocab=96, heads=4, kv_heads=2, layers=1).save_pretrained(tmp_path / "hf")
   config = _config(tmp_path, 2, **{"model.checkpoint": str(tmp_path / "hf")})
   config.export_dir = str(tmp_path / "export")
   summary = sft.run(config)

@@ -209,7 +209,16 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     raise ConfigError(f"HF config is missing the field {e.args[0]!r}") from None
   if family == "llama" and (hf.get("mlp_bias") or hf.get("attention_bias")):
     raise ConfigError("Llama configs with mlp_bias or attention_bias set are not supported")
-  return ModelConfig(**fields).replace(**overrides)
+  config = ModelConfig(**fields)
+  # The checkpoint fixes the architecture; overrides may change numerics (dtype, remat,
+  # attention) and grow the vocabulary (for added tag tokens), not reshape the weights.
+  conflicts = {k: (v, getattr(config, k)) for k, v in overrides.items()
+               if k in fields and k != "vocab_size" and v != getattr(config, k)}
+  if conflicts:
+    raise ConfigError("the model config contradicts the checkpoint's config.json: " + ", ".join(
+        f"{k}={mine!r} (checkpoint: {theirs!r})" for k, (mine, theirs) in conflicts.items()) +
+                      "; remove these fields or use the matching checkpoint")
+  return config.replace(**overrides)
 
 
 def _first(value):
