@@ -24,7 +24,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
-from coa_jax import coa_format, rewards
+from coa_jax import coa_format, importers, rewards
 from coa_jax.model import ConfigError
 from coa_jax.rollout import Task
 
@@ -118,19 +118,12 @@ def sample_from_response(text: str, tokens: int, tool_calls: dict[str, int],
 # --- task files ----------------------------------------------------------------------------
 
 
-def _rows(path: str) -> Iterable[dict[str, Any]]:
+def _rows(path: str) -> Iterable[Any]:
   if path.endswith(".parquet"):
     import pyarrow.parquet as pq
 
-    yield from pq.read_table(path).to_pylist()
-    return
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      if line.strip():
-        try:
-          yield json.loads(line)
-        except json.JSONDecodeError:
-          raise ConfigError(f"{path}:{number}: not JSON") from None
+    return pq.read_table(path).to_pylist()
+  return importers.read_records(path)
 
 
 def task_from_row(row: dict[str, Any], number: int) -> Task:
@@ -207,9 +200,10 @@ def load_tasks(path: str, limit: int = 0) -> list[Task]:
   if not os.path.isfile(path):
     raise ConfigError(f"task file {path!r} does not exist")
   tasks = []
-  for number, row in enumerate(_rows(path), 1):
+  for number, row in enumerate(_rows(path) if os.path.getsize(path) else [], 1):
     if not isinstance(row, dict):
-      raise ConfigError(f"{path}:{number}: not a JSON object")
+      raise ConfigError(f"{path}:{number}: not a JSON object"
+                        f"{' (not JSON)' if row is importers.BAD_JSON else ''}")
     tasks.append(task_from_row(row, number))
     if limit and len(tasks) == limit:
       break

@@ -199,7 +199,7 @@ class _Run:
   # --- the policy --------------------------------------------------------------------------
 
   def solve(self) -> None:
-    plan = read_question(self.trace.question)
+    self.plan = plan = read_question(self.trace.question)
     if "expression" in plan:
       self.act("planner", "plan", f"1. Compute {plan['expression']} with code.\n"
                                   f"2. Double-check the result and answer.")
@@ -303,7 +303,7 @@ class _Run:
 
   def _recover(self) -> str:
     """Returns the answer recomputed from the page text already on the board."""
-    plan = read_question(self.trace.question)
+    plan = self.plan
     page = next(a.tool_result for a in reversed(self.trace.activations)
                 if a.step == "crawl_page")
     value = self.read(page or "", plan["path"][-1])

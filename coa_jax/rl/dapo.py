@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coa_jax import hf_checkpoint, rewards as rewards_lib, rollout, rollout_job, sharding
+from coa_jax import evaluate, hf_checkpoint, rewards as rewards_lib, rollout, sharding
 from coa_jax.checkpointing import Checkpointer, PreemptionFlag
 from coa_jax.losses.dapo import PolicyLossConfig
 from coa_jax.metrics import MetricsLog, say
@@ -62,18 +62,14 @@ class TaskStream:
 
   def take(self, count: int) -> list[Task]:
     """Returns the next `count` tasks and moves the cursor past them."""
-    out = []
+    out, orders = [], {}
     for position in range(self.cursor, self.cursor + count):
       epoch, index = divmod(position, len(self.tasks))
-      order = np.random.default_rng([self.seed, epoch]).permutation(len(self.tasks))
-      out.append(self.tasks[order[index]])
+      if epoch not in orders:
+        orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.tasks))
+      out.append(self.tasks[orders[epoch][index]])
     self.cursor += count
     return out
-
-
-def _reward_data(task_data: dict[str, Any]) -> dict[str, Any]:
-  """Returns a task's data with its `metadata` fields (domain, ground truth) lifted up."""
-  return {**task_data, **task_data.get("metadata", {})}
 
 
 class Trainer:
@@ -90,8 +86,9 @@ class Trainer:
                         f"rl.mini_batch_groups={rl.mini_batch_groups}")
     sharding.check_batch_fits_mesh(rl.mini_batch_groups * self.n, rl.micro_batches, self.mesh)
     self.loss_config = loss_config(rl)
-    self.tasks = rollout_job.load_tasks(config.tasks, config.max_tasks)
-    self.eval_tasks = (rollout_job.load_tasks(config.eval_tasks, config.eval_max_tasks)
+    # Tasks with their ground truth (metadata fields lifted up), as the evaluation reads them.
+    self.tasks = evaluate.load_tasks(config.tasks, config.max_tasks)
+    self.eval_tasks = (evaluate.load_tasks(config.eval_tasks, config.eval_max_tasks)
                        if config.eval_tasks else [])
     self.rewarder = rewards_lib.build_rewarder(config.rewards.to_dict())
 
@@ -135,7 +132,7 @@ class Trainer:
     self.engine.params, self.engine.key = self.state.params, key
     for group in self.engine.run(tasks):
       texts = [record.response_text(self.tokenizer) for record in group]
-      data = _reward_data(group[0].task_data)
+      data = group[0].task_data
       rewards = list(self.reward_pool.map(lambda text: self.rewarder(text, data), texts))
       scores = [r.score + self._overlong(record.response_len)
                 for r, record in zip(rewards, group)]
