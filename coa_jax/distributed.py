@@ -42,3 +42,15 @@ def initialize(config: DistributedConfig = DistributedConfig()) -> bool:
   jax.distributed.initialize(coordinator_address=config.coordinator_address,
                              num_processes=config.num_processes, process_id=config.process_id)
   return True
+
+
+ENV = "COA_JAX_DISTRIBUTED"
+
+
+def initialize_from_env() -> bool:
+  """Joins a multi-host run when the environment asks for one: COA_JAX_DISTRIBUTED=auto (TPU
+  pod slices, SLURM: JAX finds the other processes itself). Unset or "off": one process.
+  Every experiment script calls this first; `experiments/launch_tpu.py` sets it."""
+  import os
+
+  return initialize(DistributedConfig(mode=os.environ.get(ENV, "off")))

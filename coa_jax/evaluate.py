@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 from coa_jax import coa_format, importers, rewards
 from coa_jax.model import ConfigError
-from coa_jax.rollout import Task
+from coa_jax.rollout import Task, check_prompt_lengths
 
 _QUESTION_KEYS = ("question", "Question", "problem", "Problem", "question_content", "prompt",
                   "query", "input")
@@ -44,6 +44,7 @@ class Sample:
   tool_calls: dict[str, int]
   format_errors: int
   finish_reason: str = "answer"
+  text: str = ""  # the response, for reading failures in samples.jsonl
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -112,7 +113,7 @@ def sample_from_response(text: str, tokens: int, tool_calls: dict[str, int],
   """Returns the outcome of one response text scored by `reward`."""
   _, errors = coa_format.parse_and_validate(text)
   return Sample(reward.correct, reward.details.get("answer"), tokens, dict(tool_calls),
-                len(errors), finish_reason)
+                len(errors), finish_reason, text)
 
 
 # --- task files ----------------------------------------------------------------------------
@@ -274,6 +275,8 @@ def run(config: Any) -> dict[str, Any]:
   elif config.system == "model":
     config.rollout.group_size = k
     engine, tokenizer = rollout_job.build(config)
+    check_prompt_lengths(tokenizer, config.system_prompt, tasks,
+                         config.rollout.max_prompt_tokens)
     outcomes = evaluate_rollouts(engine, tokenizer, tasks, rewarder)
   else:
     raise ConfigError(f"evaluate system={config.system!r}: expected 'model' or 'teacher'")

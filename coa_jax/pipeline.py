@@ -76,6 +76,7 @@ def stage_configs(config: Any) -> dict[str, ml_collections.ConfigDict]:
     cfg.max_tasks = config.eval.max_tasks
     cfg.batch_size = config.eval.batch_size
     cfg.rollout.update(dict(config.rollout), group_size=config.eval.k)
+    cfg.sampling, cfg.system_prompt = config.sampling, config.system_prompt
     cfg.tools = tools
     cfg.teacher = config.teacher
     cfg.output_dir = os.path.join(out, name)
@@ -89,6 +90,7 @@ def stage_configs(config: Any) -> dict[str, ml_collections.ConfigDict]:
   dapo_config.tasks = os.path.join(world_dir, "train.jsonl")
   dapo_config.eval_tasks = ""  # the pipeline evaluates after DAPO
   dapo_config.batch_size = config.dapo.batch_size
+  dapo_config.sampling, dapo_config.system_prompt = config.sampling, config.system_prompt
   dapo_config.rollout = ml_collections.ConfigDict(dict(config.rollout))
   dapo_config.rollout.group_size = config.dapo.group_size
   dapo_config.tools = tools

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from coa_jax import coa_format
+from coa_jax.model.config import ConfigError
 from coa_jax.sampler import Sampler, bucket
 from coa_jax.sft_tokenize import step_ids
 from coa_jax.tokenizer import CoATokenizer
@@ -83,6 +84,19 @@ class Task:
   id: str
   question: str
   data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def check_prompt_lengths(tokenizer: CoATokenizer, system_prompt: str, tasks: Iterable[Task],
+                         max_prompt_tokens: int) -> None:
+  """Raises ConfigError when a task's prompt (system prompt included) exceeds
+  max_prompt_tokens: checked before a job starts, since such a task is never rolled out."""
+  lengths = [len(tokenizer.prompt_ids(system_prompt, task.question)) for task in tasks]
+  too_long = [n for n in lengths if n > max_prompt_tokens]
+  if too_long:
+    raise ConfigError(f"{len(too_long)} of {len(lengths)} tasks have prompts longer than "
+                      f"rollout.max_prompt_tokens={max_prompt_tokens} (the longest: "
+                      f"{max(too_long)} tokens with the system prompt): raise it or shorten "
+                      f"the system prompt")
 
 
 @dataclasses.dataclass

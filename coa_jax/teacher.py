@@ -204,7 +204,7 @@ class _Run:
       self.act("planner", "plan", f"1. Compute {plan['expression']} with code.\n"
                                   f"2. Double-check the result and answer.")
       value = self.compute(plan["expression"])
-      self.conclude(str(value), lambda: self.compute_check(plan["expression"], value))
+      self.conclude(str(value), self.compute_check)
       return
     subjects = [plan["name"]] + [f"the result of step {i}" for i in range(1, len(plan["path"]))]
     steps = [f"{i}. Find the {_NOUNS[attr]} of {subject}." for i, (attr, subject) in
@@ -215,7 +215,7 @@ class _Run:
                                                      f"answer."]))
     name, page = plan["name"], ""
     for position, attr in enumerate(plan["path"]):
-      page = self.page_of(name)
+      page = self.page_of(name, attr)
       final = position == len(plan["path"]) - 1
       value = self.read(page, attr, misread=final and self._chance(self.config.misread_rate))
       self.act("thinker", "think", f"The page of {name} gives the {_NOUNS[attr]}: {value}.")
@@ -226,26 +226,27 @@ class _Run:
     truth = lambda: self.read(page, plan["path"][-1])
     self.conclude(answer, lambda: self.fact_check(page, plan, answer, truth()))
 
-  def page_of(self, name: str) -> str:
-    """Searches for `name` (misspelled first, sometimes) and crawls its page, once per task."""
+  def page_of(self, name: str, attr: str) -> str:
+    """Searches for the `attr` of `name` (the name misspelled first, sometimes) and crawls the
+    page of `name`, once per task."""
     if name in self.pages:
       self.act("thinker", "think", f"The page of {name} was already read above.")
       return self.pages[name]
-    query = name
+    query = exact = f"{_NOUNS[attr]} of {name}"
     if self._chance(self.config.vague_query_rate):
-      query = " ".join(word[:-1] for word in name.split())
+      query = f"{_NOUNS[attr]} of " + " ".join(word[:-1] for word in name.split())
       self.trace.mistakes.append("vague_query")
     while True:
       results = self.act("search_agent", "web_search", query, tool_call=query).tool_result
       urls = {title: url for title, url in _RESULT_RE.findall(results or "")}
       if name in urls:
         break
-      if query == name:
+      if query == exact:
         raise TeacherError(f"search does not find {name!r}")
       self.act("reflector", "reflection",
                f"The results do not list {name}: the query {query!r} was wrong. I will search "
                f"for the exact name.")
-      query = name
+      query = exact
     crawl = self.act("crawl_agent", "crawl_page", urls[name], tool_call=urls[name])
     self.pages[name] = crawl.tool_result or ""
     return self.pages[name]
@@ -261,15 +262,17 @@ class _Run:
     return value
 
   def compute(self, expression: str) -> int:
-    program = f"```python\nprint({expression})\n```"
+    # The operands follow " = " as they follow a word in the question, so they tokenize alike.
+    program = f"```python\nresult = {expression}\nprint(result)\n```"
     result = self.act("code_agent", "code", program, tool_call=program).tool_result or ""
     numbers = _NUMBER_RE.findall(result)
     if not numbers:
       raise TeacherError(f"the code tool returned no number: {result!r}")
     return int(numbers[0])
 
-  def compute_check(self, expression: str, value: int) -> tuple[bool, str]:
-    return True, f"The code computed {expression} = {value} exactly."
+  @staticmethod
+  def compute_check() -> tuple[bool, str]:
+    return True, "The code ran without error and printed the suggested answer."
 
   def fact_check(self, page: str, plan: dict[str, Any], answer: str,
                  truth: str) -> tuple[bool, str]:
@@ -278,7 +281,7 @@ class _Run:
     if plan["multiplier"]:
       expected = str(int(truth) * plan["multiplier"])
     if expected == answer:
-      return True, f"The page states {truth}, which gives {answer}."
+      return True, f"The page states {truth}, as used."
     return False, f"The page states {truth}, not the value used; {answer} is wrong."
 
   def conclude(self, answer: str, check: Callable[[], tuple[bool, str]]) -> None:

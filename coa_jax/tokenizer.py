@@ -7,7 +7,8 @@ observation or a page that contains `<think>` or `<|im_end|>` yields ordinary te
 
 Two sources: `from_hf_folder` (any local HF tokenizer folder, e.g. a Qwen2.5 checkpoint's,
 with the chat template the reference release uses) and `default_tokenizer` (a byte-level BPE
-that the project trains itself, deterministically and offline, on its shipped sample).
+that the project trains itself, deterministically and offline, on its shipped sample and an
+embedded world's pages).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
-from coa_jax import coa_format, sample_data
+from coa_jax import coa_format, sample_data, world
 
 TAG_TOKENS = tuple(t for tag in coa_format.ALL_TAGS
                    for t in (coa_format.opening(tag), coa_format.closing(tag)))
@@ -112,10 +113,15 @@ def from_hf_folder(folder: str, template: str = "chatml") -> CoATokenizer:
 
 
 def _corpus() -> list[str]:
+  """The shipped sample's text and an embedded world's pages, URLs and questions (a world of its
+  own seed: the name syllables become tokens, no pipeline world's names do)."""
   texts = [sample_data.SYSTEM_PROMPT]
   for t in sample_data.make_trajectories(600, seed=1234):
     texts.append(t.question)
     texts.extend(step.content for step in t.steps)
+  kb = world.World(world.WorldConfig(seed=1234, train_tasks=400, heldout_tasks=0))
+  texts.extend(f"Page: {page['url']}\n{page['title']}\n\n{page['text']}" for page in kb.corpus())
+  texts.extend(task["question"] for task in kb.tasks["train"])
   return texts
 
 

@@ -29,6 +29,10 @@ import numpy as np
 SPLITS = ("train", "heldout")
 KINDS = ("city", "person", "company")
 URL = "https://kb.world/{kind}/{slug}"
+# The system prompt of agents in this world: its tools (see World.tools_spec) and the roles.
+SYSTEM_PROMPT = ("Solve the question with tools: web_search (a query), crawl_page (a URL), code "
+                 "(a python block). Roles: plan, think, reflection, suggested_answer, "
+                 "double_check, answer.")
 
 # Entity-valued attributes: (kind, attribute) -> (target kind, a noun phrase for "that entity").
 RELATIONS = {
@@ -87,6 +91,7 @@ class WorldConfig:
                                              ("mixed", 0.25))
   hops: tuple[float, ...] = (0.4, 0.4, 0.2)  # chance of 1, 2, 3 hops in lookup tasks
   digits: int = 3  # digits of the arithmetic operands
+  search_results: int = 3  # results per search (1: the agent must find the page in one try)
 
   def __post_init__(self):
     names = {name for name, _ in self.families}
@@ -97,8 +102,10 @@ class WorldConfig:
       raise ValueError(f"world.families weights must be >= 0 and not all 0: {self.families}")
     if not 1 <= len(self.hops) <= 3 or any(w < 0 for w in self.hops) or sum(self.hops) <= 0:
       raise ValueError(f"world.hops must give 1-3 non-negative weights, got {self.hops}")
-    if self.entities < 2 or self.digits < 1 or min(self.train_tasks, self.heldout_tasks) < 0:
-      raise ValueError("world.entities must be >= 2, world.digits >= 1, task counts >= 0")
+    if (self.entities < 2 or self.digits < 1 or self.search_results < 1 or
+        min(self.train_tasks, self.heldout_tasks) < 0):
+      raise ValueError("world.entities must be >= 2, world.digits >= 1, "
+                       "world.search_results >= 1, task counts >= 0")
 
 
 @dataclasses.dataclass
@@ -251,7 +258,7 @@ class World:
     """Returns the tools_env registry spec serving this world: search with short snippets
     (facts need a crawl), crawl by URL, the code sandbox."""
     search = {"kind": "bm25", "corpus_path": corpus_path, "snippet_chars": snippet_chars,
-              "top_k": 3}
+              "top_k": self.config.search_results}
     return {"web_search": search, "wiki_search": dict(search),
             "crawl_page": {"kind": "local_crawl", "corpus_path": corpus_path},
             "code": {"kind": "sandbox"}}

@@ -2,19 +2,20 @@
 
 import ml_collections
 
-from coa_jax.sample_data import SYSTEM_PROMPT
+from coa_jax.world import SYSTEM_PROMPT
 
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   # coa_jax.world.WorldConfig: entities per kind and split, task counts, difficulty.
   config.world = ml_collections.ConfigDict(dict(
-      seed=0, entities=24, train_tasks=1000, heldout_tasks=200,
-      families=(("lookup", 0.5), ("arithmetic", 0.25), ("mixed", 0.25)),
-      hops=(0.4, 0.4, 0.2), digits=3))
+      # Many entities, each in few tasks: a model cannot memorize the facts, it must read them.
+      seed=0, entities=300, train_tasks=4000, heldout_tasks=200,
+      families=(("lookup", 0.35), ("arithmetic", 0.4), ("mixed", 0.25)),
+      hops=(0.7, 0.2, 0.1), digits=2, search_results=1))
   # coa_jax.teacher.TeacherConfig: how often the scripted teacher errs.
   config.teacher = ml_collections.ConfigDict(dict(
-      seed=0, vague_query_rate=0.3, misread_rate=0.2, skip_verify_rate=0.1))
+      seed=0, vague_query_rate=0.1, misread_rate=0.1, skip_verify_rate=0.1))
   # coa_jax.distill.FilterConfig: the complexity range kept.
   config.filters = ml_collections.ConfigDict(dict(min_tool_calls=1, max_tool_calls=12,
                                                   max_steps=48))

@@ -2,9 +2,8 @@
 
 import ml_collections
 
-from configs import common
-from coa_jax.sample_data import SYSTEM_PROMPT
-from coa_jax.world import World, WorldConfig
+from coa_jax.world import SYSTEM_PROMPT, World, WorldConfig
+from configs import common, distill_tiny
 
 _WORLD = "runs/distill_tiny/world"
 
@@ -15,7 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.system = "model"  # "model": the checkpoint below with tools; "teacher": the teacher
   config.model = common.model("tiny", hidden_size=128, intermediate_size=256, num_layers=2,
                               num_heads=4, num_kv_heads=2)
-  config.model.checkpoint = "runs/sft_world/hf_export"
+  config.model.checkpoint = "runs/pipeline_tiny/sft/hf_export"
   config.tokenizer = common.tokenizer("default", "plain")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.tasks = f"{_WORLD}/heldout.jsonl"
@@ -28,10 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.rollout = ml_collections.ConfigDict(dict(
       group_size=3, max_prompt_tokens=256, max_response_tokens=2048, max_turns=12,
       max_observation_tokens=384, tool_workers=8, tool_timeout_s=30.0))
-  config.tools = World(WorldConfig(train_tasks=0, heldout_tasks=0)).tools_spec(
-      f"{_WORLD}/corpus.jsonl")
-  config.teacher = ml_collections.ConfigDict(dict(
-      vague_query_rate=0.3, misread_rate=0.2, skip_verify_rate=0.1))
+  distill = distill_tiny.get_config()  # the world and the teacher that distillation used
+  world = dict(distill.world, train_tasks=0, heldout_tasks=0)
+  config.tools = World(WorldConfig(**world)).tools_spec(f"{_WORLD}/corpus.jsonl")
+  config.teacher = distill.teacher
   config.rewards = ml_collections.ConfigDict(dict(
       domains={"math": {"kind": "math"}, "qa": {"kind": "qa"}}, default_domain="qa"))
   config.output_dir = "runs/evaluate_tiny"

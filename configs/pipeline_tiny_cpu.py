@@ -6,8 +6,8 @@ job): distil with the scripted teacher, SFT from scratch, DAPO, evaluate on held
 
 import ml_collections
 
+from coa_jax.world import SYSTEM_PROMPT
 from configs import common, distill_tiny
-from coa_jax.sample_data import SYSTEM_PROMPT
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -23,16 +23,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict(dict(
       preset="tiny", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
       num_kv_heads=2, attention_impl="blockwise"))
-  config.sft = ml_collections.ConfigDict(dict(steps=200, seq_len=2048, batch_size=8,
-                                              learning_rate=3e-3, warmup_steps=10))
+  config.sft = ml_collections.ConfigDict(dict(steps=1200, seq_len=1024, batch_size=4,
+                                              learning_rate=5e-3, warmup_steps=20))
   config.rollout = ml_collections.ConfigDict(dict(
-      group_size=4, max_prompt_tokens=256, max_response_tokens=1792, max_turns=12,
-      max_observation_tokens=384, tool_workers=8, tool_timeout_s=30.0))
-  config.eval = ml_collections.ConfigDict(dict(k=3, max_tasks=60, batch_size=24))
+      group_size=4, max_prompt_tokens=128, max_response_tokens=768, max_turns=12,
+      max_observation_tokens=256, tool_workers=8, tool_timeout_s=30.0))
+  # DAPO's rollouts and the evaluations sample alike.
+  config.sampling = ml_collections.ConfigDict(dict(temperature=0.6, top_k=0, top_p=1.0))
+  config.eval = ml_collections.ConfigDict(dict(k=3, max_tasks=60, batch_size=60))
   config.dapo = ml_collections.ConfigDict(dict(
-      batch_size=16, group_size=4, learning_rate=2e-5,
-      rl=dict(steps=10, batch_groups=4, prompts_per_round=4, max_rounds=8, mini_batch_groups=2,
-              overlong_cache=256, eval_every=1000, dynamic_sampling=True)))
+      batch_size=32, group_size=4, learning_rate=1e-4,
+      # Groups whose samples all fail or all succeed carry no gradient; dynamic sampling would
+      # skip them but, with the SFT model solving about 1 task in 10, costs 3-5 rounds a step.
+      rl=dict(steps=20, batch_groups=8, prompts_per_round=8, max_rounds=1, mini_batch_groups=4,
+              overlong_cache=128, eval_every=1000, dynamic_sampling=False)))
   return config
 
 

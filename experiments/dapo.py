@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from absl import app, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from coa_jax import distributed  # noqa: E402
 from coa_jax.rl import dapo  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -25,6 +26,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
+  distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   dapo.run(_CONFIG.value)
 

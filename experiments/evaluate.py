@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from absl import app, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from coa_jax import evaluate  # noqa: E402
+from coa_jax import distributed, evaluate  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -24,6 +24,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
+  distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)
   evaluate.run(_CONFIG.value)
 

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from coa_jax import pipeline  # noqa: E402
+from coa_jax import distributed, pipeline  # noqa: E402
 from configs import pipeline_tiny_cpu  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -25,6 +25,7 @@ _QUICK = flags.DEFINE_bool("quick", False, "a few-minute smoke test of every sta
 
 def main(argv):
   del argv
+  distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   if _QUICK.value:

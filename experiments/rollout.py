@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from coa_jax import rollout_job  # noqa: E402
+from coa_jax import distributed, rollout_job  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -23,6 +23,7 @@ _INTERACTIVE = flags.DEFINE_bool("interactive", False,
 
 def main(argv):
   del argv
+  distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)
   if _INTERACTIVE.value:
     rollout_job.interactive(_CONFIG.value)

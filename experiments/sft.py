@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from absl import app, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from coa_jax import sft  # noqa: E402
+from coa_jax import distributed, sft  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -21,6 +21,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
+  distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   sft.run(_CONFIG.value)
 

@@ -1,5 +1,6 @@
 """The embedded world, the teacher systems and distillation's filter stages."""
 
+import dataclasses
 import http.server
 import json
 import threading
@@ -56,8 +57,15 @@ def test_questions_are_read_into_plans(question, plan):
   assert read_question(question) == plan
 
 
-def test_teacher_answers_every_task_through_real_tool_calls(world_and_tools):
+@pytest.mark.parametrize("search_results", [3, 1])
+def test_teacher_answers_every_task_through_real_tool_calls(world_and_tools, search_results,
+                                                            tmp_path):
   world, tools = world_and_tools
+  if search_results != 3:  # the same world, its search returning fewer results
+    world = World(dataclasses.replace(CONFIG, search_results=search_results))
+    with open(world.write(str(tmp_path))["tools"]) as f:
+      tools = registry.build_registry(json.load(f))
+    assert tools.tools["web_search"].top_k == search_results
   teacher = ScriptedTeacher(tools, TeacherConfig(vague_query_rate=0, misread_rate=0,
                                                  skip_verify_rate=0))
   for task in world.tasks["train"][:20]:

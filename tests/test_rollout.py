@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from coa_jax import coa_format, sharding
-from coa_jax.model import build_config
+from coa_jax.model import ConfigError, build_config
 from coa_jax.model.transformer import Transformer
-from coa_jax.rollout import Rollout, RolloutConfig, Task, stop_ids, summarize
+from coa_jax.rollout import (Rollout, RolloutConfig, Task, check_prompt_lengths, stop_ids,
+                             summarize)
 from coa_jax.sampler import Chunk, Sampler, SamplingConfig
 from coa_jax.sft_tokenize import step_ids
 from coa_jax.tokenizer import default_tokenizer
@@ -200,6 +201,13 @@ def test_prompt_longer_than_the_budget_finishes_with_an_error():
   (record,) = records.values()
   assert record.finish_reason == "error" and "max_prompt_tokens" in record.task_data["error"]
   assert record.response_len == 0
+
+
+def test_jobs_check_prompt_lengths_before_they_start():
+  tasks = [Task("short", "q?"), Task("long", "q " * 100)]
+  check_prompt_lengths(TOKENIZER, "SYS", tasks[:1], max_prompt_tokens=64)
+  with pytest.raises(ConfigError, match=r"1 of 2 tasks .*max_prompt_tokens=64 \(the longest"):
+    check_prompt_lengths(TOKENIZER, "SYS", tasks, max_prompt_tokens=64)
 
 
 def test_half_open_tag_at_the_budget_finishes_on_length():

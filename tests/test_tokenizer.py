@@ -55,3 +55,15 @@ def test_missing_folder_and_unknown_template_are_named(tmp_path, tok):
     tk.from_hf_folder(str(tmp_path / "nope"))
   with pytest.raises(tk.TokenizerError, match="template='jinja'"):
     tk.CoATokenizer(tk.tokenizers.Tokenizer.from_str(tok.backend.to_str()), "jinja")
+
+
+
+def test_the_embedded_world_tokenizes_compactly(tok):
+  # Trained on a world of its own seed: the URL scheme and name syllables are tokens.
+  from coa_jax.world import World, WorldConfig
+
+  pipeline_world = World(WorldConfig(seed=0, entities=4, train_tasks=0, heldout_tasks=0))
+  names = list(pipeline_world.by_name)
+  # About 0.8 tokens per character for a BPE trained on the shipped sample alone.
+  assert sum(len(tok.encode(n)) for n in names) / sum(len(n) for n in names) < 0.6
+  assert len(tok.encode("https://kb.world/person/")) <= 8

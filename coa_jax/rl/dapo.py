@@ -90,6 +90,9 @@ class Trainer:
     self.tasks = evaluate.load_tasks(config.tasks, config.max_tasks)
     self.eval_tasks = (evaluate.load_tasks(config.eval_tasks, config.eval_max_tasks)
                        if config.eval_tasks else [])
+    for tasks in (self.tasks, self.eval_tasks):
+      rollout.check_prompt_lengths(self.tokenizer, config.system_prompt, tasks,
+                                   self.rollout_config.max_prompt_tokens)
     self.rewarder = rewards_lib.build_rewarder(config.rewards.to_dict())
 
     model_config, params = load_model(config, self.tokenizer, self.mesh)
@@ -107,19 +110,23 @@ class Trainer:
       self.ref_params = jax.tree_util.tree_map(lambda x: x.copy(), self.state.params)
 
     self.seq_len = self.rollout_config.max_prompt_tokens + self.rollout_config.max_response_tokens
+    sampling = SamplingConfig(**config.sampling)
+    if sampling.temperature == 0:
+      raise ConfigError("DAPO needs sampled rollouts: sampling.temperature must be > 0")
     sampler = Sampler(model_config, self.mesh, batch_size=config.batch_size,
                       cache_size=self.rollout_config.cache_size, chunk=config.chunk,
-                      stop_ids=rollout.stop_ids(self.tokenizer),
-                      sampling=SamplingConfig(**config.sampling))
+                      stop_ids=rollout.stop_ids(self.tokenizer), sampling=sampling)
     tools = tools_registry.build_registry(config.tools.to_dict())
     self.engine = Rollout(sampler, self.state.params, self.tokenizer, tools, self.rollout_config,
                           config.system_prompt, seed=config.seed)
     self.update = update.jit_dapo_step(self.model, self.tx, self.mesh,
                                        with_ref=self.ref_params is not None,
                                        loss_config=self.loss_config,
-                                       micro_batches=rl.micro_batches, schedule=self.schedule)
+                                       micro_batches=rl.micro_batches, schedule=self.schedule,
+                                       temperature=sampling.temperature)
     self.logprobs = update.jit_token_logprobs(
-        self.model, self.mesh, state_lib.param_shardings(self.model, self.mesh))
+        self.model, self.mesh, state_lib.param_shardings(self.model, self.mesh),
+        sampling.temperature)
     self.stream = TaskStream(self.tasks, config.seed)
     self.prompts: dict[str, list[int]] = {}  # task id -> [groups, all correct, all wrong]
     self.reward_pool = concurrent.futures.ThreadPoolExecutor(config.reward_workers,

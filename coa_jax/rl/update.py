@@ -17,11 +17,13 @@ from coa_jax.train.state import TrainState
 from coa_jax.train.step import apply_if_finite, jit_state_step, summed_grads
 
 
-def token_logprobs(model: nn.Module, params: Any,
-                   batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-  """Returns (log p(target), entropy of the next-token distribution), each (B, T) float32."""
+def token_logprobs(model: nn.Module, params: Any, batch: dict[str, jax.Array],
+                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """Returns (log p(target), entropy of the next-token distribution), each (B, T) float32, of
+  the policy at the sampling `temperature` (softmax(logits / temperature)), which is the
+  policy the rollouts sampled from."""
   logits_BxTxV = model.apply({"params": params}, batch["input_ids"], batch["positions"],
-                             batch["segment_ids"]).astype(jnp.float32)
+                             batch["segment_ids"]).astype(jnp.float32) / temperature
   log_z_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
   target_BxT = jnp.take_along_axis(logits_BxTxV, batch["targets"][..., None], axis=-1)[..., 0]
   probs_BxTxV = jnp.exp(logits_BxTxV - log_z_BxT[..., None])
@@ -31,7 +33,7 @@ def token_logprobs(model: nn.Module, params: Any,
 
 def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainState,
               batch: dict[str, jax.Array], *, loss_config: PolicyLossConfig,
-              micro_batches: int = 1,
+              micro_batches: int = 1, temperature: float = 1.0,
               schedule: optax.Schedule | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
   """Returns the state after one optimizer step on the mini-batch `batch`, and its metrics.
 
@@ -46,7 +48,7 @@ def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainSt
   batch = dict(batch, weights=weights)
 
   def objective(params, micro):
-    logp, entropy = token_logprobs(model, params, micro)
+    logp, entropy = token_logprobs(model, params, micro, temperature)
     sums = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["loss_mask"],
                        micro["weights"], loss_config, micro.get("ref_logp"), entropy)
     return sums.loss, sums
@@ -68,11 +70,12 @@ def jit_dapo_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh
                         mesh, keys, donate)
 
 
-def jit_token_logprobs(model: nn.Module, mesh: Mesh, params_shardings: Any) -> Callable:
+def jit_token_logprobs(model: nn.Module, mesh: Mesh, params_shardings: Any,
+                       temperature: float = 1.0) -> Callable:
   """Returns `token_logprobs` jitted on `mesh`: called as fn(params, batch) -> (logp, entropy),
   both sharded like the batch."""
   batch_sh = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
-  jitted = jax.jit(lambda p, b: token_logprobs(model, p, b),
+  jitted = jax.jit(lambda p, b: token_logprobs(model, p, b, temperature),
                    in_shardings=(params_shardings, batch_sh),
                    out_shardings=sharding.batch_sharding(mesh))
   return sharding.bind_mesh(jitted, mesh)
