@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 
@@ -51,6 +52,4 @@ def initialize_from_env() -> bool:
   """Joins a multi-host run when the environment asks for one: COA_JAX_DISTRIBUTED=auto (TPU
   pod slices, SLURM: JAX finds the other processes itself). Unset or "off": one process.
   Every experiment script calls this first; `experiments/launch_tpu.py` sets it."""
-  import os
-
   return initialize(DistributedConfig(mode=os.environ.get(ENV, "off")))

@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict(dict(
       preset="tiny", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
       num_kv_heads=2, attention_impl="blockwise"))
-  config.sft = ml_collections.ConfigDict(dict(steps=1200, seq_len=1024, batch_size=4,
+  config.sft = ml_collections.ConfigDict(dict(steps=1800, seq_len=1024, batch_size=4,
                                               learning_rate=5e-3, warmup_steps=20))
   config.rollout = ml_collections.ConfigDict(dict(
       group_size=4, max_prompt_tokens=128, max_response_tokens=768, max_turns=12,
