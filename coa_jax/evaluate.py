@@ -274,9 +274,10 @@ def run(config: Any) -> dict[str, Any]:
                                 tokenizer_lib.default_tokenizer("plain"))
   elif config.system == "model":
     config.rollout.group_size = k
-    engine, tokenizer = rollout_job.build(config)
+    tokenizer = rollout_job.load_tokenizer(config)  # checked before the model loads
     check_prompt_lengths(tokenizer, config.system_prompt, tasks,
                          config.rollout.max_prompt_tokens)
+    engine, _ = rollout_job.build(config, tokenizer)
     outcomes = evaluate_rollouts(engine, tokenizer, tasks, rewarder)
   else:
     raise ConfigError(f"evaluate system={config.system!r}: expected 'model' or 'teacher'")

@@ -49,9 +49,10 @@ def load_tasks(path: str, limit: int = 0) -> list[Task]:
   return tasks
 
 
-def build(config: Any) -> tuple[Rollout, Any]:
-  """Returns (the Rollout engine, the tokenizer) that `config` describes."""
-  tokenizer = load_tokenizer(config)
+def build(config: Any, tokenizer: Any = None) -> tuple[Rollout, Any]:
+  """Returns (the Rollout engine, the tokenizer) that `config` describes (`tokenizer`: the one
+  already loaded from it)."""
+  tokenizer = tokenizer or load_tokenizer(config)
   mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
   model_config, params = load_model(config, tokenizer, mesh)
   if params is None:

@@ -232,9 +232,10 @@ class _Run:
     if name in self.pages:
       self.act("thinker", "think", f"The page of {name} was already read above.")
       return self.pages[name]
-    query = exact = f"{_NOUNS[attr]} of {name}"
+    asking = f"{_NOUNS[attr]} of "
+    query = exact = asking + name
     if self._chance(self.config.vague_query_rate):
-      query = f"{_NOUNS[attr]} of " + " ".join(word[:-1] for word in name.split())
+      query = asking + " ".join(word[:-1] for word in name.split())
       self.trace.mistakes.append("vague_query")
     while True:
       results = self.act("search_agent", "web_search", query, tool_call=query).tool_result

@@ -23,6 +23,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -87,16 +88,11 @@ def launch(args: argparse.Namespace) -> int:
     thread.start()
     processes.append(process)
     threads.append(thread)
-  failed = None
+  failed = None  # a failed worker's index, or -1 on Ctrl-C
   try:
     while failed is None and any(p.poll() is None for p in processes):
-      for worker, process in enumerate(processes):
-        try:
-          if process.wait(timeout=1.0) != 0:
-            failed = worker
-            break
-        except subprocess.TimeoutExpired:
-          pass
+      failed = next((w for w, p in enumerate(processes) if p.poll() not in (None, 0)), None)
+      time.sleep(1.0)
   except KeyboardInterrupt:
     failed = -1
   if failed is None:
