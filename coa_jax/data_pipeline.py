@@ -2,16 +2,20 @@
 
 Each example is shifted into (inputs, targets, loss_mask) before packing, so a packed row
 never predicts one example's token from another's; packing keeps per-token masks and adds
-segment ids (1, 2, ... per example, 0 for padding) and positions restarting at 0. Every
-process reads only its own slice of the source. The iterator's state (a small dict) is what
-checkpoints store to resume the exact data order.
+segment ids (1, 2, ... per example, 0 for padding) and positions restarting at 0.
+
+The source is split into `shards` (default: one per process); shard s reads examples s, s +
+shards, ... through its own pipeline, and a step's global batch stacks every shard's rows. A
+process builds only its own shards (`ShardedBatches`), so it reads only its slice of the data,
+and the batches depend on the shard count, not on how many processes share the shards. The
+iterator's state (a small dict per shard) is what checkpoints store to resume the exact order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import grain
 import grain.experimental
@@ -83,15 +87,16 @@ def _shifted(example) -> dict[str, np.ndarray]:
 
 def build_dataset(trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
                   config: PipelineConfig, counter: DropCounter,
-                  process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
-  """Returns the packed, batched dataset of this process: dicts of (batch, seq_len) int32
-  arrays with keys BATCH_KEYS. Examples dropped while tokenizing are counted in `counter`."""
+                  shard: int = 0, shards: int = 1) -> grain.IterDataset:
+  """Returns the packed, batched dataset of one shard of the source: dicts of (batch, seq_len)
+  int32 arrays with keys BATCH_KEYS. Examples dropped while tokenizing are counted in
+  `counter`."""
   if config.seq_len < 2 or config.batch_size < 1:
     raise DataError(f"seq_len={config.seq_len} and batch_size={config.batch_size} must be "
                     f">= 2 and >= 1")
-  ds = grain.MapDataset.source(list(trajectories))[process_index::process_count]
+  ds = grain.MapDataset.source(list(trajectories))[shard::shards]
   if len(ds) == 0:
-    raise DataError(f"process {process_index} of {process_count} got no examples")
+    raise DataError(f"data shard {shard} of {shards} got no examples")
   if config.shuffle:
     ds = ds.shuffle(seed=config.seed)
   ds = ds.repeat(config.num_epochs)
@@ -113,3 +118,42 @@ def build_dataset(trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
   return ds.map(lambda row: dict(
       input_ids=row["inputs"], targets=row["targets"], loss_mask=row["loss_mask"],
       positions=row["inputs_positions"], segment_ids=row["inputs_segment_ids"]))
+
+
+class ShardedBatches:
+  """This process's shards of the source, batched side by side: each step, the rows of shard
+  p * k, ..., p * k + k - 1 (k = shards / processes) stacked, `batch_size` rows in all."""
+
+  def __init__(self, trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
+               config: PipelineConfig, counter: DropCounter, shards: int = 0,
+               process_index: int = 0, process_count: int = 1):
+    shards = shards or process_count
+    if shards % process_count or config.batch_size % (shards // process_count):
+      raise DataError(f"data.shards={shards} must be a multiple of the {process_count} "
+                      f"process(es), and each process's {config.batch_size} rows must split "
+                      f"over its shards")
+    per_process = shards // process_count
+    self.shards = range(process_index * per_process, (process_index + 1) * per_process)
+    shard_config = dataclasses.replace(config, batch_size=config.batch_size // per_process)
+    self._iterators = [iter(build_dataset(trajectories, tokenizer, shard_config, counter, s,
+                                          shards)) for s in self.shards]
+
+  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    parts = [next(iterator) for iterator in self._iterators]
+    return {k: np.concatenate([part[k] for part in parts]) for k in BATCH_KEYS}
+
+  def get_state(self) -> dict[str, Any]:
+    """Returns the position of each of this process's shards, keyed by shard index."""
+    return {str(s): iterator.get_state() for s, iterator in zip(self.shards, self._iterators)}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Resumes this process's shards from `state` (which may hold other processes' too)."""
+    missing = [s for s in self.shards if str(s) not in state]
+    if missing:
+      raise DataError(f"the data state has no position for shard(s) {missing}; was the run "
+                      f"saved with another data.shards?")
+    for s, iterator in zip(self.shards, self._iterators):
+      iterator.set_state(state[str(s)])

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from coa_jax.model.config import ConfigError
 
@@ -53,3 +57,16 @@ def initialize_from_env() -> bool:
   pod slices, SLURM: JAX finds the other processes itself). Unset or "off": one process.
   Every experiment script calls this first; `experiments/launch_tpu.py` sets it."""
   return initialize(DistributedConfig(mode=os.environ.get(ENV, "off")))
+
+
+def gather_json(value: Any) -> list[Any]:
+  """Returns every process's `value` (anything JSON can hold), in process order. Every process
+  must call it (a collective); on one process it is [value]."""
+  if jax.process_count() == 1:
+    return [value]
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  sizes = multihost_utils.process_allgather(np.array([data.size], np.int64)).reshape(-1)
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  rows = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(row[:int(size)])) for row, size in zip(rows, sizes)]

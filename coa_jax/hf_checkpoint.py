@@ -299,4 +299,6 @@ def save_checkpoint(folder: str, config: ModelConfig, params: Any, dtype: str = 
       weight_map = {item[0]: file for file, shard in zip(files, shards) for item in shard}
       with open(os.path.join(folder, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  if jax.process_count() > 1:  # no process reads the folder before process 0 has written it
+    multihost_utils.sync_global_devices(f"hf export {folder}")
   return files

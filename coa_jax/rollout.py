@@ -24,6 +24,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
+import zlib
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
@@ -177,6 +178,8 @@ class Rollout:
     tasks = iter(tasks)
     rows: dict[int, _Row] = {}
     free = list(range(0, self.sampler.batch_size, n))
+    # One key per run: a sample depends on it, its task and its index only (not on its slot).
+    key, self.key = jax.random.split(self.key)
     state = self.sampler.init_state()
     pool = concurrent.futures.ThreadPoolExecutor(cfg.tool_workers, "rollout-tool")
     try:
@@ -187,7 +190,7 @@ class Rollout:
           return
         active = np.array(state.active_B)  # a copy: decoding changes the state
         if active.any():
-          state = self._decode(state, rows, active, pool)
+          state = self._decode(state, rows, active, pool, key)
         elif not any(row.future for row in rows.values()) and not any(
             row.done for row in rows.values()):
           raise RuntimeError("rollout stalled: no row is decoding, waiting for a tool or done")
@@ -206,7 +209,7 @@ class Rollout:
   def _fill(self, state, rows, free, tasks):
     """Prefills free group slots with the next tasks; returns (state, rejected groups)."""
     cfg, n = self.config, self.config.group_size
-    groups, budgets, rejected = [], [], []
+    groups, budgets, seeds, rejected = [], [], [], []
     while free:
       task = next(tasks, None)
       if task is None:
@@ -228,13 +231,13 @@ class Rollout:
         rows[start + i] = _Row(record, TrajectoryTools(self.tools, task.question), len(prompt))
       groups.append((list(range(start, start + n)), prompt))
       budgets.append(len(prompt) + cfg.max_response_tokens)
+      seeds.append([sample_seed(task.id, i) for i in range(n)])
     if groups:
-      state = self.sampler.prefill_groups(self.params, state, groups, budgets)
+      state = self.sampler.prefill_groups(self.params, state, groups, budgets, seeds)
     return state, rejected
 
-  def _decode(self, state, rows, active, pool):
+  def _decode(self, state, rows, active, pool, key):
     """Decodes one chunk; routes every row that stopped to its finish or its tool call."""
-    self.key, key = jax.random.split(self.key)
     start = time.perf_counter()
     state, chunk = self.sampler.decode_chunk(self.params, state, key)
     tokens, logprobs, counts, still = map(np.asarray, (chunk.tokens_BxK, chunk.logprobs_BxK,
@@ -348,6 +351,11 @@ class Rollout:
     if len(ids) > limit:  # re-tokenizing around the cut can add a few tokens
       ids = ids[:limit - 1] + [self.tokenizer.tag_id(coa_format.OBSERVATION, close=True)]
     return ids
+
+
+def sample_seed(task_id: str, sample: int) -> int:
+  """Returns the sampling seed of a task's sample-th sample (a non-negative int32)."""
+  return zlib.crc32(f"{task_id}#{sample}".encode()) & 0x7FFFFFFF
 
 
 def summarize(records: Iterable[RolloutRecord]) -> dict[str, Any]:

@@ -15,6 +15,11 @@ A `DecodeState` holds B rows ("slots"). Row r has `cache.lengths_B[r]` tokens in
 - `extend` appends given tokens (an observation) to chosen rows in one parallel call and
   makes their last token pending.
 
+Randomness is per row: the token a row samples at cache position t is drawn with the key
+fold_in(fold_in(key, seed of the row), t). A row's samples therefore depend on the key, its seed
+and its own tokens only, not on which slot it holds, what else is in the batch, how the batch is
+split over devices and hosts, or where chunk boundaries fall.
+
 Shapes are static: B, the cache size S and K are fixed; the token and row counts of prefill
 and extend are padded up to power-of-two buckets (rows past the real ones point at index B
 and are dropped), so a rollout compiles each function once per bucket it uses.
@@ -64,6 +69,7 @@ class DecodeState:
   pending_B: jax.Array  # int32: the next token to feed (not in the cache yet)
   active_B: jax.Array  # bool: still decoding
   budget_B: jax.Array  # int32: a row stops when lengths + 1 (its total tokens) reaches this
+  seed_B: jax.Array  # int32: the row's sampling seed (see the module docstring)
 
 
 @flax.struct.dataclass
@@ -75,9 +81,9 @@ class Chunk:
   counts_B: jax.Array
 
 
-def sample_tokens(logits_BxV: jax.Array, key: jax.Array,
+def sample_tokens(logits_BxV: jax.Array, keys_B: jax.Array,
                   sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-  """Returns (token_B, logprob_B) drawn from `logits_BxV` under `sampling`."""
+  """Returns (token_B, logprob_B) drawn from `logits_BxV` under `sampling`, row b with keys_B[b]."""
   logits_BxV = logits_BxV.astype(jnp.float32)
   if sampling.temperature == 0:
     token_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
@@ -97,7 +103,7 @@ def sample_tokens(logits_BxV: jax.Array, key: jax.Array,
       cutoff_Bx1 = jnp.min(jnp.where(before_BxV < sampling.top_p, sorted_BxV, jnp.inf), axis=-1,
                            keepdims=True)
       kept_BxV = jnp.where(kept_BxV < cutoff_Bx1, -jnp.inf, kept_BxV)
-    token_B = jax.random.categorical(key, kept_BxV, axis=-1).astype(jnp.int32)
+    token_B = jax.vmap(jax.random.categorical)(keys_B, kept_BxV).astype(jnp.int32)
   logprob_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
   return token_B, logprob_B
 
@@ -146,7 +152,7 @@ class Sampler:
     spec = lambda names: NamedSharding(self.mesh, nn.logical_to_mesh_axes(names, rules))
     row = spec(("act_batch",))
     cache = KVCache(spec(CACHE_LBSKH), spec(CACHE_LBSKH), row)
-    return DecodeState(cache, row, row, row)
+    return DecodeState(cache, row, row, row, row)
 
   def init_state(self) -> DecodeState:
     """Returns an empty state (every row inactive), laid out on the mesh."""
@@ -154,7 +160,7 @@ class Sampler:
     shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
     rows = lambda dtype=np.int32: np.zeros((b,), dtype)  # a fresh buffer each: all are donated
     cache = KVCache(np.zeros(shape, self.cache_dtype), np.zeros(shape, self.cache_dtype), rows())
-    state = DecodeState(cache, rows(), rows(bool), rows())
+    state = DecodeState(cache, rows(), rows(bool), rows(), rows())
     return jax.device_put(state, self.state_shardings())
 
   # --- jitted steps ----------------------------------------------------------------------
@@ -162,8 +168,10 @@ class Sampler:
   def _run(self, params, cache: KVCache, tokens_BxT, positions_BxT):
     return self.model.apply({"params": params}, tokens_BxT, positions_BxT, cache=cache)
 
-  def _prefill(self, params, state: DecodeState, rows_PxN, tokens_PxT, lengths_P, budgets_P):
-    """Encodes P prompts once each and installs prompt p in rows rows_PxN[p] (all N)."""
+  def _prefill(self, params, state: DecodeState, rows_PxN, tokens_PxT, lengths_P, budgets_P,
+               seeds_PxN):
+    """Encodes P prompts once each and installs prompt p in rows rows_PxN[p] (all N), row
+    rows_PxN[p, i] with the sampling seed seeds_PxN[p, i]."""
     cfg = self.config
     p, t = tokens_PxT.shape
     n = rows_PxN.shape[1]
@@ -181,7 +189,8 @@ class Sampler:
     put = lambda a, v: a.at[rows_R].set(jnp.repeat(v, n).astype(a.dtype), mode="drop")
     return DecodeState(cache, put(state.pending_B, pending_P),
                        put(state.active_B, jnp.ones((p,), bool)),
-                       put(state.budget_B, budgets_P))
+                       put(state.budget_B, budgets_P),
+                       state.seed_B.at[rows_R].set(seeds_PxN.reshape(-1), mode="drop"))
 
   def _extend(self, params, state: DecodeState, rows_R, tokens_RxT, counts_R):
     """Appends tokens_RxT[r, :counts_R[r]] to row rows_R[r] and resumes it (count >= 1)."""
@@ -209,17 +218,18 @@ class Sampler:
       i, state, out = carry
       cache = state.cache
       logits, cache = self._run(params, cache, state.pending_B[:, None], cache.lengths_B[:, None])
-      token_B, logprob_B = sample_tokens(logits[:, -1], jax.random.fold_in(key, i),
-                                         self.sampling)
+      keys_B = jax.vmap(lambda seed, t: jax.random.fold_in(jax.random.fold_in(key, seed), t))(
+          state.seed_B, cache.lengths_B)
+      token_B, logprob_B = sample_tokens(logits[:, -1], keys_B, self.sampling)
       active_B = state.active_B
       out = Chunk(out.tokens_BxK.at[:, i].set(jnp.where(active_B, token_B, 0)),
                   out.logprobs_BxK.at[:, i].set(jnp.where(active_B, logprob_B, 0.0)),
                   out.counts_B + active_B)
       lengths_B = cache.lengths_B + active_B
       stopped_B = jnp.isin(token_B, stop_ids) | (lengths_B + 1 >= state.budget_B)
-      state = DecodeState(cache.replace(lengths_B=lengths_B),
-                          jnp.where(active_B, token_B, state.pending_B),
-                          active_B & ~stopped_B, state.budget_B)
+      state = state.replace(cache=cache.replace(lengths_B=lengths_B),
+                            pending_B=jnp.where(active_B, token_B, state.pending_B),
+                            active_B=active_B & ~stopped_B)
       return i + 1, state, out
 
     def running(carry):
@@ -233,8 +243,10 @@ class Sampler:
 
   def prefill_groups(self, params, state: DecodeState, groups: Sequence[tuple[Sequence[int],
                                                                               Sequence[int]]],
-                     budgets: Sequence[int]) -> DecodeState:
-    """Installs each (rows, prompt ids) group with its total-length budget; pads to buckets."""
+                     budgets: Sequence[int],
+                     seeds: Sequence[Sequence[int]] | None = None) -> DecodeState:
+    """Installs each (rows, prompt ids) group with its total-length budget and its rows'
+    sampling seeds (default: the row indices); pads to buckets."""
     p = bucket(len(groups), 1)
     n = len(groups[0][0])
     t = bucket(max(len(ids) for _, ids in groups))
@@ -242,11 +254,13 @@ class Sampler:
     tokens = np.zeros((p, t), np.int32)
     lengths = np.ones((p,), np.int32)
     budget = np.zeros((p,), np.int32)
+    row_seeds = np.zeros((p, n), np.int32)
     for g, ((group_rows, ids), limit) in enumerate(zip(groups, budgets)):
       if len(group_rows) != n:
         raise ValueError("every group in one prefill call must have the same number of rows")
       rows[g], tokens[g, :len(ids)], lengths[g], budget[g] = group_rows, ids, len(ids), limit
-    return self.prefill(params, state, rows, tokens, lengths, budget)
+      row_seeds[g] = group_rows if seeds is None else seeds[g]
+    return self.prefill(params, state, rows, tokens, lengths, budget, row_seeds)
 
   def extend_rows(self, params, state: DecodeState,
                   appends: dict[int, Sequence[int]]) -> DecodeState:

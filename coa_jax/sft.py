@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from coa_jax import data_pipeline, hf_checkpoint, sharding, tokenizer as tokenizer_lib
+from coa_jax import data_pipeline, distributed, hf_checkpoint, sharding, tokenizer as tokenizer_lib
 from coa_jax.checkpointing import Checkpointer, PreemptionFlag
 from coa_jax.importers import DropCounter
 from coa_jax.metrics import MetricsLog, say
@@ -83,9 +83,9 @@ def run(config: Any) -> dict[str, Any]:
   pipeline = data_pipeline.PipelineConfig(
       seq_len=config.seq_len, batch_size=config.batch_size // jax.process_count(),
       seed=config.seed, num_epochs=config.data.num_epochs, overlong=config.data.overlong)
-  dataset = data_pipeline.build_dataset(trajectories, tokenizer, pipeline, counter,
-                                        jax.process_index(), jax.process_count())
-  batches = iter(dataset)
+  batches = data_pipeline.ShardedBatches(trajectories, tokenizer, pipeline, counter,
+                                         config.data.get("shards", 0), jax.process_index(),
+                                         jax.process_count())
   checkpointer = Checkpointer(config.checkpoint.directory, config.checkpoint.max_to_keep,
                               config.checkpoint.async_save)
   restored = checkpointer.restore_latest(state_lib.abstract_state(model, tx, mesh))
@@ -121,7 +121,9 @@ def run(config: Any) -> dict[str, Any]:
             f"applied and the last good checkpoint in {checkpointer.directory} is intact")
       log.log(step, metrics, units=config.batch_size * config.seq_len)
       if step % config.checkpoint.every == 0 or step == last_step or preempted.requested:
-        checkpointer.save(step, state, batches.get_state(), force=preempted.requested)
+        data_state = {k: v for part in distributed.gather_json(batches.get_state())
+                      for k, v in part.items()}  # every process's shards
+        checkpointer.save(step, state, data_state, force=preempted.requested)
       if preempted.requested:
         stopped_by_signal = True
         break

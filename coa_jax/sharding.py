@@ -174,3 +174,54 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     return jax.make_array_from_process_local_data(sharding, x)
 
   return jax.tree_util.tree_map(put, batch)
+
+
+# --- per-host meshes (multi-host rollouts) ---------------------------------------------------
+
+
+def _host_devices(mesh: Mesh) -> list[list[Any]]:
+  """Returns the devices of `mesh` grouped by process, in mesh order."""
+  hosts: list[list[Any]] = [[] for _ in range(jax.process_count())]
+  for device in mesh.devices.flat:
+    hosts[device.process_index].append(device)
+  return hosts
+
+
+def _host_shape(mesh: Mesh, local: int) -> tuple[int, int, int]:
+  tensor = mesh.shape["tensor"]
+  if local % tensor:
+    raise ConfigError(f"the tensor axis ({tensor}) must fit within one host's {local} devices "
+                      f"for per-host decoding")
+  return 1, local // tensor, tensor
+
+
+def host_mesh(mesh: Mesh) -> Mesh:
+  """Returns the mesh of this process's devices of `mesh` (same axis names: the host's devices
+  on `fsdp`, the whole `tensor` axis). On one process it is `mesh` itself.
+
+  Rollouts decode on it: each host samples its own rows and runs its own tools, with no
+  collective across hosts, so hosts may take different numbers of decoding steps.
+  """
+  if jax.process_count() == 1:
+    return mesh
+  local = _host_devices(mesh)[jax.process_index()]
+  return make_mesh(_host_shape(mesh, len(local)), local)
+
+
+def to_host_mesh(tree: Any, mesh: Mesh, host: Mesh, shardings: Any) -> Any:
+  """Returns `tree` (global arrays on `mesh`) as arrays of this process's `host` mesh, each laid
+  out by the matching PartitionSpec of `shardings` (NamedShardings): every host gets the whole
+  value. One all-gather across hosts; on one process, a plain (usually free) device_put."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+  hosts = _host_devices(mesh)
+  shape = (len(hosts),) + _host_shape(mesh, len(hosts[0]))
+  replicas = Mesh(np.array(hosts, dtype=object).reshape(shape), ("host",) + MESH_AXES)
+  gathered = jax.jit(lambda t: t, out_shardings=jax.tree_util.tree_map(
+      lambda s: NamedSharding(replicas, s.spec), shardings))(tree)
+
+  def local(x, s):
+    return jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(host, s.spec), [piece.data for piece in x.addressable_shards])
+
+  return jax.tree_util.tree_map(local, gathered, shardings)

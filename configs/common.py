@@ -30,8 +30,9 @@ def tokenizer(path: str = "default", template: str = "plain") -> ml_collections.
 
 
 def data(path: str, **overrides) -> ml_collections.ConfigDict:
-  """The SFT data source and how it is read (see coa_jax.data_pipeline)."""
-  values = dict(path=path, num_epochs=1, overlong="truncate", max_drop_fraction=0.05)
+  """The SFT data source and how it is read (see coa_jax.data_pipeline); shards=0: one per
+  process (set it to keep the same batches on any number of processes)."""
+  values = dict(path=path, num_epochs=1, overlong="truncate", max_drop_fraction=0.05, shards=0)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 

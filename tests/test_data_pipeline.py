@@ -63,6 +63,23 @@ def test_processes_read_disjoint_shards(tok):
   assert questions[0] and questions[1] and not questions[0] & questions[1]
 
 
+def test_batches_depend_on_the_shard_count_not_the_process_count(tok):
+  config = data_pipeline.PipelineConfig(seq_len=256, batch_size=4, seed=3, num_epochs=4)
+  one = data_pipeline.ShardedBatches(TRAJECTORIES, tok, config, DropCounter(), shards=2)
+  halves = [data_pipeline.ShardedBatches(TRAJECTORIES, tok, dataclasses.replace(
+      config, batch_size=2), DropCounter(), 2, index, 2) for index in range(2)]
+  for _ in range(3):
+    whole, parts = next(one), [next(h) for h in halves]
+    for key in data_pipeline.BATCH_KEYS:
+      np.testing.assert_array_equal(whole[key], np.concatenate([p[key] for p in parts]))
+  state = {**halves[0].get_state(), **halves[1].get_state()}
+  assert state == one.get_state()
+  expected = next(one)
+  resumed = data_pipeline.ShardedBatches(TRAJECTORIES, tok, config, DropCounter(), shards=2)
+  resumed.set_state(state)
+  np.testing.assert_array_equal(next(resumed)["input_ids"], expected["input_ids"])
+
+
 def test_restoring_iterator_state_resumes_the_same_data_order(tok):
   iterator = iter(_dataset(tok, num_epochs=3))
   for _ in range(3):

@@ -55,7 +55,7 @@ class ScriptedSampler:
   def init_state(self):
     return FakeState(np.zeros(self.batch_size, bool))
 
-  def prefill_groups(self, params, state, groups, budgets):
+  def prefill_groups(self, params, state, groups, budgets, seeds=None):
     for (rows, prompt), budget in zip(groups, budgets):
       question = TOKENIZER.decode(prompt).split("\n\n")[1]
       for row in rows:
@@ -265,10 +265,10 @@ def real():
 
 def test_real_rollout_records_are_token_exact_and_do_not_recompile(real):
   engine, full_logits = real
-  tasks = [Task(f"t{i}", f"What is {i} + {i}?") for i in range(6)]
-  first = [r for g in engine.run(tasks[:3]) for r in g]
+  tasks = [Task(f"t{i}", f"What is {i} + {i}?") for i in range(9)]
+  first = [r for g in engine.run(tasks[:6]) for r in g]
   warm = engine.sampler.compilations()
-  second = [r for g in engine.run(tasks[3:]) for r in g]
+  second = [r for g in engine.run(tasks[6:]) for r in g]
   assert engine.sampler.compilations() == warm
   records = first + second
   assert sum(r.turns for r in records) > 0  # the random policy did call tools

@@ -113,16 +113,36 @@ def test_group_rows_share_one_prefill_and_diverge_when_sampling(mesh1, params):
   np.testing.assert_array_equal(same.tokens_BxK, chunk.tokens_BxK)  # same key, same tokens
 
 
+def test_a_rows_samples_depend_on_its_seed_not_its_slot_batch_or_chunks(mesh1, params):
+  """The same (key, seed, prompt) draws the same tokens in another slot, beside another
+  prompt, in a larger batch and with another chunk size."""
+
+  def tokens(batch_size, chunk, groups, seeds, row):
+    s = sampler(mesh1, SamplingConfig(temperature=1.0), batch_size=batch_size, chunk=chunk)
+    state = s.prefill_groups(params, s.init_state(), groups, [30] * len(groups), seeds)
+    out = []
+    while np.asarray(state.active_B)[row]:
+      state, chunk_out = s.decode_chunk(params, state, jax.random.key(5))
+      out += np.asarray(chunk_out.tokens_BxK)[row, :int(chunk_out.counts_B[row])].tolist()
+    return out
+
+  alone = tokens(4, 6, [([0, 1], PROMPTS[0])], [[11, 12]], row=1)
+  moved = tokens(8, 4, [([0, 1], PROMPTS[1]), ([6, 7], PROMPTS[0])], [[3, 4], [11, 12]], row=7)
+  assert len(alone) == 25 and moved == alone
+  assert tokens(4, 6, [([0, 1], PROMPTS[0])], [[11, 13]], row=1) != alone
+
+
 def test_top_k_1_is_greedy():
   logits = jax.random.normal(jax.random.key(0), (16, 50))
-  greedy, _ = sample_tokens(logits, jax.random.key(1), GREEDY)
-  top1, _ = sample_tokens(logits, jax.random.key(1), SamplingConfig(temperature=0.7, top_k=1))
+  keys = jax.random.split(jax.random.key(1), 16)
+  greedy, _ = sample_tokens(logits, keys, GREEDY)
+  top1, _ = sample_tokens(logits, keys, SamplingConfig(temperature=0.7, top_k=1))
   np.testing.assert_array_equal(greedy, top1)
 
 
 def frequencies(logits, sampling, n=40_000):
-  tokens, _ = sample_tokens(jnp.broadcast_to(logits, (n, len(logits))), jax.random.key(7),
-                            sampling)
+  tokens, _ = sample_tokens(jnp.broadcast_to(logits, (n, len(logits))),
+                            jax.random.split(jax.random.key(7), n), sampling)
   return np.bincount(np.asarray(tokens), minlength=len(logits)) / n
 
 

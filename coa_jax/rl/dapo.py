@@ -12,6 +12,12 @@ teacher-forced (and compared with the sampler's, a health metric), then the batc
 mini-batches, each one optimizer step. Checkpoints hold the train state and the task cursor;
 rollout randomness is derived from the seed and the step, so a resumed run repeats the
 uninterrupted one. A non-finite loss stops the run with the last good checkpoint intact.
+
+On several hosts, each one decodes its share of every round's prompts on its own devices (the
+parameters are gathered onto each host once per step) and runs its own tools; the hosts then
+train on one global batch made of every host's rows. Each host fills its own share of the
+batch, so with dynamic sampling the kept groups can differ from a one-host run's; without it
+the batch is the same.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coa_jax import evaluate, hf_checkpoint, rewards as rewards_lib, rollout, sharding
+from coa_jax import distributed, evaluate, hf_checkpoint, rewards as rewards_lib, rollout, sharding
 from coa_jax.checkpointing import Checkpointer, PreemptionFlag
 from coa_jax.losses.dapo import PolicyLossConfig
 from coa_jax.metrics import MetricsLog, say
@@ -81,6 +87,12 @@ class Trainer:
     self.mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
     self.rollout_config = RolloutConfig(**config.rollout)
     self.n = self.rollout_config.group_size
+    self.hosts, self.host_index = jax.process_count(), jax.process_index()
+    for name, value in (("batch_size", config.batch_size), ("rl.batch_groups", rl.batch_groups),
+                        ("rl.mini_batch_groups", rl.mini_batch_groups),
+                        ("rl.prompts_per_round", rl.prompts_per_round)):
+      if value % self.hosts:
+        raise ConfigError(f"{name}={value} does not split over {self.hosts} hosts")
     if rl.batch_groups % rl.mini_batch_groups:
       raise ConfigError(f"rl.batch_groups={rl.batch_groups} is not a multiple of "
                         f"rl.mini_batch_groups={rl.mini_batch_groups}")
@@ -113,7 +125,9 @@ class Trainer:
     sampling = SamplingConfig(**config.sampling)
     if sampling.temperature == 0:
       raise ConfigError("DAPO needs sampled rollouts: sampling.temperature must be > 0")
-    sampler = Sampler(model_config, self.mesh, batch_size=config.batch_size,
+    self.host = sharding.host_mesh(self.mesh)
+    self.host_shardings = state_lib.param_shardings(self.model, self.host)
+    sampler = Sampler(model_config, self.host, batch_size=config.batch_size // self.hosts,
                       cache_size=self.rollout_config.cache_size, chunk=config.chunk,
                       stop_ids=rollout.stop_ids(self.tokenizer), sampling=sampling)
     tools = tools_registry.build_registry(config.tools.to_dict())
@@ -134,9 +148,17 @@ class Trainer:
 
   # --- rollouts and rewards ----------------------------------------------------------------
 
-  def _rollouts(self, tasks: list[Task], key: jax.Array) -> Iterator[ScoredGroup]:
-    """Yields the scored group of each task, rolled out with the current params from `key`."""
-    self.engine.params, self.engine.key = self.state.params, key
+  def _rollouts(self, tasks: list[Task], key: jax.Array) -> list[ScoredGroup]:
+    """Returns the scored groups of this host's share of `tasks` (in task order), rolled out
+    with the current params from `key`."""
+    self.engine.params = sharding.to_host_mesh(self.state.params, self.mesh, self.host,
+                                               self.host_shardings)
+    self.engine.key = key
+    mine = tasks[self.host_index::self.hosts]
+    order = {task.id: i for i, task in enumerate(mine)}
+    return sorted(self._score(mine), key=lambda group: order[group.task_id])
+
+  def _score(self, tasks: list[Task]) -> Iterator[ScoredGroup]:
     for group in self.engine.run(tasks):
       texts = [record.response_text(self.tokenizer) for record in group]
       data = group[0].task_data
@@ -170,18 +192,30 @@ class Trainer:
         yield group
 
     t0 = time.perf_counter()
-    kept, stats = fill_batch(next_round, rl.batch_groups, rl.max_rounds, rl.dynamic_sampling)
+    try:
+      kept, stats = fill_batch(next_round, rl.batch_groups // self.hosts, rl.max_rounds,
+                               rl.dynamic_sampling)
+      failure = ""
+    except DynamicSamplingError as e:
+      failure = str(e)
+    hosts = distributed.gather_json({"failure": failure, "cursor": self.stream.cursor})
+    failures = [f"host {i}: {h['failure']}" for i, h in enumerate(hosts) if h["failure"]]
+    if failures:  # every host stops, not only the one that failed
+      raise DynamicSamplingError("; ".join(failures))
+    # Hosts that needed fewer rounds skip the prompts of the others' extra rounds.
+    self.stream.cursor = max(h["cursor"] for h in hosts)
     rollout_s = time.perf_counter() - t0
     records = [record for group in kept for record in group.records]
     advantages = group_advantages(np.array([g.scores for g in kept]), rl.advantage,
                                   rl.advantage_eps).reshape(-1)
     drop = [rl.overlong_filter and r.finish_reason == "length" for r in records]
-    rows = rl.mini_batch_groups * self.n
+    local_groups = rl.mini_batch_groups // self.hosts  # this host's groups per mini-batch
+    rows = local_groups * self.n
+    groups = np.arange(rows) // self.n + self.host_index * local_groups
     mini_batches = []
     for start in range(0, len(records), rows):
       part = slice(start, start + rows)
-      batch = rollout_batch(records[part], advantages[part], np.arange(rows) // self.n,
-                            self.seq_len, drop[part])
+      batch = rollout_batch(records[part], advantages[part], groups, self.seq_len, drop[part])
       mini_batches.append(sharding.shard_batch(batch, self.mesh))
     health = self._recompute_old_logprobs(mini_batches)
     update_metrics = []
@@ -199,13 +233,13 @@ class Trainer:
         counts[1] += all(group.correct)
         counts[2] += not any(group.correct)
     every = [r for g in generated for r in g.records]
-    scores = [s for g in generated for s in g.scores]
-    correct = [c for g in generated for c in g.correct]
     out = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
-    out.update(health, reward=float(np.mean(scores)), accuracy=float(np.mean(correct)),
-               response_len=float(np.mean([r.response_len for r in every])),
-               truncated=float(np.mean([r.finish_reason == "length" for r in every])),
-               rollout_s=rollout_s, **stats.to_json())
+    out.update(health, rollout_s=rollout_s, **_over_hosts(
+        means=dict(reward=[s for g in generated for s in g.scores],
+                   accuracy=[c for g in generated for c in g.correct],
+                   response_len=[r.response_len for r in every],
+                   truncated=[r.finish_reason == "length" for r in every]),
+        sums=stats.to_json()))
     return out
 
   def _recompute_old_logprobs(self, mini_batches: list[dict[str, jax.Array]]) -> dict[str, float]:
@@ -227,23 +261,46 @@ class Trainer:
   def evaluate(self, step: int) -> dict[str, float]:
     """Returns accuracy (avg@n at the sampling temperature) and lengths on the held-out tasks."""
     key = jax.random.fold_in(jax.random.key(self.config.seed + 1), step)
-    groups = list(self._rollouts(self.eval_tasks, key))
-    correct = [c for g in groups for c in g.correct]
-    records = [r for g in groups for r in g.records]
-    return dict(eval_accuracy=float(np.mean(correct)),
-                eval_response_len=float(np.mean([r.response_len for r in records])))
+    groups = self._rollouts(self.eval_tasks, key)
+    return _over_hosts(means=dict(
+        eval_accuracy=[c for g in groups for c in g.correct],
+        eval_response_len=[r.response_len for g in groups for r in g.records]))
+
+  def all_prompts(self) -> dict[str, list[int]]:
+    """Returns the prompt counts of every host, summed (a collective)."""
+    total: dict[str, list[int]] = {}
+    for counts in distributed.gather_json(self.prompts):
+      for task_id, values in counts.items():
+        total[task_id] = [a + b for a, b in zip(total.get(task_id, [0, 0, 0]), values)]
+    return total
 
   def prompt_report(self) -> dict[str, list[str]]:
     """Returns the task ids every one of whose groups was all correct, or all wrong."""
-    return {"always_solved": sorted(t for t, (n, ok, _) in self.prompts.items() if ok == n),
-            "never_solved": sorted(t for t, (n, _, bad) in self.prompts.items() if bad == n)}
+    prompts = self.all_prompts()
+    return {"always_solved": sorted(t for t, (n, ok, _) in prompts.items() if ok == n),
+            "never_solved": sorted(t for t, (n, _, bad) in prompts.items() if bad == n)}
 
   def data_state(self, step: int) -> dict[str, Any]:
-    """Returns what a checkpoint keeps beside the train state."""
-    return {"cursor": self.stream.cursor, "step": step, "prompts": self.prompts}
+    """Returns what a checkpoint keeps beside the train state (the same on every host)."""
+    return {"cursor": self.stream.cursor, "step": step, "prompts": self.all_prompts()}
 
   def close(self) -> None:
     self.reward_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _over_hosts(means: dict[str, list[float]],
+                sums: dict[str, int] | None = None) -> dict[str, float]:
+  """Returns the mean of each list and the total of each count over every host's values (a
+  collective; `rounds`, the most any host needed, is a maximum)."""
+  mine = {"means": {k: [float(np.sum(v)), len(v)] for k, v in means.items()},
+          "sums": sums or {}}
+  hosts = distributed.gather_json(mine)
+  out = {k: sum(h["means"][k][0] for h in hosts) / max(sum(h["means"][k][1] for h in hosts), 1)
+         for k in means}
+  for k in mine["sums"]:
+    values = [h["sums"][k] for h in hosts]
+    out[k] = float(max(values) if k == "rounds" else sum(values))
+  return out
 
 
 def run(config: Any) -> dict[str, Any]:
@@ -262,7 +319,8 @@ def run(config: Any) -> dict[str, Any]:
   if restored is not None:
     trainer.state, data_state = restored
     trainer.stream.cursor, start = int(data_state["cursor"]), int(data_state["step"])
-    trainer.prompts = data_state.get("prompts", {})
+    # Host 0 carries the counts so far; the others count from here (all_prompts sums them).
+    trainer.prompts = data_state.get("prompts", {}) if trainer.host_index == 0 else {}
     say(f"resumed from step {start} in {checkpointer.directory}")
   os.makedirs(config.workdir, exist_ok=True)
   log = MetricsLog(os.path.join(config.workdir, "metrics.jsonl"), rl.steps, rl.log_every,
@@ -288,10 +346,12 @@ def run(config: Any) -> dict[str, Any]:
     trainer.close()
   summary: dict[str, Any] = dict(steps=completed, resumed_from=start,
                                  stopped_by_signal=stopped_by_signal, metrics=log.path)
-  if rl.track_prompts and jax.process_index() == 0:
+  if rl.track_prompts:
+    report = trainer.prompt_report()
     summary["prompts"] = os.path.join(config.workdir, "prompts.json")
-    with open(summary["prompts"], "w") as f:
-      json.dump(trainer.prompt_report(), f, indent=1)
+    if trainer.host_index == 0:
+      with open(summary["prompts"], "w") as f:
+        json.dump(report, f, indent=1)
   if log.rows:
     first, final = log.rows[0], log.rows[-1]
     summary.update(first_reward=first["reward"], final_reward=final["reward"],

@@ -1,0 +1,71 @@
+"""One process of the multi-host test (tests/test_multihost.py), or the one-process reference.
+
+usage: python tests/multihost_worker.py OUT_DIR NUM_PROCESSES PROCESS_ID PORT
+
+Runs, on one global 8-device mesh: SFT for 2 steps, then 2 more resumed from the orbax
+checkpoint both processes wrote (each process reads its own data shard), then one DAPO step
+whose rollouts each host decodes on its own devices with its own tools. Process 0 writes
+OUT_DIR/result.json; both SFT and DAPO export an HF folder.
+"""
+
+import json
+import os
+import sys
+
+out, processes, process_id, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+
+from coa_jax import distributed, sft  # noqa: E402
+from coa_jax.rl import dapo  # noqa: E402
+from configs import common, dapo_tiny_cpu, sft_tiny_cpu  # noqa: E402
+
+if processes > 1:
+  distributed.initialize(distributed.DistributedConfig(
+      mode="explicit", coordinator_address=f"127.0.0.1:{port}", num_processes=processes,
+      process_id=process_id))
+assert jax.device_count() == 8, jax.devices()
+MESH = common.mesh(data=2, fsdp=2, tensor=2)
+
+
+def sft_config(stop_after: int):
+  config = sft_tiny_cpu.get_config()
+  config.mesh, config.batch_size, config.seq_len = MESH, 8, 256
+  config.data.shards = 2  # the same batches on 1 or 2 processes
+  config.train = common.train(steps=4, stop_after=stop_after, log_every=1)
+  config.optimizer = common.optimizer(learning_rate=3e-3, warmup_steps=0, schedule="constant",
+                                      weight_decay=0.0)
+  config.checkpoint = common.checkpoint(f"{out}/sft/ckpt", every=2, async_save=False)
+  config.workdir, config.export_dir = f"{out}/sft", f"{out}/sft/hf_export"
+  return config
+
+
+def dapo_config():
+  config = dapo_tiny_cpu.get_config()
+  config.model.checkpoint = f"{out}/sft/hf_export"
+  config.mesh, config.max_tasks, config.eval_tasks = MESH, 8, ""
+  config.batch_size, config.chunk = 8, 16
+  config.sampling.temperature = 1.0
+  config.rollout.update(group_size=2, max_response_tokens=48, max_observation_tokens=32,
+                        max_turns=2)
+  config.rl = common.rl(steps=1, batch_groups=4, prompts_per_round=4, max_rounds=1,
+                        mini_batch_groups=2, overlong_cache=16, dynamic_sampling=False)
+  config.optimizer = common.optimizer(learning_rate=1e-3, schedule="constant", weight_decay=0.0)
+  config.checkpoint = common.checkpoint(f"{out}/dapo/ckpt", every=1, async_save=False)
+  config.workdir, config.export_dir = f"{out}/dapo", f"{out}/dapo/hf_export"
+  return config
+
+
+first = sft.run(sft_config(stop_after=2))
+second = sft.run(sft_config(stop_after=0))
+rl = dapo.run(dapo_config())
+if jax.process_index() == 0:
+  rows = lambda path: [json.loads(line) for line in open(path)]
+  with open(f"{out}/result.json", "w") as f:
+    json.dump({"processes": jax.process_count(),
+               "sft_steps": [first["steps"], second["steps"]],
+               "sft_resumed_from": second["resumed_from"],
+               "sft_loss": [r["loss"] for r in rows(f"{out}/sft/metrics.jsonl")],
+               "dapo": rows(f"{out}/dapo/metrics.jsonl")}, f)
+print(f"process {jax.process_index()} done", flush=True)
