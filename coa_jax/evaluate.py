@@ -24,7 +24,9 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
-from coa_jax import coa_format, importers, rewards
+import jax
+
+from coa_jax import coa_format, distributed, importers, rewards
 from coa_jax.model import ConfigError
 from coa_jax.rollout import Task, check_prompt_lengths
 
@@ -278,11 +280,18 @@ def run(config: Any) -> dict[str, Any]:
     check_prompt_lengths(tokenizer, config.system_prompt, tasks,
                          config.rollout.max_prompt_tokens)
     engine, _ = rollout_job.build(config, tokenizer)
-    outcomes = evaluate_rollouts(engine, tokenizer, tasks, rewarder)
+    mine = tasks[jax.process_index()::jax.process_count()]  # each host its share
+    outcomes = evaluate_rollouts(engine, tokenizer, mine, rewarder)
+    outcomes = {task_id: [Sample(**s) for s in samples]
+                for part in distributed.gather_json(
+                    {t: [dataclasses.asdict(s) for s in v] for t, v in outcomes.items()})
+                for task_id, samples in part.items()}
   else:
     raise ConfigError(f"evaluate system={config.system!r}: expected 'model' or 'teacher'")
   metrics = summarize(outcomes, k)
   say(format_table({config.system: metrics}, k))
+  if jax.process_index():  # process 0 writes
+    return metrics
   os.makedirs(config.output_dir, exist_ok=True)
   with open(os.path.join(config.output_dir, "metrics.json"), "w") as f:
     json.dump(metrics, f, indent=1)

@@ -4,8 +4,9 @@ usage: python tests/multihost_worker.py OUT_DIR NUM_PROCESSES PROCESS_ID PORT
 
 Runs, on one global 8-device mesh: SFT for 2 steps, then 2 more resumed from the orbax
 checkpoint both processes wrote (each process reads its own data shard), then one DAPO step
-whose rollouts each host decodes on its own devices with its own tools. Process 0 writes
-OUT_DIR/result.json; both SFT and DAPO export an HF folder.
+whose rollouts each host decodes on its own devices with its own tools, then an evaluation of
+the DAPO export (each host its share of the tasks). Process 0 writes OUT_DIR/result.json; SFT
+and DAPO export HF folders.
 """
 
 import json
@@ -17,9 +18,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 
-from coa_jax import distributed, sft  # noqa: E402
+from coa_jax import distributed, evaluate, sft  # noqa: E402
 from coa_jax.rl import dapo  # noqa: E402
-from configs import common, dapo_tiny_cpu, sft_tiny_cpu  # noqa: E402
+from configs import common, dapo_tiny_cpu, evaluate_tiny, sft_tiny_cpu  # noqa: E402
 
 if processes > 1:
   distributed.initialize(distributed.DistributedConfig(
@@ -57,9 +58,20 @@ def dapo_config():
   return config
 
 
+def evaluate_config():
+  config = evaluate_tiny.get_config()
+  dapo = dapo_config()
+  for field in ("mesh", "tokenizer", "system_prompt", "tasks", "tools", "rollout", "rewards"):
+    config[field] = dapo[field]
+  config.model.checkpoint, config.max_tasks, config.k = dapo.export_dir, 6, 2
+  config.batch_size, config.chunk, config.output_dir = 8, 16, f"{out}/eval"
+  return config
+
+
 first = sft.run(sft_config(stop_after=2))
 second = sft.run(sft_config(stop_after=0))
 rl = dapo.run(dapo_config())
+metrics = evaluate.run(evaluate_config())
 if jax.process_index() == 0:
   rows = lambda path: [json.loads(line) for line in open(path)]
   with open(f"{out}/result.json", "w") as f:
@@ -67,5 +79,5 @@ if jax.process_index() == 0:
                "sft_steps": [first["steps"], second["steps"]],
                "sft_resumed_from": second["resumed_from"],
                "sft_loss": [r["loss"] for r in rows(f"{out}/sft/metrics.jsonl")],
-               "dapo": rows(f"{out}/dapo/metrics.jsonl")}, f)
+               "dapo": rows(f"{out}/dapo/metrics.jsonl"), "eval": metrics}, f)
 print(f"process {jax.process_index()} done", flush=True)

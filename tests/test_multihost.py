@@ -1,7 +1,7 @@
 """Two JAX processes with 4 fake CPU devices each form one global 8-device mesh (gloo
 collectives, a 127.0.0.1 coordinator). In it: SFT where each process reads only its own data
-shard, an orbax checkpoint written by both and restored by both, and a DAPO step whose rollouts
-each host decodes on its own devices with its own tools. Everything equals one process with 8
+shard, an orbax checkpoint written by both and restored by both, a DAPO step whose rollouts
+each host decodes on its own devices with its own tools, and an evaluation split over hosts. Everything equals one process with 8
 devices. The processes run under a deadline: if one dies or hangs, all are killed and the test
 fails with their logs."""
 
@@ -96,6 +96,7 @@ def test_two_processes_equal_one(runs):
   (step_two,), (step_one,) = two["dapo"], one["dapo"]
   for key in ("reward", "accuracy", "response_len", "truncated", "kept"):
     assert step_two[key] == step_one[key], key  # the same samples, decoded per host
+  assert two["eval"] == one["eval"]  # each host evaluated its share of the tasks
   for key in ("pg_loss", "entropy", "grad_norm"):
     np.testing.assert_allclose(step_two[key], step_one[key], rtol=1e-4, err_msg=key)
   for stage in ("sft", "dapo"):
