@@ -1,18 +1,28 @@
 """Orbax checkpoints of the whole run: train state (params, optimizer, step, PRNG) + data position.
 
 Saves are asynchronous and keep the newest `max_to_keep`; `restore_latest` resumes from the
-newest complete checkpoint with every array placed in its sharding. A SIGTERM (TPU VM
-preemption) only sets a flag: the training loop sees it, saves, and exits cleanly.
+newest complete checkpoint with every array placed in its sharding. A save cut short (a killed
+process) never becomes a step: orbax writes into a temporary folder and renames it when done.
+A step that is there but cannot be read (corrupted files) is moved aside to
+`<step>.corrupt-<time>` with a warning, and the previous one is used. A SIGTERM (TPU VM preemption) only sets a flag:
+the training loop sees it, saves, and exits cleanly.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+import warnings
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+
+class CheckpointWarning(UserWarning):
+  """A checkpoint could not be read and was skipped."""
 
 
 class Checkpointer:
@@ -34,14 +44,31 @@ class Checkpointer:
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
 
   def restore_latest(self, abstract_state: Any) -> tuple[Any, dict[str, Any]] | None:
-    """Returns (state, data state) of the newest checkpoint, placed like `abstract_state`
-    (ShapeDtypeStructs with shardings), or None when there is none."""
-    step = self.latest_step()
-    if step is None:
-      return None
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-    return restored["state"], restored["data"]
+    """Returns (state, data state) of the newest readable checkpoint, placed like
+    `abstract_state` (ShapeDtypeStructs with shardings), or None when there is none."""
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+      except Exception as e:  # noqa: BLE001 - any unreadable step is skipped the same way
+        self._set_aside(step, e)
+        continue
+      return restored["state"], restored["data"]
+    return None
+
+  def _set_aside(self, step: int, error: Exception) -> None:
+    """Renames an unreadable step's folder (kept for inspection), so the run can go on and
+    save that step again."""
+    path = os.path.join(self.directory, str(step))
+    aside = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+    warnings.warn(f"checkpoint step {step} in {self.directory} cannot be read "
+                  f"({type(error).__name__}: {str(error)[:300]}); moved it to {aside} and "
+                  f"falling back to the previous one", CheckpointWarning, stacklevel=3)
+    if jax.process_index() == 0:
+      os.replace(path, aside)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"set aside checkpoint {path}")
+    self._manager.reload()
 
   def wait(self) -> None:
     """Blocks until pending saves are written."""

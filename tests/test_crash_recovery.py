@@ -1,0 +1,113 @@
+"""Crash recovery of the real entry points: a run killed with SIGKILL at a random moment resumes
+from its last checkpoint and ends exactly where an uninterrupted run ends (SFT and DAPO); a
+SIGTERM (a TPU preemption notice) saves before a clean exit. Each run is a separate process."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from coa_jax.safetensors_io import SafetensorsFile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
+       "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+SFT = ["experiments/sft.py", "--config.train.steps=10", "--config.optimizer.total_steps=10",
+       "--config.optimizer.warmup_steps=2",
+       "--config.model.hidden_size=32", "--config.model.intermediate_size=64",
+       "--config.model.num_layers=1", "--config.batch_size=8", "--config.seq_len=256",
+       "--config.train.log_every=1", "--config.checkpoint.every=2"]
+DAPO = ["experiments/dapo.py", "--config.model.checkpoint=", "--config.max_tasks=16",
+        "--config.eval_tasks=", "--config.mesh.data=2", "--config.mesh.fsdp=2",
+        "--config.mesh.tensor=2", "--config.batch_size=4", "--config.chunk=16",
+        "--config.rollout.group_size=2", "--config.rollout.max_response_tokens=32",
+        "--config.rollout.max_observation_tokens=32", "--config.rollout.max_turns=2",
+        "--config.rl.steps=4", "--config.rl.batch_groups=2", "--config.rl.prompts_per_round=2",
+        "--config.rl.mini_batch_groups=2", "--config.rl.overlong_cache=16",
+        "--config.rl.log_every=1", "--config.optimizer.learning_rate=1e-3",
+        "--config.checkpoint.every=1"]
+
+
+def _args(script, folder):
+  flags = [f"--config.workdir={folder}", f"--config.checkpoint.directory={folder}/ckpt",
+           f"--config.export_dir={folder}/hf_export", "--config.export_dtype=float32"]
+  return [sys.executable] + script + flags
+
+
+def _start(script, folder):
+  os.makedirs(folder, exist_ok=True)
+  log = open(os.path.join(folder, "log.txt"), "a")
+  return subprocess.Popen(_args(script, folder), cwd=ROOT, env=ENV, stdout=log,
+                          stderr=subprocess.STDOUT)
+
+
+def _finish(proc, folder, timeout=300):
+  assert proc.wait(timeout=timeout) == 0, open(os.path.join(folder, "log.txt")).read()[-3000:]
+
+
+def _steps_logged(folder):
+  path = os.path.join(folder, "metrics.jsonl")
+  return len(open(path).read().splitlines()) if os.path.exists(path) else 0
+
+
+def _interrupt(proc, folder, after_steps, sig, timeout=240):
+  """Sends `sig` once `after_steps` steps are logged (plus a random fraction of a step)."""
+  deadline = time.time() + timeout
+  while _steps_logged(folder) < after_steps and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  time.sleep(random.uniform(0.0, 0.3))
+  proc.send_signal(sig)
+  return proc.wait(timeout=120)
+
+
+def _last_rows(folder):
+  """Each step's last metrics row (a resumed run logs again the steps after its checkpoint)."""
+  rows = {}
+  for line in open(os.path.join(folder, "metrics.jsonl")):
+    row = json.loads(line)
+    rows[row["step"]] = row
+  return [rows[step] for step in sorted(rows)]
+
+
+def _assert_same_end(folder, reference, keys):
+  got, want = _last_rows(folder), _last_rows(reference)
+  assert [r["step"] for r in got] == [r["step"] for r in want]
+  for key in keys:
+    np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-5,
+                               err_msg=key)
+  a, b = (SafetensorsFile(os.path.join(f, "hf_export", "model.safetensors"))
+          for f in (folder, reference))
+  for name in a.names():
+    np.testing.assert_allclose(a.get(name), b.get(name), rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_sft_killed_at_a_random_moment_resumes_to_the_uninterrupted_end(tmp_path):
+  kill_after = random.randint(3, 8)
+  reference = _start(SFT, tmp_path / "whole")
+  victim = _start(SFT, tmp_path / "killed")
+  assert _interrupt(victim, tmp_path / "killed", kill_after, signal.SIGKILL) == -signal.SIGKILL
+  assert _steps_logged(tmp_path / "killed") < 10, "the run ended before the kill"
+  _finish(_start(SFT, tmp_path / "killed"), tmp_path / "killed")
+  _finish(reference, tmp_path / "whole")
+  assert "resumed from step" in open(tmp_path / "killed" / "log.txt").read()
+  _assert_same_end(tmp_path / "killed", tmp_path / "whole", ("loss", "grad_norm"))
+
+
+def test_dapo_preempted_then_killed_resumes_to_the_uninterrupted_end(tmp_path):
+  reference = _start(DAPO, tmp_path / "whole")
+  run = tmp_path / "interrupted"
+  assert _interrupt(_start(DAPO, run), run, 1, signal.SIGTERM) == 0  # a preemption notice
+  log = open(run / "log.txt").read()
+  assert "saving a checkpoint, then stopping" in log
+  saved = max(int(d) for d in os.listdir(run / "ckpt") if d.isdigit())
+  assert saved == _steps_logged(run)  # the step it was in is saved
+  victim = _start(DAPO, run)
+  assert _interrupt(victim, run, saved + 1, signal.SIGKILL) == -signal.SIGKILL
+  _finish(_start(DAPO, run), run)
+  _finish(reference, tmp_path / "whole")
+  _assert_same_end(run, tmp_path / "whole", ("reward", "response_len", "pg_loss", "entropy"))
