@@ -1,5 +1,5 @@
 """Ahead-of-time compilation of a training step (SFT, or a DAPO update when given a policy-loss
-config) for a TPU topology, on any host (CPU too).
+config) and of the rollout's decode step for a TPU topology, on any host (CPU too).
 
 Needs libtpu (the `tpu` extra). The report combines three sources, each labelled:
 - memory per device: the compiler's `memory_analysis()` of the real (scanned) step;
@@ -18,11 +18,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax.linen import unbox as flax_unbox
 
 from coa_jax import flops, hardware, sharding
 from coa_jax.losses.dapo import PolicyLossConfig
 from coa_jax.model import ModelConfig, Transformer
 from coa_jax.rl import batch as rl_batch, update as rl_update
+from coa_jax.sampler import Sampler, SamplingConfig
 from coa_jax.train import optimizer, state as state_lib, step as step_lib
 
 
@@ -173,3 +175,93 @@ def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: 
       compiler_flops=f1 + extra * (f2 - f1), compiler_seconds=t1 + extra * (t2 - t1),
       peak_flops=chip.peak_bf16_flops / devices_per_chip,
       step="DAPO update step (fwd + bwd + AdamW)" if loss_config else AotReport.step)
+
+
+@dataclasses.dataclass
+class DecodeReport:
+  """What an ahead-of-time compile of one host's rollout decode chunk found (per device)."""
+
+  model: str
+  topology: str
+  device_kind: str
+  host_devices: int
+  mesh: dict[str, int]
+  rows: int  # decode rows on one host
+  cache_size: int
+  chunk: int
+  compile_seconds: float
+  argument_bytes: int
+  temp_bytes: int
+  hbm_bytes: int
+  param_bytes: int  # per device
+  cache_bytes: int  # per device
+  step_flops: float  # analytic, one token for every row, all host devices, full cache
+  peak_flops: float  # per device
+  hbm_bytes_per_s: float  # per device
+
+  @property
+  def peak_bytes(self) -> int:
+    return self.argument_bytes + self.temp_bytes
+
+  @property
+  def fits(self) -> bool:
+    return self.peak_bytes <= self.hbm_bytes
+
+  @property
+  def step_seconds(self) -> float:
+    """Projected time of one token for every row: HBM-bound (weights and the full KV cache
+    read once) unless the FLOPs take longer."""
+    return max((self.param_bytes + self.cache_bytes) / self.hbm_bytes_per_s,
+               self.step_flops / self.host_devices / self.peak_flops)
+
+  def format(self) -> str:
+    gib = lambda b: f"{b / hardware.GIB:.2f} GiB"
+    return "\n".join([
+        f"model {self.model}, rollout decode chunk ({self.chunk} steps, KV cache "
+        f"{self.cache_size} tokens) on one host: {self.rows} rows",
+        f"topology {self.topology}: {self.host_devices} x {self.device_kind} per host, mesh "
+        f"{self.mesh}, compiled in {self.compile_seconds:.1f}s",
+        f"memory per device (compiler): arguments {gib(self.argument_bytes)} (params "
+        f"{gib(self.param_bytes)}, KV cache {gib(self.cache_bytes)}), temporaries "
+        f"{gib(self.temp_bytes)} -> peak {gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
+        f"{'FITS' if self.fits else 'DOES NOT FIT'}",
+        f"projected decode step at a full cache (HBM-bound model): "
+        f"{self.step_seconds * 1e3:.1f} ms -> {self.rows / self.step_seconds:,.0f} tokens/s "
+        f"per host"])
+
+
+def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, rows: int,
+                  cache_size: int, chunk: int) -> DecodeReport:
+  """Compiles the rollout's decode chunk as one host of `topology` runs it (its devices, the
+  `tensor` axis within the host, `rows` rows) and returns what the compiler found."""
+  devices = topology_devices(topology)
+  local = [d for d in devices if d.process_index == devices[0].process_index]
+  if len(local) % tensor:
+    raise ValueError(f"tensor={tensor} does not divide a host's {len(local)} devices")
+  mesh = sharding.make_mesh((1, len(local) // tensor, tensor), devices=local)
+  sampler = Sampler(config, mesh, batch_size=rows, cache_size=cache_size, chunk=chunk,
+                    stop_ids=(0,), sampling=SamplingConfig(temperature=1.0))
+  model = Transformer(config)
+  params = jax.tree_util.tree_map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      flax_unbox(state_lib.abstract_params(model)), state_lib.param_shardings(model, mesh))
+  state = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                 jax.eval_shape(sampler.init_state), sampler.state_shardings())
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  start = time.perf_counter()
+  compiled = sampler.decode_chunk.lower(params, state, key).compile()
+  seconds = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  chip = hardware.chip_for(local[0].device_kind)
+  per_chip = len(devices) / hardware.chips_in_topology(topology)
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+  return DecodeReport(
+      model=name, topology=topology, device_kind=local[0].device_kind,
+      host_devices=len(local), mesh=dict(mesh.shape), rows=rows, cache_size=cache_size,
+      chunk=chunk, compile_seconds=seconds, argument_bytes=memory.argument_size_in_bytes,
+      temp_bytes=memory.temp_size_in_bytes, hbm_bytes=int(chip.hbm_bytes / per_chip),
+      param_bytes=nbytes(params) // len(local),
+      cache_bytes=nbytes((state.cache.k_LxBxSxKxH, state.cache.v_LxBxSxKxH)) // len(local),
+      step_flops=flops.decode_flops(config, rows, cache_size),
+      peak_flops=chip.peak_bf16_flops / per_chip,
+      hbm_bytes_per_s=chip.hbm_bytes_per_s / per_chip)

@@ -13,6 +13,13 @@ def matmul_params(config: ModelConfig) -> int:
   return config.num_layers * per_layer + config.vocab_size * d
 
 
+def decode_flops(config: ModelConfig, rows: int, context: int) -> float:
+  """Returns model FLOPs of one decoding step of `rows` rows that each attend to `context`
+  cached tokens: 2 x matmul params plus 4 x layers x heads x head_dim x context per row."""
+  attention = 4 * config.num_layers * config.num_heads * config.head_dim * context
+  return float(2 * matmul_params(config) + attention) * rows
+
+
 def train_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
   """Returns model FLOPs of one forward + backward pass: 6 x matmul params x tokens plus
   attention scores and values (12 x layers x heads x head_dim x T^2 per row, full square as

@@ -11,18 +11,20 @@ GIB = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-  """One accelerator chip: HBM bytes and peak dense bf16 FLOP/s (public spec sheets)."""
+  """One accelerator chip: HBM bytes, peak dense bf16 FLOP/s and HBM bandwidth (public spec
+  sheets)."""
 
   name: str
   hbm_bytes: int
   peak_bf16_flops: float
+  hbm_bytes_per_s: float
 
 
 CHIPS = {
-    "TPU v4": Chip("v4", 32 * GIB, 275e12),
-    "TPU v5 lite": Chip("v5e", 16 * GIB, 197e12),
-    "TPU v5": Chip("v5p", 95 * GIB, 459e12),
-    "TPU v6 lite": Chip("v6e", 32 * GIB, 918e12),
+    "TPU v4": Chip("v4", 32 * GIB, 275e12, 1228e9),
+    "TPU v5 lite": Chip("v5e", 16 * GIB, 197e12, 819e9),
+    "TPU v5": Chip("v5p", 95 * GIB, 459e12, 2765e9),
+    "TPU v6 lite": Chip("v6e", 32 * GIB, 918e12, 1640e9),
 }
 
 

@@ -1,9 +1,10 @@
-"""Compile the train step ahead of time for a TPU topology (on this CPU) and report the fit.
+"""Compile the train step ahead of time for a TPU topology (on this CPU) and report the fit; for
+a DAPO config, also the rollout's decode chunk as one host runs it (its share of the rows).
 
   python experiments/aot_compile.py --model=qwen2_5_7b --topology=v5p:2x2x1 \
       [--config.batch_size=16 --config.seq_len=4096 --config.mesh.tensor=2 ...]
   python experiments/aot_compile.py --config=configs/sft_qwen2_5_7b.py   # an SFT config
-  python experiments/aot_compile.py --config=configs/dapo_qwen2_5_32b.py  # a DAPO update
+  python experiments/aot_compile.py --config=configs/dapo_qwen2_5_32b.py  # update + decode
 
 Needs the `tpu` extra (libtpu). --model and --topology are shorthands for
 --config.model.preset and --config.topology.
@@ -22,6 +23,7 @@ from ml_collections import config_flags  # noqa: E402
 from coa_jax import aot, sharding  # noqa: E402
 from coa_jax.rl import dapo  # noqa: E402
 from coa_jax.model import build_config  # noqa: E402
+from coa_jax.rollout import RolloutConfig  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/aot_train.py"))
@@ -43,15 +45,25 @@ def main(argv):
     batch_size = config.rl.mini_batch_groups * config.rollout.group_size
     seq_len = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
     micro_batches, loss_config = config.rl.micro_batches, dapo.loss_config(config.rl)
-  report = aot.aot_report(config.model.preset, build_config(config.model), config.optimizer,
-                          config.topology, sharding.MeshConfig(**config.mesh),
-                          batch_size, seq_len, micro_batches, loss_config)
+  model = build_config(config.model)
+  report = aot.aot_report(config.model.preset, model, config.optimizer, config.topology,
+                          sharding.MeshConfig(**config.mesh), batch_size, seq_len, micro_batches,
+                          loss_config)
   print(report.format())
+  out = {"train": dict(dataclasses.asdict(report), peak_bytes=report.peak_bytes,
+                       fits=report.fits, implied_mfu=report.implied_mfu)}
+  if "rl" in config:
+    hosts = len({d.process_index for d in aot.topology_devices(config.topology)})
+    decode = aot.decode_report(config.model.preset, model, config.topology, config.mesh.tensor,
+                               config.batch_size // hosts,
+                               RolloutConfig(**config.rollout).cache_size, config.chunk)
+    print(decode.format())
+    out["decode"] = dict(dataclasses.asdict(decode), peak_bytes=decode.peak_bytes,
+                         fits=decode.fits, step_seconds=decode.step_seconds)
   path = _REPORT.value or config.get("report_json")
   if path:
     with open(path, "w") as f:
-      json.dump(dict(dataclasses.asdict(report), peak_bytes=report.peak_bytes, fits=report.fits,
-                     implied_mfu=report.implied_mfu), f, indent=2)
+      json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -83,3 +83,20 @@ def test_the_32b_dapo_update_compiles_scaled_down():
       loss_config=dapo.loss_config(config.rl))
   assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
   assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+def test_the_32b_dapo_decode_step_compiles_scaled_down_on_one_host():
+  from configs import dapo_qwen2_5_32b
+  from coa_jax.model import build_config
+
+  config = dapo_qwen2_5_32b.get_config()
+  model = build_config(config.model).replace(num_layers=2, hidden_size=512,
+                                             intermediate_size=1024, vocab_size=4096)
+  report = aot.decode_report("32b-scaled", model, "v5e:4x4", tensor=2, rows=8, cache_size=256,
+                             chunk=8)
+  assert report.host_devices == 4 and report.mesh == {"data": 1, "fsdp": 2, "tensor": 2}
+  # K and V: layers x rows x cache x kv heads x head dim, bf16, split over the host's 4 devices
+  kv = 2 * 2 * 8 * 256 * model.num_kv_heads * model.head_dim * 2
+  assert report.cache_bytes == kv // 4
+  assert report.argument_bytes >= report.param_bytes + report.cache_bytes and report.fits
+  assert report.step_seconds > 0 and "KV cache 256 tokens" in report.format()
