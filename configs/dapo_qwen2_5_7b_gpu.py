@@ -1,0 +1,22 @@
+"""DAPO of a Qwen2.5-7B AFM on one node of 8 GPUs: configs/dapo_qwen2_5_7b.py with FSDP x 2-way
+tensor parallelism over the node and cuDNN's fused attention. Each node decodes its share of
+the rollouts on its own GPUs; on several nodes run it with COA_JAX_DISTRIBUTED=auto."""
+
+import ml_collections
+
+from configs import common, dapo_qwen2_5_7b
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = dapo_qwen2_5_7b.get_config()
+  config.model = common.model("qwen2_5_7b", dtype="bfloat16", param_dtype="float32",
+                              remat="full", attention_impl="cudnn")
+  config.model.checkpoint = "/ckpt/afm-sft-qwen2.5-7b"
+  config.mesh = common.mesh(data=1, fsdp=-1, tensor=2)
+  config.batch_size = 128  # decode rows per node
+  config.rl.update(batch_groups=128, prompts_per_round=128, mini_batch_groups=16,
+                   micro_batches=8)
+  config.checkpoint.directory = "runs/dapo_qwen2_5_7b_gpu/checkpoints"
+  config.workdir = "runs/dapo_qwen2_5_7b_gpu"
+  config.export_dir = "runs/dapo_qwen2_5_7b_gpu/hf_export"
+  return config

@@ -1,0 +1,36 @@
+"""Every shipped config loads, and the real (pod and GPU-node) ones split their batches over
+their meshes."""
+
+import importlib
+import os
+
+import pytest
+
+from coa_jax import hardware, sharding
+from coa_jax.model import build_config
+
+NAMES = sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(__file__), "..",
+                                                       "configs"))
+               if f.endswith(".py") and f not in ("__init__.py", "common.py"))
+REAL = [n for n in NAMES if "qwen" in n]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_config_loads(name):
+  config = importlib.import_module(f"configs.{name}").get_config()
+  if "model" in config:
+    build_config(config.model)
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_config_batches_split_over_its_mesh(name):
+  config = importlib.import_module(f"configs.{name}").get_config()
+  devices = 8 if name.endswith("_gpu") else hardware.chips_in_topology(config.topology)
+  data, fsdp, _ = sharding.MeshConfig(**config.mesh).resolve(devices)
+  if "rl" in config:
+    rows, micro = config.rl.mini_batch_groups * config.rollout.group_size, config.rl.micro_batches
+  else:
+    rows, micro = config.batch_size, config.train.micro_batches
+  assert rows % micro == 0 and (rows // micro) % (data * fsdp) == 0
+  if name.endswith("_gpu"):
+    assert config.model.attention_impl == "cudnn"
