@@ -38,6 +38,7 @@ def load_model(config: Any, tokenizer, mesh) -> tuple[ModelConfig, Any]:
   """Returns (model config, params) from the HF folder config.model.checkpoint, or (model
   config, None) for a fresh model built from config.model; the vocabulary covers the
   tokenizer's."""
+  sharding.check_attention(config.model.get("attention_impl", "xla"), mesh)
   if config.model.get("checkpoint"):
     overrides = {k: v for k, v in config.model.items() if k not in ("preset", "checkpoint")}
     return hf_checkpoint.load_checkpoint(config.model.checkpoint, mesh,

@@ -84,8 +84,19 @@ def make_mesh(config: MeshConfig | Sequence[int] = MeshConfig(),
                        devices=devices)
 
 
+def check_attention(attention_impl: str, mesh: Mesh) -> None:
+  """Raises ConfigError when cuDNN attention is chosen for a mesh of other devices than GPUs
+  (checked before a checkpoint loads, not deep in the first trace)."""
+  platform = mesh.devices.flat[0].platform
+  if attention_impl == "cudnn" and platform != "gpu":
+    raise ConfigError(f"attention_impl='cudnn' needs a GPU backend, but the mesh is on "
+                      f"{platform!r} devices; use attention_impl='xla' or 'blockwise'")
+
+
 def check_model_fits_mesh(config: ModelConfig, mesh: Mesh) -> None:
-  """Raises ConfigError when a model dimension cannot be split evenly over its mesh axis."""
+  """Raises ConfigError when a model dimension cannot be split evenly over its mesh axis, or
+  when the model needs another kind of device than the mesh's (see check_attention)."""
+  check_attention(config.attention_impl, mesh)
   tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
   for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
     if getattr(config, name) % tensor:

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from coa_jax import hardware, sharding
-from coa_jax.model import build_config
+from coa_jax import hardware, sharding, sft
+from coa_jax.model import ConfigError, build_config
 
 NAMES = sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(__file__), "..",
                                                        "configs"))
@@ -34,3 +34,10 @@ def test_real_config_batches_split_over_its_mesh(name):
   assert rows % micro == 0 and (rows // micro) % (data * fsdp) == 0
   if name.endswith("_gpu"):
     assert config.model.attention_impl == "cudnn"
+
+
+def test_a_gpu_preset_on_cpu_fails_before_the_checkpoint_loads():
+  config = importlib.import_module("configs.sft_qwen2_5_7b_gpu").get_config()
+  mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
+  with pytest.raises(ConfigError, match="'cudnn' needs a GPU backend, but the mesh is on 'cpu'"):
+    sft.load_model(config, None, mesh)  # the checkpoint folder would be read next
