@@ -4,8 +4,8 @@ Saves are asynchronous and keep the newest `max_to_keep`; `restore_latest` resum
 newest complete checkpoint with every array placed in its sharding. A save cut short (a killed
 process) never becomes a step: orbax writes into a temporary folder and renames it when done.
 A step that is there but cannot be read (corrupted files) is moved aside to
-`<step>.corrupt-<time>` with a warning, and the previous one is used. A SIGTERM (TPU VM preemption) only sets a flag:
-the training loop sees it, saves, and exits cleanly.
+`<step>.corrupt-<time>` with a warning, and the previous one is used. A SIGTERM (TPU VM
+preemption) only sets a flag: the training loop sees it, saves, and exits cleanly.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 `run(config)` writes `records.jsonl` (one RolloutRecord per sample, token in, token out),
 `transcripts.txt` (the first few samples as readable text) and `summary.json` under
 config.output_dir, printing progress with rate and ETA. On several hosts, each decodes its share
-of the tasks on its own devices and writes `records-<host>.jsonl`; the summary covers all. `interactive(config)` reads
-questions from stdin and streams each step of the agent as it is decoded.
+of the tasks on its own devices and writes `records-<host>.jsonl`; the summary covers all.
+`interactive(config)` reads questions from stdin and streams each step of the agent as it is
+decoded.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Two JAX processes with 4 fake CPU devices each form one global 8-device mesh (gloo
 collectives, a 127.0.0.1 coordinator). In it: SFT where each process reads only its own data
 shard, an orbax checkpoint written by both and restored by both, a DAPO step whose rollouts
-each host decodes on its own devices with its own tools, and an evaluation split over hosts. Everything equals one process with 8
-devices. The processes run under a deadline: if one dies or hangs, all are killed and the test
-fails with their logs."""
+each host decodes on its own devices with its own tools, and an evaluation split over hosts.
+Everything equals one process with 8 devices. The processes run under a deadline: if one dies
+or hangs, all are killed and the test fails with their logs."""
 
 import json
 import os
