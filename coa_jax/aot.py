@@ -245,8 +245,7 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
   params = jax.tree_util.tree_map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       flax_unbox(state_lib.abstract_params(model)), state_lib.param_shardings(model, mesh))
-  state = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                 jax.eval_shape(sampler.init_state), sampler.state_shardings())
+  state = sampler.abstract_state()
   key = jax.eval_shape(lambda: jax.random.key(0))
   start = time.perf_counter()
   compiled = sampler.decode_chunk.lower(params, state, key).compile()

@@ -154,14 +154,21 @@ class Sampler:
     cache = KVCache(spec(CACHE_LBSKH), spec(CACHE_LBSKH), row)
     return DecodeState(cache, row, row, row, row)
 
-  def init_state(self) -> DecodeState:
-    """Returns an empty state (every row inactive), laid out on the mesh."""
+  def abstract_state(self) -> DecodeState:
+    """Returns the state's shapes, dtypes and shardings (ShapeDtypeStructs)."""
     cfg, b, s = self.config, self.batch_size, self.cache_size
     shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
-    rows = lambda dtype=np.int32: np.zeros((b,), dtype)  # a fresh buffer each: all are donated
-    cache = KVCache(np.zeros(shape, self.cache_dtype), np.zeros(shape, self.cache_dtype), rows())
-    state = DecodeState(cache, rows(), rows(bool), rows(), rows())
-    return jax.device_put(state, self.state_shardings())
+    kv = jax.ShapeDtypeStruct(shape, self.cache_dtype)
+    row, flag = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_)
+    return jax.tree.map(lambda x, sharding: x.update(sharding=sharding),
+                        DecodeState(KVCache(kv, kv, row), row, flag, row, row),
+                        self.state_shardings())
+
+  def init_state(self) -> DecodeState:
+    """Returns an empty state (every row inactive), created in place on the mesh (a fresh
+    buffer per array: they are all donated)."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding),
+                        self.abstract_state())
 
   # --- jitted steps ----------------------------------------------------------------------
 

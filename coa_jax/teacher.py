@@ -32,18 +32,6 @@ from tools_env.remote import ChatClient
 
 _RESULT_RE = re.compile(r"^\d+\. \[(.+?)\]\((\S+?)\)", re.MULTILINE)
 _NUMBER_RE = re.compile(r"-?\d+")
-_NOUNS = {"population": "population", "founded": "founding year", "born": "birth year",
-          "employees": "number of employees", "country": "country", "mayor": "mayor",
-          "birthplace": "birthplace", "employer": "employer", "headquarters": "headquarters",
-          "ceo": "CEO"}
-# Where each attribute sits on an entity's page (see world.Entity.page).
-_FACT_RE = {
-    "population": r"has a population of (\d+)", "founded": r"founded in (\d+)",
-    "born": r"was born in (\d+)", "employees": r" has (\d+) employees",
-    "country": r"is a city in ([A-Z]\w+)", "mayor": r"The mayor of .+? is ([A-Z]\w+ [A-Z]\w+)\.",
-    "birthplace": r"was born in \d+ in ([A-Z]\w+)\.", "employer": r"works for ([A-Z]\w+ \w+)\.",
-    "headquarters": r"headquartered in ([A-Z]\w+)\.", "ceo": r"The CEO of .+? is ([A-Z]\w+ \w+)\.",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +195,7 @@ class _Run:
       self.conclude(str(value), self.compute_check)
       return
     subjects = [plan["name"]] + [f"the result of step {i}" for i in range(1, len(plan["path"]))]
-    steps = [f"{i}. Find the {_NOUNS[attr]} of {subject}." for i, (attr, subject) in
+    steps = [f"{i}. Find the {world_lib.NOUNS[attr]} of {subject}." for i, (attr, subject) in
              enumerate(zip(plan["path"], subjects), 1)]
     if plan["multiplier"]:
       steps.append(f"{len(steps) + 1}. Multiply it by {plan['multiplier']} with code.")
@@ -218,7 +206,7 @@ class _Run:
       page = self.page_of(name, attr)
       final = position == len(plan["path"]) - 1
       value = self.read(page, attr, misread=final and self._chance(self.config.misread_rate))
-      self.act("thinker", "think", f"The page of {name} gives the {_NOUNS[attr]}: {value}.")
+      self.act("thinker", "think", f"The page of {name} gives the {world_lib.NOUNS[attr]}: {value}.")
       name = value
     answer = name
     if plan["multiplier"]:
@@ -232,7 +220,7 @@ class _Run:
     if name in self.pages:
       self.act("thinker", "think", f"The page of {name} was already read above.")
       return self.pages[name]
-    asking = f"{_NOUNS[attr]} of "
+    asking = f"{world_lib.NOUNS[attr]} of "
     query = exact = asking + name
     if self._chance(self.config.vague_query_rate):
       query = asking + " ".join(word[:-1] for word in name.split())
@@ -253,7 +241,7 @@ class _Run:
     return self.pages[name]
 
   def read(self, page: str, attr: str, misread: bool = False) -> str:
-    found = re.search(_FACT_RE[attr], page)
+    found = re.search(rf"^{re.escape(world_lib.NOUNS[attr])}: (.+)$", page, re.MULTILINE)
     if not found:
       raise TeacherError(f"the page does not give the {attr}: {page[:200]!r}")
     value = found.group(1)

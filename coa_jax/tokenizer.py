@@ -9,6 +9,12 @@ Two sources: `from_hf_folder` (any local HF tokenizer folder, e.g. a Qwen2.5 che
 with the chat template the reference release uses) and `default_tokenizer` (a byte-level BPE
 that the project trains itself, deterministically and offline, on its shipped sample and an
 embedded world's pages).
+
+The default tokenizer splits numbers into chunks of 1-2 digits, each one token, with the space
+before a number a token of its own: "709" is `70 9` wherever it stands (after a space, at the
+start of a line, after a bracket). A number then has the same tokens in a question, in code and
+in a tool's output, and a small model learns to copy it; with plain BPE merges the same number
+splits differently by context, and 3-digit chunks are tokens too rare to learn.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import functools
 import os
 
 import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
 from coa_jax import coa_format, sample_data, world
 
@@ -122,13 +128,16 @@ def _corpus() -> list[str]:
   kb = world.World(world.WorldConfig(seed=1234, train_tasks=400, heldout_tasks=0))
   texts.extend(f"Page: {page['url']}\n{page['title']}\n\n{page['text']}" for page in kb.corpus())
   texts.extend(task["question"] for task in kb.tasks["train"])
+  texts.extend([" ".join(str(i) for i in range(100))] * 100)  # every 1-2 digit chunk a token
   return texts
 
 
 @functools.lru_cache(maxsize=None)
 def _default_backend_json(vocab_size: int) -> str:
   backend = tokenizers.Tokenizer(models.BPE())
-  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(r"\d{1,2}"), "isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False)])
   backend.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
       vocab_size=vocab_size, show_progress=False,

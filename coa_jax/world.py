@@ -5,7 +5,9 @@ pretrained weights.
 The knowledge base has cities, people and companies with numeric or named attributes and
 links between them (a person's birthplace and employer, a company's headquarters and CEO, a
 city's mayor). Each entity is one page of the corpus, served by the embedded search (whose
-short snippets rarely hold the fact) and crawl tools. Task families:
+short snippets rarely hold the fact) and crawl tools: a line of prose, then an infobox of
+`field: value` lines named as questions and plans name them ("employer: Company 5492"). Task
+families:
 
 - `lookup`: a fact 1-3 hops away ("What is the population of the city where the CEO of
   Norvale Works was born?");
@@ -13,8 +15,9 @@ short snippets rarely hold the fact) and crawl tools. Task families:
 - `mixed`: facts looked up, then computed with.
 
 The train and held-out splits are two disjoint sets of entities (links stay inside a split),
-so held-out answers can only come from the tools. Difficulty: the hop mix, the family mix and
-the operands' digits.
+so held-out answers can only come from the tools. Difficulty: the hop mix, the family mix, the
+operands' digits, and the names: made-up words ("Druthae Holdings"), or a kind and a number
+("Company 4172"), which a small model copies from page to query as easily as any number.
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ QUESTIONS = {
     ("company", "ceo"): "Who is the CEO of {x}?",
     ("city", "mayor"): "Who is the mayor of {x}?",
 }
+# How pages, plans and notes name each attribute.
+NOUNS = {"population": "population", "founded": "founding year", "born": "birth year",
+         "employees": "number of employees", "country": "country", "mayor": "mayor",
+         "birthplace": "birthplace", "employer": "employer", "headquarters": "headquarters",
+         "ceo": "CEO"}
+# The infobox fields of each kind's page, in order.
+FIELDS = {"city": ("country", "founded", "population", "mayor"),
+          "person": ("born", "birthplace", "employer"),
+          "company": ("founded", "headquarters", "ceo", "employees")}
 NUMERIC = {("city", "population"), ("city", "founded"), ("person", "born"),
            ("company", "founded"), ("company", "employees")}
 # How each numeric attribute is named inside a mixed question ("the population of {x}").
@@ -92,6 +104,7 @@ class WorldConfig:
   hops: tuple[float, ...] = (0.4, 0.4, 0.2)  # chance of 1, 2, 3 hops in lookup tasks
   digits: int = 3  # digits of the arithmetic operands
   search_results: int = 3  # results per search (1: the agent must find the page in one try)
+  names: str = "words"  # "words" (made-up words) or "numbers" (a kind and a 4-digit number)
 
   def __post_init__(self):
     names = {name for name, _ in self.families}
@@ -102,6 +115,11 @@ class WorldConfig:
       raise ValueError(f"world.families weights must be >= 0 and not all 0: {self.families}")
     if not 1 <= len(self.hops) <= 3 or any(w < 0 for w in self.hops) or sum(self.hops) <= 0:
       raise ValueError(f"world.hops must give 1-3 non-negative weights, got {self.hops}")
+    if self.names not in ("words", "numbers"):
+      raise ValueError(f"world.names={self.names!r}: expected 'words' or 'numbers'")
+    if self.names == "numbers" and 6 * self.entities > 9000:
+      raise ValueError(f"world.names='numbers' has 9000 numbers for {6 * self.entities} "
+                       f"entities; use at most 1500 entities per kind")
     if (self.entities < 2 or self.digits < 1 or self.search_results < 1 or
         min(self.train_tasks, self.heldout_tasks) < 0):
       raise ValueError("world.entities must be >= 2, world.digits >= 1, "
@@ -126,18 +144,13 @@ class Entity:
     return URL.format(kind=self.kind, slug=self.slug)
 
   def page(self) -> str:
-    """Returns the entity's page text: one sentence per fact."""
-    a, n = self.attrs, self.name
-    if self.kind == "city":
-      return (f"{n} is a city in {a['country']}. It was founded in {a['founded']}. {n} has a "
-              f"population of {a['population']}. The mayor of {n} is {a['mayor']}.")
+    """Returns the entity's page text: a line of prose, then one `field: value` line per fact."""
     if self.kind == "person":
-      article = "an" if a["profession"][0] in "aeiou" else "a"
-      return (f"{n} is {article} {a['profession']}. {n} was born in {a['born']} in "
-              f"{a['birthplace']}. {n} works for {a['employer']}.")
-    return (f"{n} is a company founded in {a['founded']}. It is headquartered in "
-            f"{a['headquarters']}. The CEO of {n} is {a['ceo']}. {n} has {a['employees']} "
-            f"employees.")
+      profession = self.attrs["profession"]
+      intro = f"{self.name} is {'an' if profession[0] in 'aeiou' else 'a'} {profession}."
+    else:
+      intro = f"{self.name} is a {self.kind}."
+    return "\n".join([intro] + [f"{NOUNS[f]}: {self.attrs[f]}" for f in FIELDS[self.kind]])
 
 
 class World:
@@ -169,14 +182,20 @@ class World:
         self._used.add(name)
         return name
 
+  def _name(self, kind: str) -> str:
+    if self.config.names == "numbers":  # a number names one entity only, of any kind
+      return f"{kind.capitalize()} {self._unique(lambda: str(self.rng.integers(1000, 10_000)))}"
+    if kind == "city":
+      return self._word(2)
+    if kind == "person":
+      return f"{self._word(2)} {self._word(2)}"
+    return f"{self._word(2)} {self.rng.choice(_COMPANY_SUFFIXES)}"
+
   def _populate(self, split: str) -> None:
     count, rng, ents = self.config.entities, self.rng, self.entities[split]
     for _ in range(count):
-      ents["city"].append(Entity("city", self._unique(lambda: self._word(2)), split))
-      ents["person"].append(Entity("person", self._unique(
-          lambda: f"{self._word(2)} {self._word(2)}"), split))
-      ents["company"].append(Entity("company", self._unique(
-          lambda: f"{self._word(2)} {rng.choice(_COMPANY_SUFFIXES)}"), split))
+      for kind in KINDS:
+        ents[kind].append(Entity(kind, self._unique(lambda: self._name(kind)), split))
     pick = lambda kind: ents[kind][rng.integers(count)].name
     for (kind, attr), (low, high) in _RANGES.items():
       for entity in ents[kind]:

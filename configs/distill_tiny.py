@@ -12,7 +12,7 @@ def get_config() -> ml_collections.ConfigDict:
       # Many entities, each in few tasks: a model cannot memorize the facts, it must read them.
       seed=0, entities=300, train_tasks=4000, heldout_tasks=200,
       families=(("lookup", 0.35), ("arithmetic", 0.4), ("mixed", 0.25)),
-      hops=(0.7, 0.2, 0.1), digits=2, search_results=1))
+      hops=(0.7, 0.2, 0.1), digits=2, search_results=1, names="numbers"))
   # coa_jax.teacher.TeacherConfig: how often the scripted teacher errs.
   config.teacher = ml_collections.ConfigDict(dict(
       seed=0, vague_query_rate=0.1, misread_rate=0.1, skip_verify_rate=0.1))

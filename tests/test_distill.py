@@ -44,6 +44,13 @@ def test_world_is_deterministic_and_its_splits_are_disjoint(world_and_tools):
     assert "expression" in plan or plan["name"] in names["heldout"]
 
 
+def test_numbered_names_are_a_kind_and_a_number_used_once():
+  world = World(dataclasses.replace(CONFIG, names="numbers", entities=300))
+  numbers = [e.name.split()[1] for e in world.by_name.values()]
+  assert len(numbers) == len(set(numbers)) == 1800
+  assert {e.name.split()[0] for e in world.by_name.values()} == {"City", "Person", "Company"}
+
+
 @pytest.mark.parametrize("question,plan", [
     ("Question: What is 12 * 34 - 5?", {"expression": "12 * 34 - 5"}),
     ("Question: Who is the CEO of Norvale Works?",
@@ -57,15 +64,14 @@ def test_questions_are_read_into_plans(question, plan):
   assert read_question(question) == plan
 
 
-@pytest.mark.parametrize("search_results", [3, 1])
-def test_teacher_answers_every_task_through_real_tool_calls(world_and_tools, search_results,
-                                                            tmp_path):
+@pytest.mark.parametrize("variant", [{}, {"search_results": 1}, {"names": "numbers"}])
+def test_teacher_answers_every_task_through_real_tool_calls(world_and_tools, variant, tmp_path):
   world, tools = world_and_tools
-  if search_results != 3:  # the same world, its search returning fewer results
-    world = World(dataclasses.replace(CONFIG, search_results=search_results))
+  if variant:  # the world with fewer search results, or with numbered names
+    world = World(dataclasses.replace(CONFIG, **variant))
     with open(world.write(str(tmp_path))["tools"]) as f:
       tools = registry.build_registry(json.load(f))
-    assert tools.tools["web_search"].top_k == search_results
+    assert tools.tools["web_search"].top_k == world.config.search_results
   teacher = ScriptedTeacher(tools, TeacherConfig(vague_query_rate=0, misread_rate=0,
                                                  skip_verify_rate=0))
   for task in world.tasks["train"][:20]:

@@ -67,3 +67,12 @@ def test_the_embedded_world_tokenizes_compactly(tok):
   # About 0.8 tokens per character for a BPE trained on the shipped sample alone.
   assert sum(len(tok.encode(n)) for n in names) / sum(len(n) for n in names) < 0.6
   assert len(tok.encode("https://kb.world/person/")) <= 8
+
+
+def test_a_number_has_the_same_tokens_in_every_context(tok):
+  assert all(len(tok.encode(str(i))) == 1 for i in range(100))  # 1-2 digit chunks
+  number = tok.encode("4172")
+  assert [tok.decode([i]) for i in number] == ["41", "72"]
+  for text in (" 4172", "(4172)", "\n4172\n", "result = 4172 * 3", "Company 4172."):
+    ids = tok.encode(text)
+    assert any(ids[i:i + 2] == number for i in range(len(ids))), text
