@@ -216,7 +216,9 @@ def host_mesh(mesh: Mesh) -> Mesh:
   if jax.process_count() == 1:
     return mesh
   local = _host_devices(mesh)[jax.process_index()]
-  return make_mesh(_host_shape(mesh, len(local)), local)
+  # Built like to_host_mesh's replicas (no device reordering), so shards land where they belong.
+  return Mesh(np.array(local, dtype=object).reshape(_host_shape(mesh, len(local))), MESH_AXES,
+              axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def to_host_mesh(tree: Any, mesh: Mesh, host: Mesh, shardings: Any) -> Any:
@@ -227,7 +229,8 @@ def to_host_mesh(tree: Any, mesh: Mesh, host: Mesh, shardings: Any) -> Any:
     return jax.device_put(tree, shardings)
   hosts = _host_devices(mesh)
   shape = (len(hosts),) + _host_shape(mesh, len(hosts[0]))
-  replicas = Mesh(np.array(hosts, dtype=object).reshape(shape), ("host",) + MESH_AXES)
+  replicas = Mesh(np.array(hosts, dtype=object).reshape(shape), ("host",) + MESH_AXES,
+                  axis_types=(AxisType.Auto,) * (1 + len(MESH_AXES)))
   gathered = jax.jit(lambda t: t, out_shardings=jax.tree_util.tree_map(
       lambda s: NamedSharding(replicas, s.spec), shardings))(tree)
 

@@ -32,6 +32,15 @@ from tools_env.remote import ChatClient
 
 _RESULT_RE = re.compile(r"^\d+\. \[(.+?)\]\((\S+?)\)", re.MULTILINE)
 _NUMBER_RE = re.compile(r"-?\d+")
+# Where each attribute sits on an entity's page (see world.Entity.page). Names hold no period:
+# a linked entity's name runs to the end of its sentence.
+_FACT_RE = {
+    "population": r"has a population of (\d+)", "founded": r"founded in (\d+)",
+    "born": r"was born in (\d+)", "employees": r" has (\d+) employees",
+    "country": r"is a city in (.+?)\.", "mayor": r"The mayor of .+? is (.+?)\.",
+    "birthplace": r"was born in \d+ in (.+?)\.", "employer": r"works for (.+?)\.",
+    "headquarters": r"headquartered in (.+?)\.", "ceo": r"The CEO of .+? is (.+?)\.",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +250,7 @@ class _Run:
     return self.pages[name]
 
   def read(self, page: str, attr: str, misread: bool = False) -> str:
-    found = re.search(rf"^{re.escape(world_lib.NOUNS[attr])}: (.+)$", page, re.MULTILINE)
+    found = re.search(_FACT_RE[attr], page)
     if not found:
       raise TeacherError(f"the page does not give the {attr}: {page[:200]!r}")
     value = found.group(1)

@@ -5,9 +5,7 @@ pretrained weights.
 The knowledge base has cities, people and companies with numeric or named attributes and
 links between them (a person's birthplace and employer, a company's headquarters and CEO, a
 city's mayor). Each entity is one page of the corpus, served by the embedded search (whose
-short snippets rarely hold the fact) and crawl tools: a line of prose, then an infobox of
-`field: value` lines named as questions and plans name them ("employer: Company 5492"). Task
-families:
+short snippets rarely hold the fact) and crawl tools, one sentence per fact. Task families:
 
 - `lookup`: a fact 1-3 hops away ("What is the population of the city where the CEO of
   Norvale Works was born?");
@@ -59,15 +57,11 @@ QUESTIONS = {
     ("company", "ceo"): "Who is the CEO of {x}?",
     ("city", "mayor"): "Who is the mayor of {x}?",
 }
-# How pages, plans and notes name each attribute.
+# How plans, queries and notes name each attribute.
 NOUNS = {"population": "population", "founded": "founding year", "born": "birth year",
          "employees": "number of employees", "country": "country", "mayor": "mayor",
          "birthplace": "birthplace", "employer": "employer", "headquarters": "headquarters",
          "ceo": "CEO"}
-# The infobox fields of each kind's page, in order.
-FIELDS = {"city": ("country", "founded", "population", "mayor"),
-          "person": ("born", "birthplace", "employer"),
-          "company": ("founded", "headquarters", "ceo", "employees")}
 NUMERIC = {("city", "population"), ("city", "founded"), ("person", "born"),
            ("company", "founded"), ("company", "employees")}
 # How each numeric attribute is named inside a mixed question ("the population of {x}").
@@ -144,13 +138,18 @@ class Entity:
     return URL.format(kind=self.kind, slug=self.slug)
 
   def page(self) -> str:
-    """Returns the entity's page text: a line of prose, then one `field: value` line per fact."""
+    """Returns the entity's page text: one sentence per fact."""
+    a, n = self.attrs, self.name
+    if self.kind == "city":
+      return (f"{n} is a city in {a['country']}. It was founded in {a['founded']}. {n} has a "
+              f"population of {a['population']}. The mayor of {n} is {a['mayor']}.")
     if self.kind == "person":
-      profession = self.attrs["profession"]
-      intro = f"{self.name} is {'an' if profession[0] in 'aeiou' else 'a'} {profession}."
-    else:
-      intro = f"{self.name} is a {self.kind}."
-    return "\n".join([intro] + [f"{NOUNS[f]}: {self.attrs[f]}" for f in FIELDS[self.kind]])
+      article = "an" if a["profession"][0] in "aeiou" else "a"
+      return (f"{n} is {article} {a['profession']}. {n} was born in {a['born']} in "
+              f"{a['birthplace']}. {n} works for {a['employer']}.")
+    return (f"{n} is a company founded in {a['founded']}. It is headquartered in "
+            f"{a['headquarters']}. The CEO of {n} is {a['ceo']}. {n} has {a['employees']} "
+            f"employees.")
 
 
 class World:
