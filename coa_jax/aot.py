@@ -13,6 +13,7 @@ Needs libtpu (the `tpu` extra). The report combines three sources, each labelled
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Any
 
@@ -233,7 +234,9 @@ class DecodeReport:
 def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, rows: int,
                   cache_size: int, chunk: int) -> DecodeReport:
   """Compiles the rollout's decode chunk as one host of `topology` runs it (its devices, the
-  `tensor` axis within the host, `rows` rows) and returns what the compiler found."""
+  `tensor` axis within the host, `rows` rows) and returns what the compiler found. When the
+  compiler refuses the program for lack of HBM, the report carries the temporaries it asked
+  for and does not fit."""
   devices = topology_devices(topology)
   local = [d for d in devices if d.process_index == devices[0].process_index]
   if len(local) % tensor:
@@ -247,18 +250,25 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
       flax_unbox(state_lib.abstract_params(model)), state_lib.param_shardings(model, mesh))
   state = sampler.abstract_state()
   key = jax.eval_shape(lambda: jax.random.key(0))
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
   start = time.perf_counter()
-  compiled = sampler.decode_chunk.lower(params, state, key).compile()
+  try:
+    memory = sampler.decode_chunk.lower(params, state, key).compile().memory_analysis()
+    arguments, temporaries = memory.argument_size_in_bytes, memory.temp_size_in_bytes
+  except jax.errors.JaxRuntimeError as e:  # the compiler refuses a program that cannot fit
+    needed = re.search(r"HLO temporaries \(([\d.]+)G\)", str(e))
+    if "RESOURCE_EXHAUSTED" not in str(e) or not needed:
+      raise
+    arguments = (nbytes(params) + nbytes(state)) // len(local)
+    temporaries = int(float(needed.group(1)) * hardware.GIB)
   seconds = time.perf_counter() - start
-  memory = compiled.memory_analysis()
   chip = hardware.chip_for(local[0].device_kind)
   per_chip = len(devices) / hardware.chips_in_topology(topology)
-  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
   return DecodeReport(
       model=name, topology=topology, device_kind=local[0].device_kind,
       host_devices=len(local), mesh=dict(mesh.shape), rows=rows, cache_size=cache_size,
-      chunk=chunk, compile_seconds=seconds, argument_bytes=memory.argument_size_in_bytes,
-      temp_bytes=memory.temp_size_in_bytes, hbm_bytes=int(chip.hbm_bytes / per_chip),
+      chunk=chunk, compile_seconds=seconds, argument_bytes=arguments, temp_bytes=temporaries,
+      hbm_bytes=int(chip.hbm_bytes / per_chip),
       param_bytes=nbytes(params) // len(local),
       cache_bytes=nbytes((state.cache.k_LxBxSxKxH, state.cache.v_LxBxSxKxH)) // len(local),
       step_flops=flops.decode_flops(config, rows, cache_size),
