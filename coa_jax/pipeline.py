@@ -94,7 +94,7 @@ def stage_configs(config: Any) -> dict[str, ml_collections.ConfigDict]:
   dapo_config.rollout = ml_collections.ConfigDict(dict(config.rollout))
   dapo_config.rollout.group_size = config.dapo.group_size
   dapo_config.tools = tools
-  dapo_config.rewards.format_penalty = 0.0
+  dapo_config.rewards.format_penalty = config.dapo.get("format_penalty", 0.0)
   dapo_config.rl = common.rl(**dict(config.dapo.rl))
   dapo_config.optimizer = common.optimizer(learning_rate=config.dapo.learning_rate,
                                            schedule="constant", weight_decay=0.0)

@@ -33,6 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval = ml_collections.ConfigDict(dict(k=3, max_tasks=60, batch_size=60))
   config.dapo = ml_collections.ConfigDict(dict(
       batch_size=32, group_size=4, learning_rate=3e-4,
+      format_penalty=0.5,  # subtracted from a malformed sample's reward
       # Groups whose samples all fail or all succeed carry no gradient; dynamic sampling would
       # skip them but, with the SFT model solving about 1 task in 10, costs 3-5 rounds a step.
       rl=dict(steps=20, batch_groups=8, prompts_per_round=8, max_rounds=1, mini_batch_groups=4,
