@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax.linen import unbox as flax_unbox
 
 from coa_jax import flops, hardware, sharding
 from coa_jax.losses.dapo import PolicyLossConfig
@@ -244,10 +243,7 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
   mesh = sharding.make_mesh((1, len(local) // tensor, tensor), devices=local)
   sampler = Sampler(config, mesh, batch_size=rows, cache_size=cache_size, chunk=chunk,
                     stop_ids=(0,), sampling=SamplingConfig(temperature=1.0))
-  model = Transformer(config)
-  params = jax.tree_util.tree_map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      flax_unbox(state_lib.abstract_params(model)), state_lib.param_shardings(model, mesh))
+  params = state_lib.abstract_placed_params(Transformer(config), mesh)
   state = sampler.abstract_state()
   key = jax.eval_shape(lambda: jax.random.key(0))
   nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))

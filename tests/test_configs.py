@@ -16,10 +16,12 @@ REAL = [n for n in NAMES if "qwen" in n]
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_config_loads(name):
+def test_config_loads_and_its_models_build(name):
   config = importlib.import_module(f"configs.{name}").get_config()
-  if "model" in config:
-    build_config(config.model)
+  models = [config.model] if "model" in config else list(config.get("models", {}).values())
+  assert models or "world" in config
+  for model in models:
+    assert build_config(model).num_params() > 0
 
 
 @pytest.mark.parametrize("name", REAL)

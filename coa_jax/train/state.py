@@ -40,6 +40,12 @@ def param_shardings(model: nn.Module, mesh: Mesh) -> Any:
   return sharding.logical_shardings(abstract_params(model), mesh)
 
 
+def abstract_placed_params(model: nn.Module, mesh: Mesh) -> Any:
+  """Returns the parameters as ShapeDtypeStructs carrying their shardings (for AOT lowering)."""
+  return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                nn.unbox(abstract_params(model)), param_shardings(model, mesh))
+
+
 def init_params(model: nn.Module, mesh: Mesh, rng: jax.Array) -> Any:
   """Returns freshly initialized parameters, created directly in their shardings."""
   shardings = param_shardings(model, mesh)
