@@ -32,15 +32,10 @@ from tools_env.remote import ChatClient
 
 _RESULT_RE = re.compile(r"^\d+\. \[(.+?)\]\((\S+?)\)", re.MULTILINE)
 _NUMBER_RE = re.compile(r"-?\d+")
-# Where each attribute sits on an entity's page (see world.Entity.page). Names hold no period:
-# a linked entity's name runs to the end of its sentence.
-_FACT_RE = {
-    "population": r"has a population of (\d+)", "founded": r"founded in (\d+)",
-    "born": r"was born in (\d+)", "employees": r" has (\d+) employees",
-    "country": r"is a city in (.+?)\.", "mayor": r"The mayor of .+? is (.+?)\.",
-    "birthplace": r"was born in \d+ in (.+?)\.", "employer": r"works for (.+?)\.",
-    "headquarters": r"headquartered in (.+?)\.", "ceo": r"The CEO of .+? is (.+?)\.",
-}
+# The sentence giving each attribute on an entity's page (see world.Entity.page), through its
+# period. Names hold no period: a linked entity's name runs to the end of its sentence.
+_FACT_RE = {attr: rf"The {noun} of .+? is (.+?)\." for attr, noun in world_lib.NOUNS.items()}
+_FACT_RE["country"] = r"is a city in the country of (.+?)\."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +46,9 @@ class TeacherConfig:
   vague_query_rate: float = 0.3  # the first search misspells the entity's name
   misread_rate: float = 0.2  # a number read off a page is wrong; the verifier catches it
   skip_verify_rate: float = 0.1  # the answer is given without a double check
+  # The thinker quotes each fact read off a page. Off, the next step reads the page itself: a
+  # tiny model copies a value right after the page more reliably than through a quote.
+  quote_facts: bool = True
 
   def __post_init__(self):
     for name in ("vague_query_rate", "misread_rate", "skip_verify_rate"):
@@ -214,19 +212,21 @@ class _Run:
     for position, attr in enumerate(plan["path"]):
       page = self.page_of(name, attr)
       final = position == len(plan["path"]) - 1
-      value = self.read(page, attr, misread=final and self._chance(self.config.misread_rate))
-      self.act("thinker", "think", f"The page of {name} gives the {world_lib.NOUNS[attr]}: {value}.")
+      value, sentence = self.read(page, attr,
+                                  misread=final and self._chance(self.config.misread_rate))
+      if self.config.quote_facts:
+        self.act("thinker", "think", f"The page says: {sentence}")
       name = value
     answer = name
     if plan["multiplier"]:
       answer = str(self.compute(f"{name} * {plan['multiplier']}"))
-    truth = lambda: self.read(page, plan["path"][-1])
+    truth = lambda: self.read(page, plan["path"][-1])[0]
     self.conclude(answer, lambda: self.fact_check(page, plan, answer, truth()))
 
   def page_of(self, name: str, attr: str) -> str:
     """Searches for the `attr` of `name` (the name misspelled first, sometimes) and crawls the
-    page of `name`, once per task."""
-    if name in self.pages:
+    page of `name`, unless a crawl already read the fact."""
+    if re.search(_FACT_RE[attr], self.pages.get(name, "")):
       self.act("thinker", "think", f"The page of {name} was already read above.")
       return self.pages[name]
     asking = f"{world_lib.NOUNS[attr]} of "
@@ -249,15 +249,18 @@ class _Run:
     self.pages[name] = crawl.tool_result or ""
     return self.pages[name]
 
-  def read(self, page: str, attr: str, misread: bool = False) -> str:
+  def read(self, page: str, attr: str, misread: bool = False) -> tuple[str, str]:
+    """Returns (the `attr` value on `page`, the page's sentence stating it with that value)."""
     found = re.search(_FACT_RE[attr], page)
     if not found:
       raise TeacherError(f"the page does not give the {attr}: {page[:200]!r}")
     value = found.group(1)
+    start = max(page.rfind(". ", 0, found.start(1)) + 2, page.rfind("\n", 0, found.start(1)) + 1)
     if misread and value.isdigit() and len(value) > 1:
       self.trace.mistakes.append("misread")
-      value = value[:-2] + value[-1] + value[-2] if value[-1] != value[-2] else value + "0"
-    return value
+      wrong = value[:-2] + value[-1] + value[-2] if value[-1] != value[-2] else value + "0"
+      return wrong, page[start:found.start(1)] + wrong + page[found.end(1):found.end()]
+    return value, page[start:found.end()]
 
   def compute(self, expression: str) -> int:
     # The operands follow " = " as they follow a word in the question, so they tokenize alike.
@@ -307,7 +310,7 @@ class _Run:
     plan = self.plan
     page = next(a.tool_result for a in reversed(self.trace.activations)
                 if a.step == "crawl_page")
-    value = self.read(page or "", plan["path"][-1])
+    value = self.read(page or "", plan["path"][-1])[0]
     if plan["multiplier"]:
       return str(self.compute(f"{value} * {plan['multiplier']}"))
     return value

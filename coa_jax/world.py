@@ -4,8 +4,11 @@ pretrained weights.
 
 The knowledge base has cities, people and companies with numeric or named attributes and
 links between them (a person's birthplace and employer, a company's headquarters and CEO, a
-city's mayor). Each entity is one page of the corpus, served by the embedded search (whose
-short snippets rarely hold the fact) and crawl tools, one sentence per fact. Task families:
+city's mayor). Each entity is one page of the corpus, one sentence per fact ("The founding year
+of City 5230 is 1773."), served by the embedded search (whose short snippets rarely hold the
+fact) and crawl tools. The crawl keeps the sentences sharing the most words with the agent's
+last query (`tools_env.search.focus`), as the reference's crawl condenses a page toward the
+goal. Task families:
 
 - `lookup`: a fact 1-3 hops away ("What is the population of the city where the CEO of
   Norvale Works was born?");
@@ -138,18 +141,21 @@ class Entity:
     return URL.format(kind=self.kind, slug=self.slug)
 
   def page(self) -> str:
-    """Returns the entity's page text: one sentence per fact."""
+    """Returns the entity's page text: one sentence per fact, naming the attribute as plans and
+    queries do (`NOUNS`), so a crawl focused on a query keeps the sentence it asks for."""
     a, n = self.attrs, self.name
+    fact = lambda attr: f"The {NOUNS[attr]} of {n} is {a[attr]}."
     if self.kind == "city":
-      return (f"{n} is a city in {a['country']}. It was founded in {a['founded']}. {n} has a "
-              f"population of {a['population']}. The mayor of {n} is {a['mayor']}.")
-    if self.kind == "person":
+      facts = [f"{n} is a city in the country of {a['country']}."] + [
+          fact(attr) for attr in ("founded", "population", "mayor")]
+    elif self.kind == "person":
       article = "an" if a["profession"][0] in "aeiou" else "a"
-      return (f"{n} is {article} {a['profession']}. {n} was born in {a['born']} in "
-              f"{a['birthplace']}. {n} works for {a['employer']}.")
-    return (f"{n} is a company founded in {a['founded']}. It is headquartered in "
-            f"{a['headquarters']}. The CEO of {n} is {a['ceo']}. {n} has {a['employees']} "
-            f"employees.")
+      facts = [f"{n} is {article} {a['profession']}."] + [
+          fact(attr) for attr in ("born", "birthplace", "employer")]
+    else:
+      facts = [f"{n} is a company."] + [
+          fact(attr) for attr in ("founded", "headquarters", "ceo", "employees")]
+    return " ".join(facts)
 
 
 class World:
@@ -278,7 +284,8 @@ class World:
     search = {"kind": "bm25", "corpus_path": corpus_path, "snippet_chars": snippet_chars,
               "top_k": self.config.search_results}
     return {"web_search": search, "wiki_search": dict(search),
-            "crawl_page": {"kind": "local_crawl", "corpus_path": corpus_path},
+            "crawl_page": {"kind": "local_crawl", "corpus_path": corpus_path,
+                           "focus_on_goal": True},
             "code": {"kind": "sandbox"}}
 
   def write(self, directory: str) -> dict[str, str]:

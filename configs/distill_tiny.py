@@ -15,7 +15,8 @@ def get_config() -> ml_collections.ConfigDict:
       hops=(0.7, 0.2, 0.1), digits=2, search_results=1, names="numbers"))
   # coa_jax.teacher.TeacherConfig: how often the scripted teacher errs.
   config.teacher = ml_collections.ConfigDict(dict(
-      seed=0, vague_query_rate=0.1, misread_rate=0.1, skip_verify_rate=0.1))
+      seed=0, vague_query_rate=0.1, misread_rate=0.1, skip_verify_rate=0.1,
+      quote_facts=False))  # the tiny model copies a fact from the page, not from a quote
   # coa_jax.distill.FilterConfig: the complexity range kept.
   config.filters = ml_collections.ConfigDict(dict(min_tool_calls=1, max_tool_calls=12,
                                                   max_steps=48))

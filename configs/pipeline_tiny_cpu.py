@@ -21,8 +21,9 @@ def get_config() -> ml_collections.ConfigDict:
   distill = distill_tiny.get_config()  # the world, the teacher's error rates, the filters
   config.world, config.teacher, config.filters = distill.world, distill.teacher, distill.filters
   config.model = ml_collections.ConfigDict(dict(
-      preset="tiny", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-      num_kv_heads=2, attention_impl="blockwise"))
+      # 8 heads of 16: the loss falls twice as fast per step as with 4 heads of 32.
+      preset="tiny", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
+      num_kv_heads=8, attention_impl="blockwise"))
   config.sft = ml_collections.ConfigDict(dict(steps=1800, seq_len=1024, batch_size=4,
                                               learning_rate=5e-3, warmup_steps=20))
   config.rollout = ml_collections.ConfigDict(dict(
@@ -32,7 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.sampling = ml_collections.ConfigDict(dict(temperature=0.6, top_k=0, top_p=1.0))
   config.eval = ml_collections.ConfigDict(dict(k=3, max_tasks=60, batch_size=60))
   config.dapo = ml_collections.ConfigDict(dict(
-      batch_size=32, group_size=4, learning_rate=3e-4,
+      batch_size=32, group_size=4, learning_rate=1e-4,
       format_penalty=0.5,  # subtracted from a malformed sample's reward
       # Groups whose samples all fail or all succeed carry no gradient; dynamic sampling would
       # skip them but, with the SFT model solving about 1 task in 10, costs 3-5 rounds a step.

@@ -82,6 +82,26 @@ def test_teacher_answers_every_task_through_real_tool_calls(world_and_tools, var
     assert not trace.mistakes and trace.tokens > 0
 
 
+def test_teacher_reads_focused_pages_and_quotes_them(world_and_tools):
+  world, tools = world_and_tools
+  exact = dict(vague_query_rate=0, misread_rate=0, skip_verify_rate=0)
+  lookups = [t for t in world.tasks["train"] if t["metadata"]["family"] == "lookup"]
+  for quote in (True, False):
+    teacher = ScriptedTeacher(tools, TeacherConfig(**exact, quote_facts=quote))
+    for task in lookups[:8]:
+      acts = teacher.run(task).activations
+      for i, act in enumerate(acts):
+        if act.step == "crawl_page":  # one sentence: the fact the last query asked for
+          query = next(a.tool_call for a in reversed(acts[:i]) if a.step == "web_search")
+          noun, name = query.split(" of ", 1)
+          sentence = act.tool_result.split("\n\n", 1)[1]
+          assert sentence.count(". ") == 0 and noun in sentence and name in sentence
+          if quote:
+            assert acts[i + 1].output.content == f"The page says: {sentence}"
+          else:
+            assert not acts[i + 1].output.content.startswith("The page says")
+
+
 def test_teacher_mistakes_appear_with_their_recoveries(world_and_tools):
   world, tools = world_and_tools
   teacher = ScriptedTeacher(tools, TeacherConfig(vague_query_rate=1, misread_rate=1,

@@ -1,5 +1,7 @@
 """tools_env: the interface never raises, BM25 search and local crawl, per-trajectory state."""
 
+import json
+
 import pytest
 
 from tools_env import base, search
@@ -105,11 +107,35 @@ def test_build_registry_rejects_bad_specs(spec, message):
     build_registry(spec)
 
 
-def test_trajectory_passes_its_goal_to_every_call():
+def test_trajectory_passes_its_goal_to_every_call_then_the_last_query():
   class Echo(base.Tool):
     def _run(self, body, goal):
+      if body == "fail":
+        raise base.ToolFailure(base.NO_RESULTS, "nothing")
       return f"{body} toward {goal}", {}
 
-  session = TrajectoryTools(ToolRegistry({"crawl_page": Echo()}), goal="find the depth")
+  session = TrajectoryTools(ToolRegistry({"crawl_page": Echo(), "web_search": Echo()}),
+                            goal="find the depth")
   assert session.call("crawl_page", "https://x.example").observation == \
       "https://x.example toward find the depth"
+  session.call("web_search", " depth of Lake Zurich ")
+  session.call("web_search", "fail")  # a failed search does not change the goal
+  assert session.call("crawl_page", "https://y.example").observation == \
+      "https://y.example toward depth of Lake Zurich"
+
+
+def test_a_focused_crawl_keeps_the_sentences_sharing_most_words_with_the_goal(tmp_path):
+  text = "Oslo is a city. The founding year of Oslo is 1040. The mayor of Oslo is Anne Lind."
+  assert search.focus(text, "founding year of Oslo") == "The founding year of Oslo is 1040."
+  assert search.focus(text, "the mayor, founding") == \
+      "The founding year of Oslo is 1040. The mayor of Oslo is Anne Lind."  # a tie keeps both
+  assert search.focus(text, "population of Oslo") == text  # no sentence shares a word
+  assert search.focus(text, "") == text
+  corpus = tmp_path / "corpus.jsonl"
+  corpus.write_text(json.dumps({"id": "oslo", "title": "Oslo", "url": "https://x.example/oslo",
+                                "text": text}) + "\n")
+  crawl = search.LocalCrawl(str(corpus), focus_on_goal=True)
+  assert crawl("https://x.example/oslo", goal="mayor of Oslo").observation == \
+      "Page: https://x.example/oslo\nOslo\n\nThe mayor of Oslo is Anne Lind."
+  assert search.LocalCrawl(str(corpus))("https://x.example/oslo", goal="mayor").observation \
+      .endswith(text)

@@ -15,6 +15,7 @@ from typing import Mapping
 from tools_env.base import REPEATED, UNKNOWN_TOOL, Tool, ToolResult, error_result
 
 TOOL_TAGS = ("web_search", "crawl_page", "wiki_search", "code")
+SEARCH_TAGS = ("web_search", "wiki_search")
 
 
 class ToolRegistry:
@@ -36,9 +37,11 @@ class ToolRegistry:
 
 
 class TrajectoryTools:
-  """One trajectory's view of a registry: repeated calls get a notice; calls are counted.
+  """One trajectory's view of a registry: repeated calls get a notice (a crawl toward another
+  goal is not a repeat); calls are counted.
 
-  `goal` (the task's question) is passed to every call, for tools that condense toward it.
+  A goal is passed to every call, for tools that condense toward it: the task's question, and
+  once a search has run, its query (what the agent is looking for now).
   """
 
   def __init__(self, registry: ToolRegistry, goal: str = ""):
@@ -50,7 +53,7 @@ class TrajectoryTools:
 
   def call(self, tag: str, body: str) -> ToolResult:
     """Returns the tool's result, or a REPEATED notice for a call already made."""
-    key = (tag, " ".join(str(body).split()).lower())
+    key = (tag, " ".join(str(body).split()).lower(), self.goal if tag == "crawl_page" else "")
     with self._lock:
       self.calls[tag] += 1
       if key in self._seen:
@@ -58,7 +61,10 @@ class TrajectoryTools:
         return ToolResult(f"Notice: this exact {tag} call was already made in this task; use "
                           f"its earlier result or try something different.", False, REPEATED)
       self._seen.add(key)
-    return self.registry.call(tag, body, self.goal)
+    result = self.registry.call(tag, body, self.goal)
+    if tag in SEARCH_TAGS and result.ok:
+      self.goal = str(body).strip()
+    return result
 
 
 def _build_tool(tag: str, spec: Mapping) -> Tool:

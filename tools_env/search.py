@@ -17,6 +17,7 @@ import abc
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 from tools_env.base import BAD_REQUEST, NO_RESULTS, NOT_FOUND, Tool, ToolFailure
@@ -147,16 +148,42 @@ class Crawl(Tool):
     return "\n\n".join(parts), {"pages": pages, "failed": [u for u in urls if u not in pages]}
 
 
+_STOPWORDS = frozenset("the and for from that this with what which who whom how many much does "
+                       "have has was were are its".split())
+
+
+def _words(text: str) -> set[str]:
+  return set(re.findall(r"[a-z]{3,}", text.lower())) - _STOPWORDS
+
+
+def focus(text: str, goal: str) -> str:
+  """Returns the sentences of `text` that share the most content words with `goal`, in their
+  order (all of them on a tie): an extractive stand-in for a model condensing a page toward the
+  goal. The whole text when no sentence shares a word or there is no goal."""
+  sentences = re.split(r"(?<=\.)\s+", text.strip())
+  wanted = _words(goal)
+  scores = [len(_words(s) & wanted) for s in sentences]
+  if not wanted or max(scores) == 0:
+    return text
+  return " ".join(s for s, score in zip(sentences, scores) if score == max(scores))
+
+
 class LocalCrawl(Crawl):
-  """Serves page text from the local corpus by URL."""
+  """Serves page text from the local corpus by URL; with `focus_on_goal`, only the sentences
+  most relevant to the goal (see `focus`)."""
 
   def __init__(self, corpus_path: str = DEFAULT_CORPUS, max_urls: int = 5,
-               max_page_chars: int = 6000, max_output_chars: int = 12000):
+               max_page_chars: int = 6000, max_output_chars: int = 12000,
+               focus_on_goal: bool = False):
     super().__init__(max_urls, max_page_chars, max_output_chars)
     self.pages = {d["url"]: d for d in load_corpus(corpus_path)}
+    self.focus_on_goal = focus_on_goal
 
   def page(self, url: str, goal: str) -> tuple[str, dict[str, Any]]:
     doc = self.pages.get(url)
     if doc is None:
       raise ToolFailure(NOT_FOUND, f"page not found: {url[:200]}")
-    return f"{doc['title']}\n\n{doc['text'][:self.max_page_chars]}", {"id": doc["id"]}
+    text = doc["text"][:self.max_page_chars]
+    if self.focus_on_goal:
+      text = focus(text, goal)
+    return f"{doc['title']}\n\n{text}", {"id": doc["id"]}
