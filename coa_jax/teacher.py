@@ -32,10 +32,10 @@ from tools_env.remote import ChatClient
 
 _RESULT_RE = re.compile(r"^\d+\. \[(.+?)\]\((\S+?)\)", re.MULTILINE)
 _NUMBER_RE = re.compile(r"-?\d+")
-# The sentence giving each attribute on an entity's page (see world.Entity.page), through its
-# period. Names hold no period: a linked entity's name runs to the end of its sentence.
-_FACT_RE = {attr: rf"The {noun} of .+? is (.+?)\." for attr, noun in world_lib.NOUNS.items()}
-_FACT_RE["country"] = r"is a city in the country of (.+?)\."
+# The sentence giving each attribute on an entity's page (see world.Entity.page), the value its
+# group. Names hold no period: a linked entity's name runs to the end of its sentence.
+_FACT_RE = {attr: rf"The {noun} of [^.]+? is ([^.]+)\." for attr, noun in world_lib.NOUNS.items()}
+_FACT_RE["country"] = r"[^.\n]+ is a city in the country of ([^.]+)\."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,13 +254,12 @@ class _Run:
     found = re.search(_FACT_RE[attr], page)
     if not found:
       raise TeacherError(f"the page does not give the {attr}: {page[:200]!r}")
-    value = found.group(1)
-    start = max(page.rfind(". ", 0, found.start(1)) + 2, page.rfind("\n", 0, found.start(1)) + 1)
+    value, sentence = found.group(1), found.group(0)
     if misread and value.isdigit() and len(value) > 1:
       self.trace.mistakes.append("misread")
       wrong = value[:-2] + value[-1] + value[-2] if value[-1] != value[-2] else value + "0"
-      return wrong, page[start:found.start(1)] + wrong + page[found.end(1):found.end()]
-    return value, page[start:found.end()]
+      return wrong, sentence[:found.start(1) - found.start()] + wrong + "."
+    return value, sentence
 
   def compute(self, expression: str) -> int:
     # The operands follow " = " as they follow a word in the question, so they tokenize alike.
