@@ -65,6 +65,10 @@ NOUNS = {"population": "population", "founded": "founding year", "born": "birth 
          "employees": "number of employees", "country": "country", "mayor": "mayor",
          "birthplace": "birthplace", "employer": "employer", "headquarters": "headquarters",
          "ceo": "CEO"}
+# The facts each kind's page states in "The <noun> of <name> is <value>." sentences, in order
+# (a city's country is in its first sentence).
+FIELDS = {"city": ("founded", "population", "mayor"), "person": ("born", "birthplace", "employer"),
+          "company": ("founded", "headquarters", "ceo", "employees")}
 NUMERIC = {("city", "population"), ("city", "founded"), ("person", "born"),
            ("company", "founded"), ("company", "employees")}
 # How each numeric attribute is named inside a mixed question ("the population of {x}").
@@ -144,18 +148,13 @@ class Entity:
     """Returns the entity's page text: one sentence per fact, naming the attribute as plans and
     queries do (`NOUNS`), so a crawl focused on a query keeps the sentence it asks for."""
     a, n = self.attrs, self.name
-    fact = lambda attr: f"The {NOUNS[attr]} of {n} is {a[attr]}."
     if self.kind == "city":
-      facts = [f"{n} is a city in the country of {a['country']}."] + [
-          fact(attr) for attr in ("founded", "population", "mayor")]
+      intro = f"{n} is a city in the country of {a['country']}."
     elif self.kind == "person":
-      article = "an" if a["profession"][0] in "aeiou" else "a"
-      facts = [f"{n} is {article} {a['profession']}."] + [
-          fact(attr) for attr in ("born", "birthplace", "employer")]
+      intro = f"{n} is {'an' if a['profession'][0] in 'aeiou' else 'a'} {a['profession']}."
     else:
-      facts = [f"{n} is a company."] + [
-          fact(attr) for attr in ("founded", "headquarters", "ceo", "employees")]
-    return " ".join(facts)
+      intro = f"{n} is a company."
+    return " ".join([intro] + [f"The {NOUNS[f]} of {n} is {a[f]}." for f in FIELDS[self.kind]])
 
 
 class World:
