@@ -14,13 +14,17 @@ question's structure from its wording, looks every fact up with the tools and co
 the code tool. It is imperfect on purpose, at configurable rates: a vague (misspelled) first
 query, a misread number that the verifier catches and the reflector corrects, and a skipped
 verification that lets a misread answer through, so traces contain reflection and re-planning
-as real ones do and some are wrong.
+as real ones do and some are wrong. Like a large model, it can also do an arithmetic task in its
+head: right every time for the teacher, a guess for a small student that imitates it, so the
+student's choice between mental arithmetic and the code tool is one that RL can improve.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import operator
 import re
 from typing import Any, Callable
 
@@ -46,12 +50,13 @@ class TeacherConfig:
   vague_query_rate: float = 0.3  # the first search misspells the entity's name
   misread_rate: float = 0.2  # a number read off a page is wrong; the verifier catches it
   skip_verify_rate: float = 0.1  # the answer is given without a double check
+  mental_math_rate: float = 0.0  # an arithmetic task is computed in the head, not with code
   # The thinker quotes each fact read off a page. Off, the next step reads the page itself: a
   # tiny model copies a value right after the page more reliably than through a quote.
   quote_facts: bool = True
 
   def __post_init__(self):
-    for name in ("vague_query_rate", "misread_rate", "skip_verify_rate"):
+    for name in ("vague_query_rate", "misread_rate", "skip_verify_rate", "mental_math_rate"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"teacher.{name} must be in [0, 1], got {getattr(self, name)}")
 
@@ -146,6 +151,23 @@ def read_question(question: str) -> dict[str, Any]:
       return {"name": description, "path": path, "multiplier": multiplier}
 
 
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _evaluate(expression: str) -> int:
+  """Returns the value of an arithmetic question's expression (integers, + - *, parentheses)."""
+  def value(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+      return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+      return _OPERATORS[type(node.op)](value(node.left), value(node.right))
+    raise TeacherError(f"not an arithmetic expression: {expression!r}")
+  try:
+    return value(ast.parse(expression, mode="eval").body)
+  except SyntaxError:
+    raise TeacherError(f"not an arithmetic expression: {expression!r}") from None
+
+
 class ScriptedTeacher:
   """The offline multi-agent policy for the embedded world; `run(task)` returns its Trace."""
 
@@ -196,9 +218,19 @@ class _Run:
   def solve(self) -> None:
     self.plan = plan = read_question(self.trace.question)
     if "expression" in plan:
-      self.act("planner", "plan", f"1. Compute {plan['expression']} with code.\n"
+      expression = plan["expression"]
+      # Drawn only when on, so the other draws (and existing traces) do not depend on it.
+      if self.config.mental_math_rate and self._chance(self.config.mental_math_rate):
+        self.trace.mistakes.append("mental_arithmetic")
+        self.act("planner", "plan", f"1. Compute {expression} in my head.\n"
+                                    f"2. Double-check the result and answer.")
+        value = _evaluate(expression)
+        self.act("thinker", "think", f"{expression} = {value}.")
+        self.conclude(str(value), lambda: (True, "Computed again in my head: the same result."))
+        return
+      self.act("planner", "plan", f"1. Compute {expression} with code.\n"
                                   f"2. Double-check the result and answer.")
-      value = self.compute(plan["expression"])
+      value = self.compute(expression)
       self.conclude(str(value), self.compute_check)
       return
     subjects = [plan["name"]] + [f"the result of step {i}" for i in range(1, len(plan["path"]))]

@@ -12,7 +12,8 @@ from coa_jax import coa_format, sft_tokenize, tokenizer as tokenizer_lib
 from coa_jax.coa_format import Step, Trajectory
 from coa_jax.distill import Distiller, FilterConfig, format_report, to_trajectory
 from coa_jax.sample_data import SYSTEM_PROMPT
-from coa_jax.teacher import ChatTeacher, ScriptedTeacher, TeacherConfig, read_question
+from coa_jax.teacher import (ChatTeacher, ScriptedTeacher, TeacherConfig, TeacherError,
+                             read_question)
 from coa_jax.world import RELATIONS, World, WorldConfig
 from tools_env import registry
 from tools_env.remote import ChatClient, HttpLimits
@@ -80,6 +81,27 @@ def test_teacher_answers_every_task_through_real_tool_calls(world_and_tools, var
     calls = [a for a in trace.activations if a.tool_call is not None]
     assert calls and all(a.tool_ok and a.tool_result for a in calls)
     assert not trace.mistakes and trace.tokens > 0
+
+
+def test_teacher_does_arithmetic_in_its_head_at_its_rate(world_and_tools):
+  world, tools = world_and_tools
+  exact = dict(vague_query_rate=0, misread_rate=0, skip_verify_rate=0)
+  arithmetic = [t for t in world.tasks["train"] if t["metadata"]["family"] == "arithmetic"]
+  assert len(arithmetic) >= 3
+  for rate in (0, 1):
+    teacher = ScriptedTeacher(tools, TeacherConfig(**exact, mental_math_rate=rate))
+    for task in arithmetic:
+      trace = teacher.run(task)
+      steps = [a.step for a in trace.activations]
+      assert trace.answer == task["metadata"]["ground_truth"], task["question"]
+      if rate:
+        assert trace.mistakes == ["mental_arithmetic"] and "code" not in steps
+        assert "in my head" in trace.activations[0].output.content
+        assert steps == ["plan", "think", "suggested_answer", "double_check", "answer"]
+      else:
+        assert not trace.mistakes and "code" in steps
+  with pytest.raises(TeacherError, match="not an arithmetic expression"):
+    teacher.run({"id": "x-0", "question": "Question: What is 2 ** 8?"})
 
 
 def test_teacher_reads_focused_pages_and_quotes_them(world_and_tools):
