@@ -1,4 +1,4 @@
-# Two commands do all the set-up on a fresh machine (see README): `make demo` and `make test`.
+# Two commands do all the set-up on a fresh machine (see README): `make pipeline` and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -24,7 +24,7 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
-# The main job: observation-masked SFT of a tiny model on the shipped CoA sample.
+# Observation-masked SFT of a tiny model on the shipped CoA sample (about a minute).
 demo: $(STAMP)
 	$(BIN)/python experiments/sft.py --config=configs/sft_tiny_cpu.py $(ARGS)
 
@@ -42,7 +42,7 @@ sft: $(STAMP)
 rollout: $(STAMP)
 	$(BIN)/python experiments/rollout.py $(ARGS)
 
-# The end-to-end recipe on the embedded world (ARGS=--quick: a smoke test of every stage).
+# The main job: the end-to-end recipe on the embedded world (ARGS=--quick: a smoke test).
 pipeline: $(STAMP)
 	$(BIN)/python experiments/pipeline.py $(ARGS)
 

@@ -71,6 +71,7 @@ def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
       steps=steps, batch_groups=512, prompts_per_round=512, max_rounds=8, mini_batch_groups=32,
       micro_batches=1, dynamic_sampling=True,
       advantage="std", advantage_eps=1e-6,  # "std": (R - mean) / (std + eps); "mean": Dr.GRPO
+      negative_weight=1.0,  # scales negative advantages (1: the reference)
       overlong_shaping=True, overlong_cache=4096, overlong_filter=False,
       # the policy loss (coa_jax.losses.dapo.PolicyLossConfig)
       eps_low=0.2, eps_high=0.28, dual_clip=10.0, aggregation="token-mean", norm_tokens=0,

@@ -16,9 +16,12 @@ def get_config() -> ml_collections.ConfigDict:
   # coa_jax.teacher.TeacherConfig: how often the scripted teacher errs.
   config.teacher = ml_collections.ConfigDict(dict(
       seed=0, vague_query_rate=0.1, misread_rate=0.1, skip_verify_rate=0.1,
+      # A third of the arithmetic is done in the head: right for the teacher, a guess for the
+      # student, which RL can teach to use the code tool instead.
+      mental_math_rate=0.3,
       quote_facts=False))  # the tiny model copies a fact from the page, not from a quote
-  # coa_jax.distill.FilterConfig: the complexity range kept.
-  config.filters = ml_collections.ConfigDict(dict(min_tool_calls=1, max_tool_calls=12,
+  # coa_jax.distill.FilterConfig: the complexity range kept (mental arithmetic calls no tool).
+  config.filters = ml_collections.ConfigDict(dict(min_tool_calls=0, max_tool_calls=12,
                                                   max_steps=48))
   config.system_prompt = SYSTEM_PROMPT
   config.workers = 4  # tasks solved at once

@@ -30,6 +30,16 @@ def test_group_advantages_of_equal_rewards_and_single_samples_are_zero():
   np.testing.assert_array_equal(group_advantages(np.array([[1.0], [-1.0]])), [[0], [0]])
 
 
+def test_negative_advantages_are_scaled_by_their_weight():
+  rewards = np.array([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+  full = group_advantages(rewards)
+  np.testing.assert_allclose(group_advantages(rewards, negative_weight=0.25),
+                             np.where(full < 0, 0.25 * full, full))
+  assert (group_advantages(rewards, negative_weight=0.0) >= 0).all()
+  with pytest.raises(ValueError, match="negative_weight=2"):
+    group_advantages(rewards, negative_weight=2)
+
+
 def test_mean_only_advantages_are_centered_rewards():
   np.testing.assert_allclose(group_advantages(np.array([[1.0, 0.0, 0.0, 0.0]]), "mean"),
                              [[0.75, -0.25, -0.25, -0.25]])

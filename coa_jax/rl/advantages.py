@@ -18,21 +18,27 @@ def overlong_penalty(response_len: int, max_len: int, cache_len: int) -> float:
   return -(response_len - start) / cache_len
 
 
-def group_advantages(rewards_GxN: np.ndarray, normalize: str = "std",
-                     eps: float = 1e-6) -> np.ndarray:
+def group_advantages(rewards_GxN: np.ndarray, normalize: str = "std", eps: float = 1e-6,
+                     negative_weight: float = 1.0) -> np.ndarray:
   """Returns each sample's advantage within its prompt's group (rows of `rewards_GxN`).
 
   "std": (R - mean) / (std + eps) with the Bessel-corrected std (ddof=1, the reference's);
   "mean": R - mean (Dr.GRPO). A group of one sample, or of equal rewards, gets 0.
+  Negative advantages are then scaled by `negative_weight` (1: the reference; below 1 pushes
+  failed samples down less than successful ones up).
   """
   rewards = np.asarray(rewards_GxN, np.float64)
   if rewards.ndim != 2:
     raise ValueError(f"rewards must be (groups, samples), got shape {rewards.shape}")
+  if not 0 <= negative_weight <= 1:
+    raise ValueError(f"advantage negative_weight={negative_weight}: expected 0..1")
   centered = rewards - rewards.mean(axis=1, keepdims=True)
   if normalize == "mean":
-    return centered
-  if normalize != "std":
+    advantages = centered
+  elif normalize != "std":
     raise ValueError(f"advantage normalize={normalize!r}: expected 'std' or 'mean'")
-  if rewards.shape[1] < 2:
-    return np.zeros_like(rewards)
-  return centered / (rewards.std(axis=1, ddof=1, keepdims=True) + eps)
+  elif rewards.shape[1] < 2:
+    advantages = np.zeros_like(rewards)
+  else:
+    advantages = centered / (rewards.std(axis=1, ddof=1, keepdims=True) + eps)
+  return np.where(advantages < 0, negative_weight * advantages, advantages)

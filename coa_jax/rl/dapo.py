@@ -207,7 +207,7 @@ class Trainer:
     rollout_s = time.perf_counter() - t0
     records = [record for group in kept for record in group.records]
     advantages = group_advantages(np.array([g.scores for g in kept]), rl.advantage,
-                                  rl.advantage_eps).reshape(-1)
+                                  rl.advantage_eps, rl.negative_weight).reshape(-1)
     drop = [rl.overlong_filter and r.finish_reason == "length" for r in records]
     local_groups = rl.mini_batch_groups // self.hosts  # this host's groups per mini-batch
     rows = local_groups * self.n
