@@ -17,7 +17,9 @@ from coa_jax.safetensors_io import SafetensorsFile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
        "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-SFT = ["experiments/sft.py", "--config.train.steps=10", "--config.optimizer.total_steps=10",
+SFT_STEPS = 30  # enough that a kill after step 3-8 lands mid-run, even with cached compiles
+SFT = ["experiments/sft.py", f"--config.train.steps={SFT_STEPS}",
+       f"--config.optimizer.total_steps={SFT_STEPS}",
        "--config.optimizer.warmup_steps=2",
        "--config.model.hidden_size=32", "--config.model.intermediate_size=64",
        "--config.model.num_layers=1", "--config.batch_size=8", "--config.seq_len=256",
@@ -91,7 +93,7 @@ def test_sft_killed_at_a_random_moment_resumes_to_the_uninterrupted_end(tmp_path
   reference = _start(SFT, tmp_path / "whole")
   victim = _start(SFT, tmp_path / "killed")
   assert _interrupt(victim, tmp_path / "killed", kill_after, signal.SIGKILL) == -signal.SIGKILL
-  assert _steps_logged(tmp_path / "killed") < 10, "the run ended before the kill"
+  assert _steps_logged(tmp_path / "killed") < SFT_STEPS, "the run ended before the kill"
   _finish(_start(SFT, tmp_path / "killed"), tmp_path / "killed")
   _finish(reference, tmp_path / "whole")
   assert "resumed from step" in open(tmp_path / "killed" / "log.txt").read()
