@@ -220,18 +220,18 @@ class _Run:
     if "expression" in plan:
       expression = plan["expression"]
       # Drawn only when on, so the other draws (and existing traces) do not depend on it.
-      if self.config.mental_math_rate and self._chance(self.config.mental_math_rate):
+      mental = bool(self.config.mental_math_rate) and self._chance(self.config.mental_math_rate)
+      self.act("planner", "plan", f"1. Compute {expression} "
+                                  f"{'in my head' if mental else 'with code'}.\n"
+                                  f"2. Double-check the result and answer.")
+      if mental:
         self.trace.mistakes.append("mental_arithmetic")
-        self.act("planner", "plan", f"1. Compute {expression} in my head.\n"
-                                    f"2. Double-check the result and answer.")
         value = _evaluate(expression)
         self.act("thinker", "think", f"{expression} = {value}.")
-        self.conclude(str(value), lambda: (True, "Computed again in my head: the same result."))
-        return
-      self.act("planner", "plan", f"1. Compute {expression} with code.\n"
-                                  f"2. Double-check the result and answer.")
-      value = self.compute(expression)
-      self.conclude(str(value), self.compute_check)
+        check = lambda: (True, "Computed again in my head: the same result.")
+      else:
+        value, check = self.compute(expression), self.compute_check
+      self.conclude(str(value), check)
       return
     subjects = [plan["name"]] + [f"the result of step {i}" for i in range(1, len(plan["path"]))]
     steps = [f"{i}. Find the {world_lib.NOUNS[attr]} of {subject}." for i, (attr, subject) in
