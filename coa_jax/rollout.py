@@ -74,8 +74,9 @@ class RolloutConfig:
 
   @property
   def cache_size(self) -> int:
-    """Returns the KV-cache slots a row needs: prompt, response and one padded extend."""
-    return self.max_prompt_tokens + self.max_response_tokens + self.observation_bucket
+    """Returns the KV-cache slots a row needs: its prompt and response (an extend's padding
+    past the last slot is dropped)."""
+    return self.max_prompt_tokens + self.max_response_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +348,7 @@ class Rollout:
       tail = cap - len(marker) - head
       text = self.tokenizer.decode(ids[:head] + marker + ids[len(ids) - tail:])
     ids = step_ids(self.tokenizer, coa_format.Step(coa_format.OBSERVATION, text), first=False)
-    limit = self.config.observation_bucket  # what the KV cache leaves room for
+    limit = self.config.observation_bucket  # the longest extend the sampler pads to
     if len(ids) > limit:  # re-tokenizing around the cut can add a few tokens
       ids = ids[:limit - 1] + [self.tokenizer.tag_id(coa_format.OBSERVATION, close=True)]
     return ids

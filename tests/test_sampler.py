@@ -102,6 +102,21 @@ def test_rows_freeze_on_stop_tokens_and_at_their_budget(mesh1, params):
   assert not np.asarray(state.active_B)[[1, 2, 3]].any()
 
 
+
+def test_an_extend_padded_past_the_last_slot_fills_the_cache_exactly(mesh1, params, full_logits):
+  # prompt 5 + 2 sampled + 3 appended + 1 sampled = 11 slots; the extend writes 8 slots from
+  # slot 6 (the pending token, the first 2 appended and 5 of padding), 3 past the end.
+  s = Sampler(CONFIG, mesh1, batch_size=2, cache_size=11, chunk=2, stop_ids=(), sampling=GREEDY)
+  state = s.prefill_groups(params, s.init_state(), [([0, 1], PROMPTS[0])], [11])
+  state, first = s.decode_chunk(params, state, jax.random.key(0))
+  appended = [100, 101, 102]
+  state = s.extend_rows(params, state, {0: appended})
+  state, second = s.decode_chunk(params, state, jax.random.key(1))
+  seq = PROMPTS[0] + np.asarray(first.tokens_BxK)[0].tolist() + appended
+  assert np.asarray(second.counts_B)[0] == 1 and not np.asarray(state.active_B)[0]
+  assert np.asarray(second.tokens_BxK)[0, 0] == int(np.argmax(full_logits(seq)[-1]))
+
+
 def test_group_rows_share_one_prefill_and_diverge_when_sampling(mesh1, params):
   s = sampler(mesh1, SamplingConfig(temperature=1.0), chunk=8)
   state = s.prefill_groups(params, s.init_state(), [([0, 1, 2, 3], PROMPTS[0])], [40])
@@ -183,4 +198,4 @@ def test_sharded_decoding_gives_the_same_tokens_as_one_device(mesh1, params):
   eight, _, state = run_episode(sampler(mesh8), sharded)
   assert one == eight
   # Rows over data (4 of them), kv heads over tensor (2).
-  assert state.cache.k_LxBxSxKxH.addressable_shards[0].data.shape == (2, 1, 64, 1, 16)
+  assert state.cache.k_LxBxKxSxH.addressable_shards[0].data.shape == (2, 1, 1, 64, 16)
