@@ -58,6 +58,13 @@ def test_program_reads_stdin_and_prints(sandbox):
   assert result.metadata["isolation"] == sandbox.isolation
 
 
+def test_programs_import_installed_packages_and_exit_but_not_this_project(sandbox):
+  source = ("import numpy, sys\nprint(numpy.arange(3).sum())\n"
+            "try:\n  import coa_jax\nexcept ImportError:\n  print('isolated')\nexit(3)")
+  result = sandbox(program(source))
+  assert result.observation.endswith("3\nisolated\n") and result.metadata["returncode"] == 3
+
+
 def test_infinite_loop_hits_the_cpu_limit(sandbox):
   result = sandbox(program("while True:\n  pass"))
   assert result.error_kind == base.TIMEOUT and "CPU time limit of 2 s" in result.observation

@@ -1,11 +1,13 @@
 """Runs inside the code sandbox: finishes isolation, applies the limits, then runs main.py.
 
-Invoked by `tools_env.sandbox` as `python -I sandbox_boot.py '<json spec>'`, standard library
-only. Spec keys: `workdir`, `rlimits` ({name: value}), `uid` (drop to this uid/gid, or
-null), `read_only` (remount every other mount read-only, after hiding the `hide` directories
-under empty tmpfs except for the `expose` paths in them: the `unshare` mode, which runs this
-as root in fresh mount and pid namespaces) and `init` (stay as pid 1 and run the program in
-a child, so the namespace dies with this process and signals reach the program normally).
+Invoked by `tools_env.sandbox` as `python -I -S sandbox_boot.py '<json spec>'`, standard
+library only. Spec keys: `workdir`, `path` (the module path `python -I` would have: site is
+skipped for speed, so the program gets it and site's `exit`/`quit` from here), `rlimits`
+({name: value}), `uid` (drop to this uid/gid, or null), `read_only` (remount every other
+mount read-only, after hiding the `hide` directories under empty tmpfs except for the
+`expose` paths in them: the `unshare` mode, which runs this as root in fresh mount and pid
+namespaces) and `init` (stay as pid 1 and run the program in a child, so the namespace dies
+with this process and signals reach the program normally).
 
 Exit status: the program's, 128 + N when it died of signal N, or one of the codes below.
 """
@@ -15,6 +17,7 @@ import errno
 import json
 import os
 import resource
+import site
 import sys
 import traceback
 
@@ -74,9 +77,10 @@ def apply_limits(rlimits, uid):
     os.setuid(uid)
 
 
-def run_program(path):
-  """Runs the program as __main__; returns its exit status (tracebacks go to stderr)."""
-  with open(path, "rb") as f:
+def run_program(program, path):
+  """Runs the program as __main__ with `path` as sys.path; returns its exit status
+  (tracebacks go to stderr)."""
+  with open(program, "rb") as f:
     source = f.read()
   try:
     code = compile(source, "main.py", "exec")
@@ -84,6 +88,8 @@ def run_program(path):
     traceback.print_exception(type(e), e, None)
     return SYNTAX_ERROR
   sys.argv = ["main.py"]
+  sys.path[:] = path
+  site.setquit()  # exit() and quit(), which `-S` leaves undefined
   try:
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__})  # noqa: S102
   except SystemExit as e:
@@ -132,7 +138,7 @@ def main():
   except OSError as e:
     print(f"sandbox setup failed: {e}", file=sys.stderr)
     _flush_and_exit(SETUP_FAILED)
-  sys.exit(run_program(os.path.join(workdir, "main.py")))
+  sys.exit(run_program(os.path.join(workdir, "main.py"), spec.get("path", sys.path)))
 
 
 if __name__ == "__main__":
