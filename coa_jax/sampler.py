@@ -23,8 +23,7 @@ split over devices and hosts, or where chunk boundaries fall.
 Shapes are static: B, the cache size S and K are fixed; the token and row counts of prefill
 and extend are padded up to power-of-two buckets (rows past the real ones point at index B
 and are dropped, as are padding tokens past slot S), so a rollout compiles each function once
-per bucket it uses. The cache is laid out (layer, row, kv head, slot, head dim), so attention
-reads each head's keys and values as they lie, with no transpose per step.
+per bucket it uses.
 
 Log-probabilities are those of the policy at the sampling temperature,
 log_softmax(logits / temperature) (raw logits when greedy), before top-k/top-p truncation,
@@ -46,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from coa_jax import sharding
 from coa_jax.model.config import ModelConfig
-from coa_jax.model.transformer import CACHE_LBKSH, KVCache, Transformer
+from coa_jax.model.transformer import CACHE_LBSKH, KVCache, Transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,16 +116,15 @@ def bucket(n: int, smallest: int = 8) -> int:
 
 def _gather_rows(cache: KVCache, rows_R: jax.Array) -> KVCache:
   take = lambda a: jnp.take(a, rows_R, axis=1, mode="clip")
-  return KVCache(take(cache.k_LxBxKxSxH), take(cache.v_LxBxKxSxH),
+  return KVCache(take(cache.k_LxBxSxKxH), take(cache.v_LxBxSxKxH),
                  jnp.take(cache.lengths_B, rows_R, mode="clip"))
 
 
 def _scatter_rows(cache: KVCache, rows_R: jax.Array, part: KVCache, slots: int) -> KVCache:
   """Returns `cache` with part's rows written over rows_R (slots [0, slots)); rows >= B drop."""
-  put = lambda a, p: a.at[:, rows_R, :, :slots].set(p[:, :, :, :slots].astype(a.dtype),
-                                                     mode="drop")
-  return KVCache(put(cache.k_LxBxKxSxH, part.k_LxBxKxSxH),
-                 put(cache.v_LxBxKxSxH, part.v_LxBxKxSxH),
+  put = lambda a, p: a.at[:, rows_R, :slots].set(p[:, :, :slots].astype(a.dtype), mode="drop")
+  return KVCache(put(cache.k_LxBxSxKxH, part.k_LxBxSxKxH),
+                 put(cache.v_LxBxSxKxH, part.v_LxBxSxKxH),
                  cache.lengths_B.at[rows_R].set(part.lengths_B, mode="drop"))
 
 
@@ -154,13 +152,13 @@ class Sampler:
     rules = sharding.AXIS_RULES
     spec = lambda names: NamedSharding(self.mesh, nn.logical_to_mesh_axes(names, rules))
     row = spec(("act_batch",))
-    cache = KVCache(spec(CACHE_LBKSH), spec(CACHE_LBKSH), row)
+    cache = KVCache(spec(CACHE_LBSKH), spec(CACHE_LBSKH), row)
     return DecodeState(cache, row, row, row, row)
 
   def abstract_state(self) -> DecodeState:
     """Returns the state's shapes, dtypes and shardings (ShapeDtypeStructs)."""
     cfg, b, s = self.config, self.batch_size, self.cache_size
-    shape = (cfg.num_layers, b, cfg.num_kv_heads, s, cfg.head_dim)
+    shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
     kv = jax.ShapeDtypeStruct(shape, self.cache_dtype)
     row, flag = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_)
     return jax.tree.map(lambda x, sharding: x.update(sharding=sharding),
@@ -185,7 +183,7 @@ class Sampler:
     cfg = self.config
     p, t = tokens_PxT.shape
     n = rows_PxN.shape[1]
-    shape = (cfg.num_layers, p, cfg.num_kv_heads, t, cfg.head_dim)
+    shape = (cfg.num_layers, p, t, cfg.num_kv_heads, cfg.head_dim)
     fresh = KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype),
                     jnp.zeros((p,), jnp.int32))
     positions_PxT = jnp.broadcast_to(jnp.arange(t), (p, t))

@@ -198,4 +198,4 @@ def test_sharded_decoding_gives_the_same_tokens_as_one_device(mesh1, params):
   eight, _, state = run_episode(sampler(mesh8), sharded)
   assert one == eight
   # Rows over data (4 of them), kv heads over tensor (2).
-  assert state.cache.k_LxBxKxSxH.addressable_shards[0].data.shape == (2, 1, 1, 64, 16)
+  assert state.cache.k_LxBxSxKxH.addressable_shards[0].data.shape == (2, 1, 64, 1, 16)

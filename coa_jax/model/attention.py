@@ -104,7 +104,7 @@ def blockwise_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
   return out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, head_dim)
 
 
-def cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache_BxKxSxH, v_cache_BxKxSxH,
+def cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache_BxSxKxH, v_cache_BxSxKxH,
                      starts_B) -> jax.Array:
   """Returns (B, T, N, H) attention of T new tokens over the cache slots before their first
   position `starts_B` and, causally, over each other (the KV-cache decode path).
@@ -116,19 +116,19 @@ def cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache_BxKxSxH, v_cache_B
   kv_heads = k_BxTxKxH.shape[2]
   q_BxTxKxGxH = q_BxTxNxH.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
   q_BxTxKxGxH = q_BxTxKxGxH / jnp.sqrt(jnp.asarray(head_dim, q_BxTxNxH.dtype))
-  old = jnp.einsum("btkgh,bksh->bkgts", q_BxTxKxGxH, k_cache_BxKxSxH.astype(q_BxTxNxH.dtype),
+  old = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_cache_BxSxKxH.astype(q_BxTxNxH.dtype),
                    preferred_element_type=jnp.float32)
   new = jnp.einsum("btkgh,bukh->bkgtu", q_BxTxKxGxH, k_BxTxKxH,
                    preferred_element_type=jnp.float32)
-  slots = jnp.arange(k_cache_BxKxSxH.shape[2])
+  slots = jnp.arange(k_cache_BxSxKxH.shape[1])
   old = jnp.where((slots[None, :] < starts_B[:, None])[:, None, None, None, :], old, _NEG)
   new = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), new, _NEG)
   peak = jnp.maximum(old.max(axis=-1, keepdims=True), new.max(axis=-1, keepdims=True))
   old, new = jnp.exp(old - peak), jnp.exp(new - peak)
   total = old.sum(axis=-1, keepdims=True) + new.sum(axis=-1, keepdims=True)
   dtype = v_BxTxKxH.dtype
-  out = (jnp.einsum("bkgts,bksh->btkgh", (old / total).astype(dtype),
-                    v_cache_BxKxSxH.astype(dtype), preferred_element_type=jnp.float32) +
+  out = (jnp.einsum("bkgts,bskh->btkgh", (old / total).astype(dtype),
+                    v_cache_BxSxKxH.astype(dtype), preferred_element_type=jnp.float32) +
          jnp.einsum("bkgtu,bukh->btkgh", (new / total).astype(dtype), v_BxTxKxH,
                     preferred_element_type=jnp.float32))
   return out.reshape(batch, seq, heads, head_dim).astype(q_BxTxNxH.dtype)

@@ -36,7 +36,7 @@ ACT_BTNH = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 ACT_BTKH = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 ACT_BTF = ("act_batch", "act_seq", "act_mlp")
 ACT_BTV = ("act_batch", "act_seq", "act_vocab")
-CACHE_LBKSH = ("layers", "act_batch", "act_kv_heads", "act_seq", "act_head_dim")
+CACHE_LBSKH = ("layers", "act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
 
 @flax.struct.dataclass
@@ -47,20 +47,18 @@ class KVCache:
   at the slots named by its positions and leaves `lengths_B` to the caller (the sampler).
   """
 
-  k_LxBxKxSxH: jax.Array
-  v_LxBxKxSxH: jax.Array
+  k_LxBxSxKxH: jax.Array
+  v_LxBxSxKxH: jax.Array
   lengths_B: jax.Array
 
 
-def _write(cache_LxBxKxSxH, new_LxBxTxKxH, positions_BxT):
+def _write(cache_LxBxSxKxH, new_LxBxTxKxH, positions_BxT):
   """Returns the cache with new[:, b, t] written at slot positions[b, t] of every layer; writes
   past the last slot (the padding of a bucketed extend) are dropped."""
   batch, seq = positions_BxT.shape
   rows_BxT = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
-  # The two index arrays are apart, so the indexed dims lead: the update is (B, T, L, K, H).
-  return cache_LxBxKxSxH.at[:, rows_BxT, :, positions_BxT].set(
-      new_LxBxTxKxH.transpose(1, 2, 0, 3, 4).astype(cache_LxBxKxSxH.dtype),
-      unique_indices=True, mode="drop")
+  return cache_LxBxSxKxH.at[:, rows_BxT, positions_BxT].set(
+      new_LxBxTxKxH.astype(cache_LxBxSxKxH.dtype), unique_indices=True, mode="drop")
 
 
 _REMAT_POLICIES = {
@@ -154,9 +152,9 @@ class Attention(nn.Module):
                            is_causal=True, implementation=cfg.attention_impl,
                            block=cfg.attention_block)
     else:
-      k_cache_BxKxSxH, v_cache_BxKxSxH = cache
-      out_BxTxNxH = cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache_BxKxSxH,
-                                     v_cache_BxKxSxH, positions_BxT[:, 0])
+      k_cache_BxSxKxH, v_cache_BxSxKxH = cache
+      out_BxTxNxH = cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache_BxSxKxH,
+                                     v_cache_BxSxKxH, positions_BxT[:, 0])
     out_BxTxNxH = nn.with_logical_constraint(out_BxTxNxH, ACT_BTNH)
     out_BxTxD = self._linear("o_proj", (cfg.hidden_size,), ("heads", "head_dim"),
                              ("embed",))(out_BxTxNxH)
@@ -256,12 +254,12 @@ class Transformer(nn.Module):
     else:
       # Layers only read the cache; the new keys and values are written once, after the scan,
       # so the cache is updated in place rather than copied through the layer loop.
-      k_all = nn.with_logical_constraint(cache.k_LxBxKxSxH, CACHE_LBKSH)
-      v_all = nn.with_logical_constraint(cache.v_LxBxKxSxH, CACHE_LBKSH)
+      k_all = nn.with_logical_constraint(cache.k_LxBxSxKxH, CACHE_LBSKH)
+      v_all = nn.with_logical_constraint(cache.v_LxBxSxKxH, CACHE_LBSKH)
       (x_BxTxD, k_all, v_all, _), (k_new, v_new) = layers(
           (x_BxTxD, k_all, v_all, jnp.int32(0)), positions_BxT, segment_ids_BxT)
-      cache = cache.replace(k_LxBxKxSxH=_write(k_all, k_new, positions_BxT),
-                            v_LxBxKxSxH=_write(v_all, v_new, positions_BxT))
+      cache = cache.replace(k_LxBxSxKxH=_write(k_all, k_new, positions_BxT),
+                            v_LxBxSxKxH=_write(v_all, v_new, positions_BxT))
     x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype,
                       name="final_norm")(x_BxTxD)
 
