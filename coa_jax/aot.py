@@ -266,7 +266,7 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
       chunk=chunk, compile_seconds=seconds, argument_bytes=arguments, temp_bytes=temporaries,
       hbm_bytes=int(chip.hbm_bytes / per_chip),
       param_bytes=nbytes(params) // len(local),
-      cache_bytes=nbytes((state.cache.k_LxBxSxKxH, state.cache.v_LxBxSxKxH)) // len(local),
+      cache_bytes=nbytes((state.cache.k, state.cache.v)) // len(local),
       step_flops=flops.decode_flops(config, rows, cache_size),
       peak_flops=chip.peak_bf16_flops / per_chip,
       hbm_bytes_per_s=chip.hbm_bytes_per_s / per_chip)

@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from coa_jax import sharding
 from coa_jax.model.config import ModelConfig
-from coa_jax.model.transformer import CACHE_LBSKH, KVCache, Transformer
+from coa_jax.model.transformer import KVCache, Transformer, cache_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,16 +116,17 @@ def bucket(n: int, smallest: int = 8) -> int:
 
 def _gather_rows(cache: KVCache, rows_R: jax.Array) -> KVCache:
   take = lambda a: jnp.take(a, rows_R, axis=1, mode="clip")
-  return KVCache(take(cache.k_LxBxSxKxH), take(cache.v_LxBxSxKxH),
-                 jnp.take(cache.lengths_B, rows_R, mode="clip"))
+  return cache.replace(k=take(cache.k), v=take(cache.v),
+                       lengths_B=jnp.take(cache.lengths_B, rows_R, mode="clip"))
 
 
 def _scatter_rows(cache: KVCache, rows_R: jax.Array, part: KVCache, slots: int) -> KVCache:
   """Returns `cache` with part's rows written over rows_R (slots [0, slots)); rows >= B drop."""
-  put = lambda a, p: a.at[:, rows_R, :slots].set(p[:, :, :slots].astype(a.dtype), mode="drop")
-  return KVCache(put(cache.k_LxBxSxKxH, part.k_LxBxSxKxH),
-                 put(cache.v_LxBxSxKxH, part.v_LxBxSxKxH),
-                 cache.lengths_B.at[rows_R].set(part.lengths_B, mode="drop"))
+  heads = (slice(None),) * cache.heads_first
+  put = lambda a, p: a.at[(slice(None), rows_R, *heads, slice(slots))].set(
+      p[(slice(None), slice(None), *heads, slice(slots))].astype(a.dtype), mode="drop")
+  return cache.replace(k=put(cache.k, part.k), v=put(cache.v, part.v),
+                       lengths_B=cache.lengths_B.at[rows_R].set(part.lengths_B, mode="drop"))
 
 
 class Sampler:
@@ -133,8 +134,13 @@ class Sampler:
 
   def __init__(self, model_config: ModelConfig, mesh: Mesh, batch_size: int, cache_size: int,
                chunk: int, stop_ids: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
-               cache_dtype: Any = None):
+               cache_dtype: Any = None, cache_heads_first: bool | None = None):
+    """`cache_heads_first` picks the KV cache's layout (see KVCache); by default heads first
+    on CPU devices, slots first elsewhere."""
     sharding.check_batch_fits_mesh(batch_size, 1, mesh)
+    if cache_heads_first is None:
+      cache_heads_first = mesh.devices.flat[0].platform == "cpu"
+    self.cache_heads_first = cache_heads_first
     self.config, self.mesh = model_config, mesh
     self.model = Transformer(model_config)
     self.batch_size, self.cache_size, self.chunk = batch_size, cache_size, chunk
@@ -152,24 +158,31 @@ class Sampler:
     rules = sharding.AXIS_RULES
     spec = lambda names: NamedSharding(self.mesh, nn.logical_to_mesh_axes(names, rules))
     row = spec(("act_batch",))
-    cache = KVCache(spec(CACHE_LBSKH), spec(CACHE_LBSKH), row)
-    return DecodeState(cache, row, row, row, row)
+    kv = spec(cache_axes(self.cache_heads_first))
+    return DecodeState(KVCache(kv, kv, row, self.cache_heads_first), row, row, row, row)
 
   def abstract_state(self) -> DecodeState:
     """Returns the state's shapes, dtypes and shardings (ShapeDtypeStructs)."""
-    cfg, b, s = self.config, self.batch_size, self.cache_size
-    shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
-    kv = jax.ShapeDtypeStruct(shape, self.cache_dtype)
+    b = self.batch_size
+    cache = jax.eval_shape(lambda: self._empty_cache(b, self.cache_size))
     row, flag = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_)
     return jax.tree.map(lambda x, sharding: x.update(sharding=sharding),
-                        DecodeState(KVCache(kv, kv, row), row, flag, row, row),
-                        self.state_shardings())
+                        DecodeState(cache, row, flag, row, row), self.state_shardings())
 
   def init_state(self) -> DecodeState:
     """Returns an empty state (every row inactive), created in place on the mesh (a fresh
     buffer per array: they are all donated)."""
     return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding),
                         self.abstract_state())
+
+  def _empty_cache(self, rows: int, slots: int) -> KVCache:
+    """Returns a zero cache of `rows` rows and `slots` slots in this sampler's layout."""
+    cfg = self.config
+    kv, s = cfg.num_kv_heads, slots
+    shape = (cfg.num_layers, rows, *((kv, s) if self.cache_heads_first else (s, kv)),
+             cfg.head_dim)
+    return KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype),
+                   jnp.zeros((rows,), jnp.int32), self.cache_heads_first)
 
   # --- jitted steps ----------------------------------------------------------------------
 
@@ -180,12 +193,9 @@ class Sampler:
                seeds_PxN):
     """Encodes P prompts once each and installs prompt p in rows rows_PxN[p] (all N), row
     rows_PxN[p, i] with the sampling seed seeds_PxN[p, i]."""
-    cfg = self.config
     p, t = tokens_PxT.shape
     n = rows_PxN.shape[1]
-    shape = (cfg.num_layers, p, t, cfg.num_kv_heads, cfg.head_dim)
-    fresh = KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype),
-                    jnp.zeros((p,), jnp.int32))
+    fresh = self._empty_cache(p, t)
     positions_PxT = jnp.broadcast_to(jnp.arange(t), (p, t))
     _, fresh = self._run(params, fresh, tokens_PxT, positions_PxT)
     last_P = jnp.maximum(lengths_P - 1, 0)

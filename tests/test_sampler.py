@@ -33,9 +33,9 @@ def full_logits(params):
   return lambda seq: np.asarray(apply(jnp.asarray([seq]))[0])
 
 
-def sampler(mesh, sampling=GREEDY, batch_size=4, chunk=6, stop_ids=()):
+def sampler(mesh, sampling=GREEDY, batch_size=4, chunk=6, stop_ids=(), cache_heads_first=None):
   return Sampler(CONFIG, mesh, batch_size=batch_size, cache_size=64, chunk=chunk,
-                 stop_ids=stop_ids, sampling=sampling)
+                 stop_ids=stop_ids, sampling=sampling, cache_heads_first=cache_heads_first)
 
 
 def run_episode(s, params, key=0):
@@ -68,9 +68,10 @@ def run_episode(s, params, key=0):
   return seqs, sampled, state
 
 
-def test_greedy_cached_decoding_equals_full_forward_argmax_across_an_extend(mesh1, params,
-                                                                          full_logits):
-  seqs, sampled, _ = run_episode(sampler(mesh1), params)
+@pytest.mark.parametrize("cache_heads_first", [True, False])  # the CPU and TPU layouts
+def test_greedy_cached_decoding_equals_full_forward_argmax_across_an_extend(
+    mesh1, params, full_logits, cache_heads_first):
+  seqs, sampled, _ = run_episode(sampler(mesh1, cache_heads_first=cache_heads_first), params)
   for row, seq in enumerate(seqs):
     assert len(sampled[row]) == 12 if row in (0, 2) else 6 + 6
     for position, _ in sampled[row]:
@@ -197,5 +198,6 @@ def test_sharded_decoding_gives_the_same_tokens_as_one_device(mesh1, params):
   one, _, _ = run_episode(sampler(mesh1), params)
   eight, _, state = run_episode(sampler(mesh8), sharded)
   assert one == eight
-  # Rows over data (4 of them), kv heads over tensor (2).
-  assert state.cache.k_LxBxSxKxH.addressable_shards[0].data.shape == (2, 1, 64, 1, 16)
+  # Rows over data (4 of them), kv heads over tensor (2); on a CPU, kv heads before slots.
+  assert state.cache.heads_first
+  assert state.cache.k.addressable_shards[0].data.shape == (2, 1, 1, 64, 16)

@@ -104,10 +104,11 @@ def blockwise_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
   return out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, head_dim)
 
 
-def cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache_BxSxKxH, v_cache_BxSxKxH,
-                     starts_B) -> jax.Array:
+def cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache, v_cache, starts_B,
+                     heads_first: bool = False) -> jax.Array:
   """Returns (B, T, N, H) attention of T new tokens over the cache slots before their first
-  position `starts_B` and, causally, over each other (the KV-cache decode path).
+  position `starts_B` and, causally, over each other (the KV-cache decode path). The cache is
+  (B, S, K, H), or (B, K, S, H) with `heads_first`.
 
   Each kv head serves its group of query heads in place, and the cache and the new keys are
   scored separately and combined in one softmax, so no key or value is copied or repeated.
@@ -116,19 +117,20 @@ def cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache_BxSxKxH, v_cache_B
   kv_heads = k_BxTxKxH.shape[2]
   q_BxTxKxGxH = q_BxTxNxH.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
   q_BxTxKxGxH = q_BxTxKxGxH / jnp.sqrt(jnp.asarray(head_dim, q_BxTxNxH.dtype))
-  old = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_cache_BxSxKxH.astype(q_BxTxNxH.dtype),
+  cache_dims = "bksh" if heads_first else "bskh"
+  old = jnp.einsum(f"btkgh,{cache_dims}->bkgts", q_BxTxKxGxH, k_cache.astype(q_BxTxNxH.dtype),
                    preferred_element_type=jnp.float32)
   new = jnp.einsum("btkgh,bukh->bkgtu", q_BxTxKxGxH, k_BxTxKxH,
                    preferred_element_type=jnp.float32)
-  slots = jnp.arange(k_cache_BxSxKxH.shape[1])
+  slots = jnp.arange(k_cache.shape[2 if heads_first else 1])
   old = jnp.where((slots[None, :] < starts_B[:, None])[:, None, None, None, :], old, _NEG)
   new = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), new, _NEG)
   peak = jnp.maximum(old.max(axis=-1, keepdims=True), new.max(axis=-1, keepdims=True))
   old, new = jnp.exp(old - peak), jnp.exp(new - peak)
   total = old.sum(axis=-1, keepdims=True) + new.sum(axis=-1, keepdims=True)
   dtype = v_BxTxKxH.dtype
-  out = (jnp.einsum("bkgts,bskh->btkgh", (old / total).astype(dtype),
-                    v_cache_BxSxKxH.astype(dtype), preferred_element_type=jnp.float32) +
+  out = (jnp.einsum(f"bkgts,{cache_dims}->btkgh", (old / total).astype(dtype),
+                    v_cache.astype(dtype), preferred_element_type=jnp.float32) +
          jnp.einsum("bkgtu,bukh->btkgh", (new / total).astype(dtype), v_BxTxKxH,
                     preferred_element_type=jnp.float32))
   return out.reshape(batch, seq, heads, head_dim).astype(q_BxTxNxH.dtype)
