@@ -135,11 +135,14 @@ class Sampler:
   def __init__(self, model_config: ModelConfig, mesh: Mesh, batch_size: int, cache_size: int,
                chunk: int, stop_ids: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
                cache_dtype: Any = None, cache_heads_first: bool | None = None):
-    """`cache_heads_first` picks the KV cache's layout (see KVCache); by default heads first
-    on CPU devices, slots first elsewhere."""
+    """`cache_heads_first` picks the KV cache's layout (see KVCache). By default kv heads come
+    first on CPU devices when every query head has its own kv head: decoding then ran
+    1.1-1.5x faster in three such models, and 1.1-1.2x slower in one with two query heads
+    per kv head. Slots come first elsewhere."""
     sharding.check_batch_fits_mesh(batch_size, 1, mesh)
     if cache_heads_first is None:
-      cache_heads_first = mesh.devices.flat[0].platform == "cpu"
+      cache_heads_first = (mesh.devices.flat[0].platform == "cpu"
+                           and model_config.num_heads == model_config.num_kv_heads)
     self.cache_heads_first = cache_heads_first
     self.config, self.mesh = model_config, mesh
     self.model = Transformer(model_config)

@@ -192,12 +192,21 @@ def test_no_recompilation_after_warm_up(mesh1, params):
   assert s.compilations() == warm
 
 
-def test_sharded_decoding_gives_the_same_tokens_as_one_device(mesh1, params):
+@pytest.mark.parametrize("cache_heads_first", [False, True])
+def test_sharded_decoding_gives_the_same_tokens_as_one_device(mesh1, params, cache_heads_first):
   mesh8 = sharding.make_mesh(sharding.MeshConfig(data=4, fsdp=1, tensor=2))
   sharded = jax.device_put(params, param_shardings(Transformer(CONFIG), mesh8))
   one, _, _ = run_episode(sampler(mesh1), params)
-  eight, _, state = run_episode(sampler(mesh8), sharded)
+  eight, _, state = run_episode(sampler(mesh8, cache_heads_first=cache_heads_first), sharded)
   assert one == eight
-  # Rows over data (4 of them), kv heads over tensor (2); on a CPU, kv heads before slots.
-  assert state.cache.heads_first
-  assert state.cache.k.addressable_shards[0].data.shape == (2, 1, 1, 64, 16)
+  # Rows over data (4 of them), kv heads over tensor (2).
+  assert state.cache.heads_first == cache_heads_first
+  shard = (2, 1, 1, 64, 16) if cache_heads_first else (2, 1, 64, 1, 16)
+  assert state.cache.k.addressable_shards[0].data.shape == shard
+
+
+def test_the_cache_puts_kv_heads_first_on_cpu_only_without_query_groups(mesh1):
+  assert not sampler(mesh1).cache_heads_first  # the tiny preset: 2 query heads per kv head
+  ungrouped = build_config({"preset": "tiny", "num_kv_heads": 4})
+  assert Sampler(ungrouped, mesh1, batch_size=4, cache_size=64, chunk=6,
+                 stop_ids=()).cache_heads_first

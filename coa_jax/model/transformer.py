@@ -50,9 +50,9 @@ class KVCache:
   `k` and `v` are (layer, row, slot, kv head, head dim), or (layer, row, kv head, slot, head
   dim) with `heads_first`. The sampler picks by platform. XLA:CPU runs a batched dot only with
   its batch dims (row, kv head) leading, so it transposes a slot-first cache twice per layer
-  and token (decoding 1.6x slower). The TPU compiler keeps a slot-first cache in place but
-  copies a heads-first one whole into that layout (the 7B decode on v5p: 20.3 GiB of
-  temporaries instead of 4.8).
+  and token (decoding 1.6x slower in the tiny pipeline's model). The TPU compiler keeps a
+  slot-first cache in place but copies a heads-first one whole into that layout (the 7B
+  decode on v5p: 20.3 GiB of temporaries instead of 4.8).
   """
 
   k: jax.Array
