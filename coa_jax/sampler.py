@@ -181,9 +181,8 @@ class Sampler:
   def _empty_cache(self, rows: int, slots: int) -> KVCache:
     """Returns a zero cache of `rows` rows and `slots` slots in this sampler's layout."""
     cfg = self.config
-    kv, s = cfg.num_kv_heads, slots
-    shape = (cfg.num_layers, rows, *((kv, s) if self.cache_heads_first else (s, kv)),
-             cfg.head_dim)
+    middle = (cfg.num_kv_heads, slots) if self.cache_heads_first else (slots, cfg.num_kv_heads)
+    shape = (cfg.num_layers, rows, *middle, cfg.head_dim)
     return KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype),
                    jnp.zeros((rows,), jnp.int32), self.cache_heads_first)
 
