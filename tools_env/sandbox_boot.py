@@ -138,7 +138,7 @@ def main():
   except OSError as e:
     print(f"sandbox setup failed: {e}", file=sys.stderr)
     _flush_and_exit(SETUP_FAILED)
-  sys.exit(run_program(os.path.join(workdir, "main.py"), spec.get("path", sys.path)))
+  sys.exit(run_program(os.path.join(workdir, "main.py"), spec["path"]))
 
 
 if __name__ == "__main__":
