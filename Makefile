@@ -8,9 +8,15 @@ STAMP := $(VENV)/.installed
 ACCELERATOR := $(wildcard /dev/accel0 /dev/vfio/0 /dev/nvidia0)
 export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 
-.PHONY: install demo lm-demo test sft rollout dapo pipeline distill evaluate bench bench-tools bench-rollout aot clean
+# Every package the install brings, at the exact versions the README's results were measured with.
+# `make lock` re-resolves it from setup.py; upgrading is a deliberate change that re-runs the
+# main job (README, "The end-to-end pipeline").
+LOCK := requirements.lock
+EXTRAS := test,tpu,plots,tfds
 
-$(STAMP): setup.py
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline distill evaluate bench bench-tools bench-rollout aot clean
+
+$(STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it (or as non-root)
 	@# the sandbox falls back to `unshare`, then to resource limits only.
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -19,8 +25,17 @@ $(STAMP): setup.py
 	  echo "bubblewrap not installed: the code sandbox will use unshare or resource limits"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test,tpu,plots,tfds]"
+	$(BIN)/pip install --quiet -c $(LOCK) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
+
+lock:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install --quiet --upgrade pip
+	.lock-venv/bin/pip install --quiet -e ".[$(EXTRAS)]"
+	{ echo "# pip constraints: the exact versions 'make install' installs; regenerate with 'make lock'."; \
+	  echo "# Resolved $$(date -u +%Y-%m-%d) with $$(.lock-venv/bin/python --version) on $$(uname -m)."; \
+	  .lock-venv/bin/pip freeze --exclude-editable; } > $(LOCK)
+	rm -rf .lock-venv
 
 install: $(STAMP)
 

@@ -22,7 +22,7 @@ import json
 import os
 import re
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from coa_jax import coa_format, rewards
 from coa_jax.coa_format import OBSERVATION, Step, Trajectory
@@ -140,19 +140,11 @@ def format_report(report: dict) -> str:
   return "\n".join(lines)
 
 
-def run(config: Any) -> dict[str, Any]:
-  """Builds the world, runs the teacher on its training tasks, filters, writes the data."""
-  world = World(WorldConfig(**config.world))
-  os.makedirs(config.output_dir, exist_ok=True)
-  paths = world.write(os.path.join(config.output_dir, "world"))
-  say(f"world: {len(world.by_name)} entities, {len(world.tasks['train'])} train / "
-      f"{len(world.tasks['heldout'])} held-out tasks -> {os.path.dirname(paths['corpus'])}")
-  with open(paths["tools"]) as f:
-    tools = tools_registry.build_registry(json.load(f))
-  teacher = ScriptedTeacher(tools, TeacherConfig(**config.teacher))
-  tasks = world.tasks["train"]
+def solve(teacher: ScriptedTeacher, tasks: Sequence[dict[str, Any]],
+          workers: int) -> tuple[list[Trace], int]:
+  """Returns the teacher's traces of `tasks` (in task order) and the number it failed on."""
   traces, failures, start = [], 0, time.perf_counter()
-  with concurrent.futures.ThreadPoolExecutor(config.workers) as pool:
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     for done, future in enumerate([pool.submit(teacher.run, t) for t in tasks], 1):
       try:
         traces.append(future.result())
@@ -163,12 +155,35 @@ def run(config: Any) -> dict[str, Any]:
         rate = done / (time.perf_counter() - start)
         say(f"teacher: {done}/{len(tasks)} tasks  {rate:.1f} tasks/s  "
             f"ETA {(len(tasks) - done) / rate:.0f}s")
+  return traces, failures
+
+
+def run(config: Any) -> dict[str, Any]:
+  """Builds the world, runs the teacher on its training tasks, filters, writes the data."""
+  world = World(WorldConfig(**config.world))
+  os.makedirs(config.output_dir, exist_ok=True)
+  paths = world.write(os.path.join(config.output_dir, "world"))
+  say(f"world: {len(world.by_name)} entities, {len(world.tasks['train'])} train / "
+      f"{len(world.tasks['heldout'])} held-out tasks -> {os.path.dirname(paths['corpus'])}")
+  with open(paths["tools"]) as f:
+    tools = tools_registry.build_registry(json.load(f))
+  teacher_config = TeacherConfig(**config.teacher)
+  traces, failures = solve(ScriptedTeacher(tools, teacher_config), world.tasks["train"],
+                           config.workers)
   trajectories = [to_trajectory(trace, config.system_prompt) for trace in traces]
   kept, report = Distiller(FilterConfig(**config.filters)).filter(trajectories)
   say(format_report(report))
   out = {"traces": os.path.join(config.output_dir, "traces.jsonl"),
          "trajectories": os.path.join(config.output_dir, "trajectories.jsonl"),
+         "heldout_trajectories": os.path.join(config.output_dir, "heldout_trajectories.jsonl"),
          "report": os.path.join(config.output_dir, "distill_report.json")}
+  # The error-free teacher on the held-out tasks: the copy probe's data (coa_jax.copy_probe).
+  clean = dataclasses.replace(teacher_config, vague_query_rate=0.0, misread_rate=0.0,
+                              skip_verify_rate=0.0, mental_math_rate=0.0)
+  heldout, _ = solve(ScriptedTeacher(tools, clean), world.tasks["heldout"], config.workers)
+  with open(out["heldout_trajectories"], "w") as f:
+    f.writelines(json.dumps(to_trajectory(trace, config.system_prompt).to_json()) + "\n"
+                 for trace in heldout)
   with open(out["traces"], "w") as f:
     f.writelines(json.dumps(trace.to_json()) + "\n" for trace in traces)
   with open(out["trajectories"], "w") as f:

@@ -256,6 +256,17 @@ def evaluate_teacher(teachers: Sequence[Any], tasks: Sequence[Task], system_prom
   return outcomes
 
 
+def _copy_probe(engine: Any, tokenizer: Any, path: str, max_len: int) -> dict[str, float]:
+  """Returns the copy probe (coa_jax.copy_probe) of the engine's model on the trajectories in
+  `path`."""
+  from coa_jax import copy_probe, data_pipeline
+  from coa_jax.importers import DropCounter
+
+  trajectories = data_pipeline.load_source(path, DropCounter())
+  examples = copy_probe.copy_examples(trajectories, tokenizer, max_len)
+  return copy_probe.copy_accuracy(engine.sampler.model, engine.params, examples)
+
+
 def run(config: Any) -> dict[str, Any]:
   """Evaluates config.system ("model": a checkpoint with tools, or "teacher") on config.tasks
   with k samples per task; prints the table and writes metrics.json and samples.jsonl."""
@@ -280,6 +291,9 @@ def run(config: Any) -> dict[str, Any]:
     check_prompt_lengths(tokenizer, config.system_prompt, tasks,
                          config.rollout.max_prompt_tokens)
     engine, _ = rollout_job.build(config, tokenizer)
+    if config.get("copy_probe"):
+      probe = _copy_probe(engine, tokenizer, config.copy_probe,
+                          config.rollout.max_prompt_tokens + config.rollout.max_response_tokens)
     mine = tasks[jax.process_index()::jax.process_count()]  # each host its share
     outcomes = evaluate_rollouts(engine, tokenizer, mine, rewarder)
     outcomes = {task_id: [Sample(**s) for s in samples]
@@ -289,6 +303,10 @@ def run(config: Any) -> dict[str, Any]:
   else:
     raise ConfigError(f"evaluate system={config.system!r}: expected 'model' or 'teacher'")
   metrics = summarize(outcomes, k)
+  if config.system == "model" and config.get("copy_probe"):
+    metrics.update(probe)
+    say(f"copy probe: {probe['copy_exact']:.3f} of {probe['copy_steps']:.0f} held-out answers "
+        f"copied from an observation predicted exactly (teacher-forced)")
   say(format_table({config.system: metrics}, k))
   if jax.process_index():  # process 0 writes
     return metrics

@@ -2,10 +2,13 @@
 evaluate, and a table of the teacher system, the AFM after SFT and after DAPO on held-out
 tasks.
 
-`run(config)` is `experiments/pipeline.py`; each stage is the library job of that stage
-(`distill.run`, `sft.run`, `evaluate.run`, `rl.dapo.run`) on a config derived from the
-pipeline config, writing under config.output_dir/<stage>. Stages whose outputs exist are
-reused, so a re-run resumes where the last one stopped.
+`run(config, seeds)` is `experiments/pipeline.py`; each stage is the library job of that
+stage (`distill.run`, `sft.run`, `evaluate.run`, `rl.dapo.run`) on a config derived from the
+pipeline config. Distillation (the world and the teacher's data) is shared by every seed and
+written under config.output_dir/distill; each seed (model init, data order, sampling) trains and
+evaluates under config.output_dir/seed-<seed>/<stage>. Stages whose outputs exist are reused,
+so a re-run resumes where the last one stopped. results.json holds every seed's metrics, their
+mean and standard deviation, and the stage wall times; results.png shows them.
 """
 
 from __future__ import annotations
@@ -13,16 +16,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ml_collections
+import numpy as np
 
 from coa_jax import distill, evaluate, sft
 from coa_jax.metrics import say
 from coa_jax.rl import dapo
 from configs import common, dapo_tiny_cpu, evaluate_tiny, sft_tiny_cpu
 
-COLUMNS = ("pass@1", "tokens_per_task", "tool_calls_per_task", "format_error_rate")
+SYSTEMS = {"teacher": "teacher system", "sft": "AFM after SFT", "dapo": "AFM after DAPO"}
 
 
 def _stage(name: str, path: str) -> bool:
@@ -34,10 +38,13 @@ def _stage(name: str, path: str) -> bool:
   return False
 
 
-def stage_configs(config: Any) -> dict[str, ml_collections.ConfigDict]:
-  """Returns the configs of every stage, derived from the pipeline config."""
+def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collections.ConfigDict]:
+  """Returns the configs of every stage for `seed` (default config.seed), derived from the
+  pipeline config."""
+  seed = config.seed if seed is None else seed
   out = os.path.abspath(config.output_dir)
   world_dir = os.path.join(out, "distill", "world")
+  run_dir = os.path.join(out, f"seed-{seed}")
   model = dict(config.model)
 
   distill_config = ml_collections.ConfigDict(dict(
@@ -46,7 +53,7 @@ def stage_configs(config: Any) -> dict[str, ml_collections.ConfigDict]:
       output_dir=os.path.join(out, "distill")))
 
   sft_config = sft_tiny_cpu.get_config()
-  sft_config.seed = config.seed
+  sft_config.seed = seed
   sft_config.model = common.model(**model)
   sft_config.mesh = config.mesh
   sft_config.data = common.data(os.path.join(out, "distill", "trajectories.jsonl"),
@@ -56,10 +63,10 @@ def stage_configs(config: Any) -> dict[str, ml_collections.ConfigDict]:
       learning_rate=config.sft.learning_rate, warmup_steps=config.sft.warmup_steps,
       schedule="cosine", total_steps=config.sft.steps, weight_decay=0.0)
   sft_config.train = common.train(steps=config.sft.steps, log_every=config.log_every)
-  sft_config.checkpoint = common.checkpoint(os.path.join(out, "sft", "checkpoints"),
+  sft_config.checkpoint = common.checkpoint(os.path.join(run_dir, "sft", "checkpoints"),
                                             every=config.sft.steps, max_to_keep=1)
-  sft_config.workdir = os.path.join(out, "sft")
-  sft_config.export_dir = os.path.join(out, "sft", "hf_export")
+  sft_config.workdir = os.path.join(run_dir, "sft")
+  sft_config.export_dir = os.path.join(run_dir, "sft", "hf_export")
 
   tools = ml_collections.ConfigDict()  # the world's tools, once distillation has written them
   if os.path.exists(os.path.join(world_dir, "tools.json")):
@@ -68,22 +75,24 @@ def stage_configs(config: Any) -> dict[str, ml_collections.ConfigDict]:
 
   def evaluation(system: str, checkpoint: str, name: str) -> ml_collections.ConfigDict:
     cfg = evaluate_tiny.get_config()
-    cfg.system, cfg.seed, cfg.k = system, config.seed, config.eval.k
+    cfg.system, cfg.seed, cfg.k = system, seed, config.eval.k
     cfg.model = common.model(**model)
     cfg.model.checkpoint = checkpoint
     cfg.mesh = config.mesh
     cfg.tasks = os.path.join(world_dir, "heldout.jsonl")
+    cfg.copy_probe = os.path.join(out, "distill", "heldout_trajectories.jsonl")
     cfg.max_tasks = config.eval.max_tasks
     cfg.batch_size = config.eval.batch_size
     cfg.rollout.update(dict(config.rollout), group_size=config.eval.k)
     cfg.sampling, cfg.system_prompt = config.sampling, config.system_prompt
     cfg.tools = tools
     cfg.teacher = config.teacher
-    cfg.output_dir = os.path.join(out, name)
+    # The scripted teacher's samples do not depend on the seed: it is evaluated once.
+    cfg.output_dir = os.path.join(out if system == "teacher" else run_dir, name)
     return cfg
 
   dapo_config = dapo_tiny_cpu.get_config()
-  dapo_config.seed = config.seed
+  dapo_config.seed = seed
   dapo_config.model = common.model(**model)
   dapo_config.mesh = config.mesh
   dapo_config.model.checkpoint = sft_config.export_dir
@@ -98,10 +107,10 @@ def stage_configs(config: Any) -> dict[str, ml_collections.ConfigDict]:
   dapo_config.rl = common.rl(**dict(config.dapo.rl))
   dapo_config.optimizer = common.optimizer(learning_rate=config.dapo.learning_rate,
                                            schedule="constant", weight_decay=0.0)
-  dapo_config.checkpoint = common.checkpoint(os.path.join(out, "dapo", "checkpoints"),
+  dapo_config.checkpoint = common.checkpoint(os.path.join(run_dir, "dapo", "checkpoints"),
                                              every=config.dapo.rl.steps, max_to_keep=1)
-  dapo_config.workdir = os.path.join(out, "dapo")
-  dapo_config.export_dir = os.path.join(out, "dapo", "hf_export")
+  dapo_config.workdir = os.path.join(run_dir, "dapo")
+  dapo_config.export_dir = os.path.join(run_dir, "dapo", "hf_export")
 
   return {"distill": distill_config, "sft": sft_config, "dapo": dapo_config,
           "eval_teacher": evaluation("teacher", "", "eval_teacher"),
@@ -109,52 +118,136 @@ def stage_configs(config: Any) -> dict[str, ml_collections.ConfigDict]:
           "eval_dapo": evaluation("model", dapo_config.export_dir, "eval_dapo")}
 
 
-def _metrics(cfg: Any) -> dict[str, Any]:
+def _timed(times: dict[str, float], name: str, done: str, job: Callable[[], Any]) -> None:
+  """Runs `job` unless its output `done` exists; records its wall time under `name`."""
+  if _stage(name, done):
+    return
+  start = time.perf_counter()
+  job()
+  times[name] = round(time.perf_counter() - start, 1)
+
+
+def _metrics(cfg: Any, times: dict[str, float], name: str) -> dict[str, Any]:
   path = os.path.join(cfg.output_dir, "metrics.json")
-  if not _stage(f"evaluate {cfg.system} {cfg.model.checkpoint}", path):
-    evaluate.run(cfg)
+  _timed(times, name, path, lambda: evaluate.run(cfg))
   with open(path) as f:
     return json.load(f)
 
 
-def plot(rows: dict[str, dict[str, Any]], path: str) -> str | None:
-  """Writes bar charts of the table's columns to `path`; returns it (None without matplotlib)."""
+def metric_names(k: int) -> tuple[str, ...]:
+  """Returns the metrics the results table reports, in its column order."""
+  return ("pass@1", f"avg@{k}", f"pass@{k}", f"maj@{k}", "tokens_per_task",
+          "tool_calls_per_task", "format_error_rate", "copy_exact")
+
+
+def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]],
+              k: int) -> dict[str, dict[str, dict[str, Any]]]:
+  """Returns, per system and metric, the seeds' values, their mean and their sample standard
+  deviation (0 for one seed)."""
+  summary: dict[str, dict[str, dict[str, Any]]] = {}
+  for system in SYSTEMS:
+    summary[system] = {}
+    for metric in metric_names(k):
+      values = [rows[system][metric] for rows in per_seed.values()
+                if metric in rows.get(system, {})]
+      if values:
+        summary[system][metric] = dict(
+            values=values, mean=float(np.mean(values)),
+            sd=float(np.std(values, ddof=1)) if len(values) > 1 else 0.0)
+  return summary
+
+
+def format_summary(summary: dict[str, dict[str, dict[str, Any]]], k: int) -> str:
+  """Returns the results as a Markdown table of mean +- sd over seeds."""
+  columns = [m for m in metric_names(k) if any(m in summary[s] for s in summary)]
+  lines = ["| system | " + " | ".join(c.replace("_", " ") for c in columns) + " |",
+           "|---" * (len(columns) + 1) + "|"]
+  for system, metrics in summary.items():
+    cells = []
+    for column in columns:
+      if column not in metrics:
+        cells.append("-")
+        continue
+      mean, sd = metrics[column]["mean"], metrics[column]["sd"]
+      digits = 0 if mean >= 10 else 3
+      cells.append(f"{mean:.{digits}f} +- {sd:.{digits}f}")
+    lines.append(f"| {SYSTEMS[system]} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def plot(summary: dict[str, dict[str, dict[str, Any]]], k: int, seeds: int,
+         path: str) -> str | None:
+  """Writes bar charts (mean over seeds, sd as error bars, values on the bars) of pass@1 and
+  pass@k, tokens and tool calls per task and format errors to `path`; returns it (None
+  without matplotlib)."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
     return None
-  fig, axes = plt.subplots(1, len(COLUMNS), figsize=(4 * len(COLUMNS), 3.5))
-  for ax, column in zip(axes, COLUMNS):
-    ax.bar(list(rows), [rows[name][column] for name in rows], color=["#888", "#4a7", "#47a"])
-    ax.set_title(column)
-  fig.suptitle("held-out tasks: teacher system vs AFM after SFT and after DAPO")
+  names = list(summary)
+  colors = {"teacher": "#888888", "sft": "#44aa77", "dapo": "#4477aa"}
+  panels = [("held-out accuracy", ("pass@1", f"pass@{k}")), ("tokens per task", ("tokens_per_task",)),
+            ("tool calls per task", ("tool_calls_per_task",)),
+            ("format-error rate", ("format_error_rate",))]
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8),
+                           gridspec_kw={"width_ratios": [1.6, 1, 1, 1]})
+  for ax, (title, metrics) in zip(axes, panels):
+    width = 0.8 / len(metrics)
+    for j, metric in enumerate(metrics):
+      x = np.arange(len(names)) + (j - (len(metrics) - 1) / 2) * width
+      means = [summary[n][metric]["mean"] for n in names]
+      sds = [summary[n][metric]["sd"] for n in names]
+      bars = ax.bar(x, means, width, yerr=sds, capsize=3, color=[colors[n] for n in names],
+                    alpha=1.0 if j == 0 else 0.55, label=metric)
+      ax.bar_label(bars, [f"{m:.0f}" if m >= 10 else f"{m:.2f}" for m in means], fontsize=7,
+                   padding=2)
+    ax.set_xticks(np.arange(len(names)), [SYSTEMS[n].replace("AFM ", "") for n in names],
+                  fontsize=8)
+    ax.set_title(title + (f" ({' / '.join(metrics)}, light: {metrics[-1]})"
+                          if len(metrics) > 1 else ""), fontsize=9)
+    ax.margins(y=0.15)
+  fig.suptitle(f"held-out tasks, mean +- sd over {seeds} seed{'s' * (seeds > 1)}: "
+               "teacher system vs AFM after SFT and after DAPO")
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
 
 
-def run(config: Any) -> dict[str, Any]:
-  """Runs every stage; returns the final table (also written as results.json and a PNG)."""
+def run(config: Any, seeds: int = 1) -> dict[str, Any]:
+  """Distils once, then trains and evaluates `seeds` seeds (config.seed, config.seed + 1,
+  ...); returns the results (also written as results.json and results.png)."""
+  if seeds < 1:
+    raise ValueError(f"seeds={seeds}: expected at least 1")
   start = time.perf_counter()
   os.makedirs(config.output_dir, exist_ok=True)
+  times: dict[str, float] = {}
   configs = stage_configs(config)
-  if not _stage("distill", os.path.join(config.output_dir, "distill", "trajectories.jsonl")):
-    distill.run(configs["distill"])
-  configs = stage_configs(config)  # the tools spec now exists
-  if not _stage("sft", configs["sft"].export_dir):
-    sft.run(configs["sft"])
-  rows = {"teacher": _metrics(configs["eval_teacher"]), "sft": _metrics(configs["eval_sft"])}
-  if not _stage("dapo", configs["dapo"].export_dir):
-    dapo.run(configs["dapo"])
-  rows["dapo"] = _metrics(configs["eval_dapo"])
-  table = evaluate.format_table(rows, config.eval.k)
-  say(table)
-  results = {"rows": rows, "table": table, "wall_s": time.perf_counter() - start,
-             "plot": plot(rows, os.path.join(config.output_dir, "results.png"))}
+  _timed(times, "distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
+         lambda: distill.run(configs["distill"]))
+  teacher = _metrics(stage_configs(config)["eval_teacher"], times, "eval teacher")
+  per_seed = {}
+  for seed in range(config.seed, config.seed + seeds):
+    configs = stage_configs(config, seed)  # the tools spec exists now
+    say(f"=== seed {seed}")
+    _timed(times, f"seed {seed} sft", configs["sft"].export_dir,
+           lambda: sft.run(configs["sft"]))
+    rows = {"teacher": teacher, "sft": _metrics(configs["eval_sft"], times, f"seed {seed} eval sft")}
+    _timed(times, f"seed {seed} dapo", configs["dapo"].export_dir,
+           lambda: dapo.run(configs["dapo"]))
+    rows["dapo"] = _metrics(configs["eval_dapo"], times, f"seed {seed} eval dapo")
+    per_seed[seed] = rows
+  k = config.eval.k
+  summary = aggregate(per_seed, k)
+  table = format_summary(summary, k)
+  results = {"seeds": list(per_seed), "per_seed": per_seed, "summary": summary, "table": table,
+             "stage_seconds": times, "wall_s": round(time.perf_counter() - start, 1),
+             "plot": plot(summary, k, seeds, os.path.join(config.output_dir, "results.png"))}
   with open(os.path.join(config.output_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=1)
+  say(f"held-out tasks, mean +- sd over {seeds} seed(s):\n{table}")
+  say("stage wall times (s): " + ", ".join(f"{name} {t:.0f}" for name, t in times.items()))
   say(f"pipeline done in {results['wall_s']:.0f}s; results in {config.output_dir}")
   return results

@@ -61,7 +61,7 @@ def optimizer(**overrides) -> ml_collections.ConfigDict:
 
 
 def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
-  """DAPO settings; the defaults are the reference's (see DESIGN.md, "Reference facts").
+  """DAPO settings; the defaults are the reference's (see docs/DESIGN.md, "Reference facts").
 
   A step gathers `batch_groups` prompt groups (dynamic sampling generates rounds of
   `prompts_per_round` prompts, at most `max_rounds`), then updates once per mini-batch of

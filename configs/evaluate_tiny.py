@@ -19,6 +19,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.tasks = f"{_WORLD}/heldout.jsonl"
   config.max_tasks = 0
+  # Held-out teacher trajectories for the copy probe (coa_jax.copy_probe); "" skips it.
+  config.copy_probe = ""
   config.k = 3  # samples per task
   config.system_prompt = SYSTEM_PROMPT
   config.batch_size = 24  # decode rows (a multiple of k)

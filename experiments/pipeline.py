@@ -1,6 +1,6 @@
 """The whole recipe end to end: world -> distil -> SFT -> evaluate -> DAPO -> evaluate.
 
-  python experiments/pipeline.py [--config=configs/pipeline_tiny_cpu.py] [--quick]
+  python experiments/pipeline.py [--config=configs/pipeline_tiny_cpu.py] [--quick] [--seeds=3]
 
 Writes every stage's outputs under config.output_dir and, at the end, results.json and
 results.png: the teacher system, the AFM after SFT and after DAPO on held-out tasks.
@@ -21,6 +21,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config",
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/pipeline_tiny_cpu.py"))
 _QUICK = flags.DEFINE_bool("quick", False, "a few-minute smoke test of every stage")
+_SEEDS = flags.DEFINE_integer("seeds", 1, "train and evaluate this many seeds (config.seed, "
+                              "config.seed + 1, ...) on the same distilled data; results.json "
+                              "and results.png report mean +- sd")
 
 
 def main(argv):
@@ -30,7 +33,7 @@ def main(argv):
   config = _CONFIG.value
   if _QUICK.value:
     config = pipeline_tiny_cpu.quick(config)
-  pipeline.run(config)
+  pipeline.run(config, seeds=_SEEDS.value)
 
 
 if __name__ == "__main__":

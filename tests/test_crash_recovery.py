@@ -1,10 +1,13 @@
-"""Crash recovery of the real entry points: a run killed with SIGKILL at a random moment resumes
-from its last checkpoint and ends exactly where an uninterrupted run ends (SFT and DAPO); a
-SIGTERM (a TPU preemption notice) saves before a clean exit. Each run is a separate process."""
+"""Crash recovery of the real entry points: a run killed with SIGKILL mid-run resumes from its last
+checkpoint and ends exactly where an uninterrupted run ends (SFT and DAPO); a SIGTERM (a TPU
+preemption notice) saves before a clean exit. Each run is a separate process.
+
+Nothing here depends on timing: a signal is sent once the event it needs has happened (a
+committed checkpoint, a logged step), and the moment past that event is drawn from a seeded
+generator, so a slow or busy machine changes how long a test takes, never what it checks."""
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -17,7 +20,7 @@ from coa_jax.safetensors_io import SafetensorsFile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
        "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-SFT_STEPS = 30  # enough that a kill after step 3-8 lands mid-run, even with cached compiles
+SFT_STEPS = 40  # the kill lands after a checkpoint of step 4-8 commits: 32+ steps before the end
 SFT = ["experiments/sft.py", f"--config.train.steps={SFT_STEPS}",
        f"--config.optimizer.total_steps={SFT_STEPS}",
        "--config.optimizer.warmup_steps=2",
@@ -57,12 +60,21 @@ def _steps_logged(folder):
   return len(open(path).read().splitlines()) if os.path.exists(path) else 0
 
 
-def _interrupt(proc, folder, after_steps, sig, timeout=240):
-  """Sends `sig` once `after_steps` steps are logged (plus a random fraction of a step)."""
-  deadline = time.time() + timeout
-  while _steps_logged(folder) < after_steps and proc.poll() is None and time.time() < deadline:
-    time.sleep(0.05)
-  time.sleep(random.uniform(0.0, 0.3))
+def _committed_steps(folder):
+  """The steps whose checkpoint is complete (orbax renames a step's folder into place when done)."""
+  path = os.path.join(folder, "ckpt")
+  return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
+
+
+def _interrupt(proc, ready, sig, delay_s=0.0, timeout=240):
+  """Sends `sig` `delay_s` after `ready()` first holds; returns the exit status. Fails if the
+  run ended before that or `ready()` never held."""
+  deadline = time.monotonic() + timeout
+  while not ready():
+    assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the signal"
+    assert time.monotonic() < deadline, "the event never came"
+    time.sleep(0.01)
+  time.sleep(delay_s)
   proc.send_signal(sig)
   return proc.wait(timeout=120)
 
@@ -88,28 +100,35 @@ def _assert_same_end(folder, reference, keys):
     np.testing.assert_allclose(a.get(name), b.get(name), rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-def test_sft_killed_at_a_random_moment_resumes_to_the_uninterrupted_end(tmp_path):
-  kill_after = random.randint(3, 8)
+def test_sft_killed_mid_run_resumes_to_the_uninterrupted_end(tmp_path):
+  draw = np.random.default_rng(0)
+  kill_at, delay_s = 2 * int(draw.integers(2, 5)), float(draw.uniform(0.0, 0.05))
   reference = _start(SFT, tmp_path / "whole")
-  victim = _start(SFT, tmp_path / "killed")
-  assert _interrupt(victim, tmp_path / "killed", kill_after, signal.SIGKILL) == -signal.SIGKILL
-  assert _steps_logged(tmp_path / "killed") < SFT_STEPS, "the run ended before the kill"
-  _finish(_start(SFT, tmp_path / "killed"), tmp_path / "killed")
+  killed = tmp_path / "killed"
+  victim = _start(SFT, killed)
+  at_checkpoint = lambda: any(step >= kill_at for step in _committed_steps(killed))  # noqa: E731
+  assert _interrupt(victim, at_checkpoint, signal.SIGKILL, delay_s) == -signal.SIGKILL
+  assert _steps_logged(killed) < SFT_STEPS, "the run ended before the kill"
+  resume_from = max(_committed_steps(killed))
+  _finish(_start(SFT, killed), killed)
   _finish(reference, tmp_path / "whole")
-  assert "resumed from step" in open(tmp_path / "killed" / "log.txt").read()
-  _assert_same_end(tmp_path / "killed", tmp_path / "whole", ("loss", "grad_norm"))
+  assert f"resumed from step {resume_from}" in open(killed / "log.txt").read()
+  _assert_same_end(killed, tmp_path / "whole", ("loss", "grad_norm"))
 
 
 def test_dapo_preempted_then_killed_resumes_to_the_uninterrupted_end(tmp_path):
   reference = _start(DAPO, tmp_path / "whole")
   run = tmp_path / "interrupted"
-  assert _interrupt(_start(DAPO, run), run, 1, signal.SIGTERM) == 0  # a preemption notice
+  first_step = lambda: _steps_logged(run) >= 1  # noqa: E731
+  assert _interrupt(_start(DAPO, run), first_step, signal.SIGTERM) == 0  # a preemption notice
   log = open(run / "log.txt").read()
   assert "saving a checkpoint, then stopping" in log
-  saved = max(int(d) for d in os.listdir(run / "ckpt") if d.isdigit())
+  saved = max(_committed_steps(run))
   assert saved == _steps_logged(run)  # the step it was in is saved
   victim = _start(DAPO, run)
-  assert _interrupt(victim, run, saved + 1, signal.SIGKILL) == -signal.SIGKILL
+  next_step = lambda: _steps_logged(run) >= saved + 1  # noqa: E731
+  assert _interrupt(victim, next_step, signal.SIGKILL) == -signal.SIGKILL
   _finish(_start(DAPO, run), run)
   _finish(reference, tmp_path / "whole")
+  assert f"resumed from step {saved}" in open(run / "log.txt").read()
   _assert_same_end(run, tmp_path / "whole", ("reward", "response_len", "pg_loss", "entropy"))

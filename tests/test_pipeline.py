@@ -1,6 +1,9 @@
-"""The end-to-end pipeline's --quick variant: every stage runs and the table is written."""
+"""The end-to-end pipeline's --quick variant: every stage runs and the results are written; the
+results over seeds (mean and sample standard deviation)."""
 
 import json
+
+import pytest
 
 from coa_jax import pipeline
 from configs import common, pipeline_tiny_cpu
@@ -11,12 +14,29 @@ def test_quick_pipeline_runs_every_stage(tmp_path):
   config.output_dir = str(tmp_path / "run")
   config.mesh = common.mesh(data=2, fsdp=2, tensor=2)  # the 8 fake devices
   results = pipeline.run(config)
-  assert list(results["rows"]) == ["teacher", "sft", "dapo"]
-  assert results["rows"]["teacher"]["pass@1"] > 0.5  # the scripted teacher solves them
-  for name in ("distill/trajectories.jsonl", "sft/hf_export/config.json",
-               "dapo/hf_export/config.json", "results.png"):
+  rows = results["per_seed"][config.seed]
+  assert list(rows) == ["teacher", "sft", "dapo"]
+  assert rows["teacher"]["pass@1"] > 0.5  # the scripted teacher solves them
+  assert 0.0 <= rows["sft"]["copy_exact"] <= 1.0 and rows["sft"]["copy_steps"] > 0
+  for name in ("distill/trajectories.jsonl", "distill/heldout_trajectories.jsonl",
+               "seed-0/sft/hf_export/config.json", "seed-0/dapo/hf_export/config.json",
+               "results.png"):
     assert (tmp_path / "run" / name).exists(), name
   saved = json.load(open(tmp_path / "run" / "results.json"))
-  assert saved["rows"]["sft"]["tasks"] == config.eval.max_tasks
+  assert saved["per_seed"]["0"]["sft"]["tasks"] == config.eval.max_tasks
+  assert saved["summary"]["sft"]["pass@1"]["values"] == [rows["sft"]["pass@1"]]
+  assert {"distill", "seed 0 sft", "seed 0 dapo"} <= set(saved["stage_seconds"])
   again = pipeline.run(config)  # every stage's output exists: all are reused
-  assert again["rows"] == results["rows"]
+  assert again["per_seed"] == results["per_seed"] and again["stage_seconds"] == {}
+
+
+def test_results_over_seeds_are_mean_and_sample_sd():
+  per_seed = {seed: {system: {"pass@1": value, "tokens_per_task": 100.0 * value}
+                     for system in pipeline.SYSTEMS}
+              for seed, value in ((0, 0.5), (1, 0.7), (2, 0.9))}
+  summary = pipeline.aggregate(per_seed, k=3)
+  assert summary["sft"]["pass@1"]["values"] == [0.5, 0.7, 0.9]
+  assert summary["sft"]["pass@1"]["mean"] == pytest.approx(0.7)
+  assert summary["sft"]["pass@1"]["sd"] == pytest.approx(0.2)  # ddof=1
+  table = pipeline.format_summary(summary, k=3)
+  assert "| AFM after SFT | 0.700 +- 0.200 | 70 +- 20 |" in table

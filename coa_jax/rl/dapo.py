@@ -353,13 +353,19 @@ def run(config: Any) -> dict[str, Any]:
       with open(summary["prompts"], "w") as f:
         json.dump(report, f, indent=1)
   if log.rows:
-    first, final = log.rows[0], log.rows[-1]
+    # The rollouts' own accuracy (at the sampling temperature) averaged over the first and the
+    # last quarter of the steps: one step's batch is too few samples to compare.
+    window = max(len(log.rows) // 4, 1)
+    first, final = ({k: float(np.mean([r[k] for r in rows])) for k in ("reward", "accuracy")}
+                    for rows in (log.rows[:window], log.rows[-window:]))
     summary.update(first_reward=first["reward"], final_reward=final["reward"],
                    first_accuracy=first["accuracy"], final_accuracy=final["accuracy"])
     summary["plot"] = log.plot(os.path.join(config.workdir, "dapo.png"), PLOT_KEYS,
                                title="DAPO")
-    say(f"reward {first['reward']:.3f} -> {final['reward']:.3f}, accuracy "
-        f"{first['accuracy']:.3f} -> {final['accuracy']:.3f}; plot {summary['plot']}")
+    span = f"{window} step{'s' * (window > 1)}"
+    say(f"rollout reward {first['reward']:.3f} -> {final['reward']:.3f}, rollout accuracy "
+        f"{first['accuracy']:.3f} -> {final['accuracy']:.3f} (training rollouts, means of "
+        f"the first and the last {span}); plot {summary['plot']}")
   if config.export_dir and summary["steps"] == rl.steps:
     hf_checkpoint.save_checkpoint(config.export_dir, trainer.model_config, trainer.state.params,
                                   dtype=config.export_dtype)

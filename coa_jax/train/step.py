@@ -96,9 +96,10 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
   loss = ce.mean()
   new_state, grad_norm, finite = apply_if_finite(tx, state, grads, loss)
   positions = jnp.maximum(jnp.sum(batch["segment_ids"] > 0), 1)
-  metrics = dict(loss=loss, z_loss=z_total / count, tokens=ce.count,
-                 unmasked_fraction=ce.count / positions, grad_norm=grad_norm,
-                 is_finite=finite)
+  metrics = dict(loss=loss, tokens=ce.count, unmasked_fraction=ce.count / positions,
+                 grad_norm=grad_norm, is_finite=finite)
+  if z_loss:  # the z term is reported only when it is part of the loss
+    metrics["z_loss"] = z_total / count
   if schedule is not None:
     metrics["lr"] = schedule(state.step)
   return new_state, metrics

@@ -1,0 +1,87 @@
+"""The copy probe: does a model answer with the value a tool's observation gave it?
+
+An agent model is only as good as its reading: a look-up's answer is a value on a page, an
+arithmetic answer is the number the code printed. A model that writes the format but does not
+copy values scores near zero, however low its training loss. The probe measures exactly that,
+cheaply and without sampling: on held-out teacher trajectories, each `suggested_answer` whose
+value appears in an earlier observation is a copy step, and the probe counts the copy steps
+whose every token (content, newlines, closing tag) is the model's greedy next-token prediction
+given the trajectory up to it (teacher forcing). A model that cannot see observations scores
+what it can guess, about 0 on numbers it has never seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coa_jax import coa_format, sft_tokenize
+from coa_jax.coa_format import Trajectory
+from coa_jax.tokenizer import CoATokenizer
+
+COPY_TAG = "suggested_answer"
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyExample:
+  """A tokenized trajectory and the token ranges [start, end) of its copy steps' bodies."""
+
+  input_ids: np.ndarray
+  spans: tuple[tuple[int, int], ...]
+
+
+def copy_example(trajectory: Trajectory, tokenizer: CoATokenizer,
+                 max_len: int) -> CopyExample | None:
+  """Returns the trajectory's copy steps within `max_len` tokens, or None when it has none."""
+  ids = tokenizer.prompt_ids(trajectory.system, trajectory.question)
+  seen, spans = [], []
+  for i, step in enumerate(trajectory.steps):
+    span = sft_tokenize.step_ids(tokenizer, step, first=i == 0)
+    body_start = len(ids) + span.index(tokenizer.tag_id(step.tag)) + 1
+    ids.extend(span)
+    value = step.content.strip()
+    if step.tag == coa_format.OBSERVATION:
+      seen.append(step.content)
+    elif (step.tag == COPY_TAG and value and any(value in text for text in seen)
+          and len(ids) <= max_len):
+      spans.append((body_start, len(ids)))
+  if not spans:
+    return None
+  return CopyExample(np.asarray(ids[:max_len], np.int32), tuple(spans))
+
+
+def copy_examples(trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
+                  max_len: int) -> list[CopyExample]:
+  """Returns the copy examples of `trajectories` (those without a copy step are skipped)."""
+  examples = (copy_example(t, tokenizer, max_len) for t in trajectories)
+  return [e for e in examples if e is not None]
+
+
+def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
+                  batch_size: int = 16) -> dict[str, float]:
+  """Returns the fraction of copy steps predicted exactly (teacher-forced greedy) and of their
+  tokens; rows are padded to the longest example, so one shape is compiled per call."""
+  if not examples:
+    raise ValueError("no copy examples: the trajectories have no answer copied from an "
+                     "observation")
+  length = max(len(e.input_ids) for e in examples)
+  predict = jax.jit(lambda p, ids: jnp.argmax(model.apply({"params": p}, ids), axis=-1))
+  steps = exact = tokens = right = 0
+  for start in range(0, len(examples), batch_size):
+    chunk = examples[start:start + batch_size]
+    ids_BxT = np.zeros((batch_size, length), np.int32)
+    for row, example in enumerate(chunk):
+      ids_BxT[row, :len(example.input_ids)] = example.input_ids
+    predicted_BxT = np.asarray(predict(params, ids_BxT))
+    for row, example in enumerate(chunk):
+      for begin, end in example.spans:
+        # the token at position t is predicted at position t - 1
+        hits = predicted_BxT[row, begin - 1:end - 1] == example.input_ids[begin:end]
+        steps, exact = steps + 1, exact + bool(hits.all())
+        tokens, right = tokens + len(hits), right + int(hits.sum())
+  return {"copy_exact": exact / steps, "copy_token_accuracy": right / tokens,
+          "copy_steps": float(steps)}
