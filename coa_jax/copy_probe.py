@@ -28,17 +28,19 @@ COPY_TAG = "suggested_answer"
 
 @dataclasses.dataclass(frozen=True)
 class CopyExample:
-  """A tokenized trajectory and the token ranges [start, end) of its copy steps' bodies."""
+  """A tokenized trajectory, the token ranges [start, end) of its copy steps' bodies and of its
+  tool calls' bodies (the calls copy names and operands from the question and earlier steps)."""
 
   input_ids: np.ndarray
   spans: tuple[tuple[int, int], ...]
+  call_spans: tuple[tuple[int, int], ...] = ()
 
 
 def copy_example(trajectory: Trajectory, tokenizer: CoATokenizer,
                  max_len: int) -> CopyExample | None:
   """Returns the trajectory's copy steps within `max_len` tokens, or None when it has none."""
   ids = tokenizer.prompt_ids(trajectory.system, trajectory.question)
-  seen, spans = [], []
+  seen, spans, calls = [], [], []
   for i, step in enumerate(trajectory.steps):
     span = sft_tokenize.step_ids(tokenizer, step, first=i == 0)
     body_start = len(ids) + span.index(tokenizer.tag_id(step.tag)) + 1
@@ -49,9 +51,11 @@ def copy_example(trajectory: Trajectory, tokenizer: CoATokenizer,
     elif (step.tag == COPY_TAG and value and any(value in text for text in seen)
           and len(ids) <= max_len):
       spans.append((body_start, len(ids)))
+    elif step.is_tool and len(ids) <= max_len:
+      calls.append((body_start, len(ids)))
   if not spans:
     return None
-  return CopyExample(np.asarray(ids[:max_len], np.int32), tuple(spans))
+  return CopyExample(np.asarray(ids[:max_len], np.int32), tuple(spans), tuple(calls))
 
 
 def copy_examples(trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
@@ -63,14 +67,15 @@ def copy_examples(trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
 
 def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
                   batch_size: int = 16) -> dict[str, float]:
-  """Returns the fraction of copy steps predicted exactly (teacher-forced greedy) and of their
-  tokens; rows are padded to the longest example, so one shape is compiled per call."""
+  """Returns the fractions of copy steps predicted exactly (teacher-forced greedy), of their
+  tokens, and of tool calls predicted exactly; rows are padded to the longest example, so one
+  shape is compiled per call."""
   if not examples:
     raise ValueError("no copy examples: the trajectories have no answer copied from an "
                      "observation")
   length = max(len(e.input_ids) for e in examples)
   predict = jax.jit(lambda p, ids: jnp.argmax(model.apply({"params": p}, ids), axis=-1))
-  steps = exact = tokens = right = 0
+  steps = exact = tokens = right = calls = calls_exact = 0
   for start in range(0, len(examples), batch_size):
     chunk = examples[start:start + batch_size]
     ids_BxT = np.zeros((batch_size, length), np.int32)
@@ -78,10 +83,15 @@ def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
       ids_BxT[row, :len(example.input_ids)] = example.input_ids
     predicted_BxT = np.asarray(predict(params, ids_BxT))
     for row, example in enumerate(chunk):
+      # the token at position t is predicted at position t - 1
+      hits = lambda begin, end: (predicted_BxT[row, begin - 1:end - 1] ==  # noqa: E731
+                                 example.input_ids[begin:end])
       for begin, end in example.spans:
-        # the token at position t is predicted at position t - 1
-        hits = predicted_BxT[row, begin - 1:end - 1] == example.input_ids[begin:end]
-        steps, exact = steps + 1, exact + bool(hits.all())
-        tokens, right = tokens + len(hits), right + int(hits.sum())
+        hit = hits(begin, end)
+        steps, exact = steps + 1, exact + bool(hit.all())
+        tokens, right = tokens + len(hit), right + int(hit.sum())
+      for begin, end in example.call_spans:
+        calls, calls_exact = calls + 1, calls_exact + bool(hits(begin, end).all())
   return {"copy_exact": exact / steps, "copy_token_accuracy": right / tokens,
-          "copy_steps": float(steps)}
+          "copy_steps": float(steps), "call_exact": calls_exact / max(calls, 1),
+          "calls": float(calls)}
