@@ -66,32 +66,46 @@ def copy_examples(trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
 
 
 def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
-                  batch_size: int = 16) -> dict[str, float]:
+                  batch_size: int = 16, temperature: float = 0.6) -> dict[str, float]:
   """Returns the fractions of copy steps predicted exactly (teacher-forced greedy), of their
-  tokens, and of tool calls predicted exactly; rows are padded to the longest example, so one
-  shape is compiled per call."""
+  tokens, and of tool calls predicted exactly, and the chance that sampling at `temperature`
+  writes a copy step or a tool call exactly (`copy_sampled`, `call_sampled`: the product of its
+  tokens' probabilities, averaged); rows are padded to the longest example, so one shape is
+  compiled per call."""
   if not examples:
     raise ValueError("no copy examples: the trajectories have no answer copied from an "
                      "observation")
   length = max(len(e.input_ids) for e in examples)
-  predict = jax.jit(lambda p, ids: jnp.argmax(model.apply({"params": p}, ids), axis=-1))
+  @jax.jit
+  def predict(p, ids_BxT):
+    logits_BxTxV = model.apply({"params": p}, ids_BxT)
+    targets_BxT = jnp.roll(ids_BxT, -1, axis=1)  # position t predicts token t + 1
+    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV / temperature, axis=-1)
+    logp_BxT = jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    return jnp.argmax(logits_BxTxV, axis=-1), logp_BxT
+
   steps = exact = tokens = right = calls = calls_exact = 0
+  sampled, calls_sampled = 0.0, 0.0
   for start in range(0, len(examples), batch_size):
     chunk = examples[start:start + batch_size]
     ids_BxT = np.zeros((batch_size, length), np.int32)
     for row, example in enumerate(chunk):
       ids_BxT[row, :len(example.input_ids)] = example.input_ids
-    predicted_BxT = np.asarray(predict(params, ids_BxT))
+    predicted_BxT, logp_BxT = map(np.asarray, predict(params, ids_BxT))
     for row, example in enumerate(chunk):
       # the token at position t is predicted at position t - 1
       hits = lambda begin, end: (predicted_BxT[row, begin - 1:end - 1] ==  # noqa: E731
                                  example.input_ids[begin:end])
+      chance = lambda begin, end: float(np.exp(logp_BxT[row, begin - 1:end - 1].sum()))  # noqa: E731
       for begin, end in example.spans:
         hit = hits(begin, end)
         steps, exact = steps + 1, exact + bool(hit.all())
         tokens, right = tokens + len(hit), right + int(hit.sum())
+        sampled += chance(begin, end)
       for begin, end in example.call_spans:
         calls, calls_exact = calls + 1, calls_exact + bool(hits(begin, end).all())
+        calls_sampled += chance(begin, end)
   return {"copy_exact": exact / steps, "copy_token_accuracy": right / tokens,
-          "copy_steps": float(steps), "call_exact": calls_exact / max(calls, 1),
+          "copy_sampled": sampled / steps, "copy_steps": float(steps),
+          "call_exact": calls_exact / max(calls, 1), "call_sampled": calls_sampled / max(calls, 1),
           "calls": float(calls)}

@@ -137,7 +137,7 @@ def _metrics(cfg: Any, times: dict[str, float], name: str) -> dict[str, Any]:
 def metric_names(k: int) -> tuple[str, ...]:
   """Returns the metrics the results table reports, in its column order."""
   return ("pass@1", f"avg@{k}", f"pass@{k}", f"maj@{k}", "tokens_per_task",
-          "tool_calls_per_task", "format_error_rate", "copy_exact")
+          "tool_calls_per_task", "format_error_rate", "copy_exact", "call_exact")
 
 
 def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]],
@@ -188,7 +188,8 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], k: int, seeds: int,
     return None
   names = list(summary)
   colors = {"teacher": "#888888", "sft": "#44aa77", "dapo": "#4477aa"}
-  panels = [("held-out accuracy", ("pass@1", f"pass@{k}")), ("tokens per task", ("tokens_per_task",)),
+  panels = [(f"pass@1 (dark), pass@{k} (light)", ("pass@1", f"pass@{k}")),
+            ("tokens per task", ("tokens_per_task",)),
             ("tool calls per task", ("tool_calls_per_task",)),
             ("format-error rate", ("format_error_rate",))]
   fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8),
@@ -205,8 +206,7 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], k: int, seeds: int,
                    padding=2)
     ax.set_xticks(np.arange(len(names)), [SYSTEMS[n].replace("AFM ", "") for n in names],
                   fontsize=8)
-    ax.set_title(title + (f" ({' / '.join(metrics)}, light: {metrics[-1]})"
-                          if len(metrics) > 1 else ""), fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.margins(y=0.15)
   fig.suptitle(f"held-out tasks, mean +- sd over {seeds} seed{'s' * (seeds > 1)}: "
                "teacher system vs AFM after SFT and after DAPO")
