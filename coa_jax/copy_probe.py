@@ -65,27 +65,40 @@ def copy_examples(trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
   return [e for e in examples if e is not None]
 
 
+def _score(predicted_T: np.ndarray, logp_T: np.ndarray, ids_T: np.ndarray,
+           spans: Sequence[tuple[int, int]]) -> np.ndarray:
+  """Returns [spans predicted exactly, tokens predicted, tokens, summed chance of sampling each
+  span exactly] of one row (the token at position t is predicted at position t - 1)."""
+  score = np.zeros(4)
+  for begin, end in spans:
+    hit = predicted_T[begin - 1:end - 1] == ids_T[begin:end]
+    score += (hit.all(), hit.sum(), len(hit), np.exp(logp_T[begin - 1:end - 1].sum()))
+  return score
+
+
 def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
                   batch_size: int = 16, temperature: float = 0.6) -> dict[str, float]:
   """Returns the fractions of copy steps predicted exactly (teacher-forced greedy), of their
   tokens, and of tool calls predicted exactly, and the chance that sampling at `temperature`
-  writes a copy step or a tool call exactly (`copy_sampled`, `call_sampled`: the product of its
-  tokens' probabilities, averaged); rows are padded to the longest example, so one shape is
-  compiled per call."""
+  (0: greedy) writes a copy step or a tool call exactly (`copy_sampled`, `call_sampled`: the
+  product of its tokens' probabilities, averaged). Rows are padded to the longest example, so
+  one shape is compiled per call."""
   if not examples:
     raise ValueError("no copy examples: the trajectories have no answer copied from an "
                      "observation")
   length = max(len(e.input_ids) for e in examples)
+
   @jax.jit
   def predict(p, ids_BxT):
     logits_BxTxV = model.apply({"params": p}, ids_BxT)
+    predicted_BxT = jnp.argmax(logits_BxTxV, axis=-1)
     targets_BxT = jnp.roll(ids_BxT, -1, axis=1)  # position t predicts token t + 1
+    if temperature == 0:
+      return predicted_BxT, jnp.where(predicted_BxT == targets_BxT, 0.0, -jnp.inf)
     logp_BxTxV = jax.nn.log_softmax(logits_BxTxV / temperature, axis=-1)
-    logp_BxT = jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
-    return jnp.argmax(logits_BxTxV, axis=-1), logp_BxT
+    return predicted_BxT, jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
 
-  steps = exact = tokens = right = calls = calls_exact = 0
-  sampled, calls_sampled = 0.0, 0.0
+  copies, calls = np.zeros(4), np.zeros(4)
   for start in range(0, len(examples), batch_size):
     chunk = examples[start:start + batch_size]
     ids_BxT = np.zeros((batch_size, length), np.int32)
@@ -93,19 +106,11 @@ def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
       ids_BxT[row, :len(example.input_ids)] = example.input_ids
     predicted_BxT, logp_BxT = map(np.asarray, predict(params, ids_BxT))
     for row, example in enumerate(chunk):
-      # the token at position t is predicted at position t - 1
-      hits = lambda begin, end: (predicted_BxT[row, begin - 1:end - 1] ==  # noqa: E731
-                                 example.input_ids[begin:end])
-      chance = lambda begin, end: float(np.exp(logp_BxT[row, begin - 1:end - 1].sum()))  # noqa: E731
-      for begin, end in example.spans:
-        hit = hits(begin, end)
-        steps, exact = steps + 1, exact + bool(hit.all())
-        tokens, right = tokens + len(hit), right + int(hit.sum())
-        sampled += chance(begin, end)
-      for begin, end in example.call_spans:
-        calls, calls_exact = calls + 1, calls_exact + bool(hits(begin, end).all())
-        calls_sampled += chance(begin, end)
-  return {"copy_exact": exact / steps, "copy_token_accuracy": right / tokens,
-          "copy_sampled": sampled / steps, "copy_steps": float(steps),
-          "call_exact": calls_exact / max(calls, 1), "call_sampled": calls_sampled / max(calls, 1),
-          "calls": float(calls)}
+      copies += _score(predicted_BxT[row], logp_BxT[row], ids_BxT[row], example.spans)
+      calls += _score(predicted_BxT[row], logp_BxT[row], ids_BxT[row], example.call_spans)
+  steps = sum(len(e.spans) for e in examples)
+  n_calls = sum(len(e.call_spans) for e in examples)
+  return {"copy_exact": copies[0] / steps, "copy_token_accuracy": copies[1] / copies[2],
+          "copy_sampled": copies[3] / steps, "copy_steps": float(steps),
+          "call_exact": calls[0] / max(n_calls, 1), "call_sampled": calls[3] / max(n_calls, 1),
+          "calls": float(n_calls)}

@@ -256,15 +256,17 @@ def evaluate_teacher(teachers: Sequence[Any], tasks: Sequence[Task], system_prom
   return outcomes
 
 
-def _copy_probe(engine: Any, tokenizer: Any, path: str, max_len: int) -> dict[str, float]:
+def _copy_probe(engine: Any, tokenizer: Any, path: str, max_len: int,
+                temperature: float) -> dict[str, float]:
   """Returns the copy probe (coa_jax.copy_probe) of the engine's model on the trajectories in
-  `path`."""
+  `path`, its sampled rates at the evaluation's temperature."""
   from coa_jax import copy_probe, data_pipeline
   from coa_jax.importers import DropCounter
 
   trajectories = data_pipeline.load_source(path, DropCounter())
   examples = copy_probe.copy_examples(trajectories, tokenizer, max_len)
-  return copy_probe.copy_accuracy(engine.sampler.model, engine.params, examples)
+  return copy_probe.copy_accuracy(engine.sampler.model, engine.params, examples,
+                                  temperature=temperature)
 
 
 def run(config: Any) -> dict[str, Any]:
@@ -293,7 +295,8 @@ def run(config: Any) -> dict[str, Any]:
     engine, _ = rollout_job.build(config, tokenizer)
     if config.get("copy_probe"):
       probe = _copy_probe(engine, tokenizer, config.copy_probe,
-                          config.rollout.max_prompt_tokens + config.rollout.max_response_tokens)
+                          config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
+                          config.sampling.temperature)
     mine = tasks[jax.process_index()::jax.process_count()]  # each host its share
     outcomes = evaluate_rollouts(engine, tokenizer, mine, rewarder)
     outcomes = {task_id: [Sample(**s) for s in samples]
@@ -305,8 +308,10 @@ def run(config: Any) -> dict[str, Any]:
   metrics = summarize(outcomes, k)
   if config.system == "model" and config.get("copy_probe"):
     metrics.update(probe)
-    say(f"copy probe: {probe['copy_exact']:.3f} of {probe['copy_steps']:.0f} held-out answers "
-        f"copied from an observation predicted exactly (teacher-forced)")
+    say(f"copy probe (teacher-forced, {probe['copy_steps']:.0f} held-out answers copied from an "
+        f"observation, {probe['calls']:.0f} tool calls): exact {probe['copy_exact']:.3f} / "
+        f"{probe['call_exact']:.3f}, sampled at T={config.sampling.temperature} "
+        f"{probe['copy_sampled']:.3f} / {probe['call_sampled']:.3f}")
   say(format_table({config.system: metrics}, k))
   if jax.process_index():  # process 0 writes
     return metrics

@@ -137,7 +137,8 @@ def _metrics(cfg: Any, times: dict[str, float], name: str) -> dict[str, Any]:
 def metric_names(k: int) -> tuple[str, ...]:
   """Returns the metrics the results table reports, in its column order."""
   return ("pass@1", f"avg@{k}", f"pass@{k}", f"maj@{k}", "tokens_per_task",
-          "tool_calls_per_task", "format_error_rate", "copy_exact", "call_exact")
+          "tool_calls_per_task", "format_error_rate", "copy_exact", "copy_sampled", "call_exact",
+          "call_sampled")
 
 
 def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]],
