@@ -228,6 +228,7 @@ def run(config: Any, seeds: int = 1) -> dict[str, Any]:
   configs = stage_configs(config)
   _timed(times, "distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
          lambda: distill.run(configs["distill"]))
+  # rebuilt: the evaluations' tool spec is the one distillation wrote
   teacher = _metrics(stage_configs(config)["eval_teacher"], times, "eval teacher")
   per_seed = {}
   for seed in range(config.seed, config.seed + seeds):
@@ -235,7 +236,8 @@ def run(config: Any, seeds: int = 1) -> dict[str, Any]:
     say(f"=== seed {seed}")
     _timed(times, f"seed {seed} sft", configs["sft"].export_dir,
            lambda: sft.run(configs["sft"]))
-    rows = {"teacher": teacher, "sft": _metrics(configs["eval_sft"], times, f"seed {seed} eval sft")}
+    rows = {"teacher": teacher,
+            "sft": _metrics(configs["eval_sft"], times, f"seed {seed} eval sft")}
     _timed(times, f"seed {seed} dapo", configs["dapo"].export_dir,
            lambda: dapo.run(configs["dapo"]))
     rows["dapo"] = _metrics(configs["eval_dapo"], times, f"seed {seed} eval dapo")
