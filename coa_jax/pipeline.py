@@ -118,18 +118,31 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
           "eval_dapo": evaluation("model", dapo_config.export_dir, "eval_dapo")}
 
 
-def _timed(times: dict[str, float], name: str, done: str, job: Callable[[], Any]) -> None:
-  """Runs `job` unless its output `done` exists; records its wall time under `name`."""
-  if _stage(name, done):
-    return
-  start = time.perf_counter()
-  job()
-  times[name] = round(time.perf_counter() - start, 1)
+class StageTimes:
+  """The wall time of each stage, kept in a JSON file beside the stages' outputs, so a stage
+  reused from an earlier invocation still reports the time it took when it ran."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.seconds: dict[str, float] = {}
+    if os.path.exists(path):
+      with open(path) as f:
+        self.seconds = json.load(f)
+
+  def run(self, name: str, done: str, job: Callable[[], Any]) -> None:
+    """Runs `job` unless its output `done` exists; records its wall time under `name`."""
+    if _stage(name, done):
+      return
+    start = time.perf_counter()
+    job()
+    self.seconds[name] = round(time.perf_counter() - start, 1)
+    with open(self.path, "w") as f:
+      json.dump(self.seconds, f, indent=1)
 
 
-def _metrics(cfg: Any, times: dict[str, float], name: str) -> dict[str, Any]:
+def _metrics(cfg: Any, times: StageTimes, name: str) -> dict[str, Any]:
   path = os.path.join(cfg.output_dir, "metrics.json")
-  _timed(times, name, path, lambda: evaluate.run(cfg))
+  times.run(name, path, lambda: evaluate.run(cfg))
   with open(path) as f:
     return json.load(f)
 
@@ -224,9 +237,9 @@ def run(config: Any, seeds: int = 1) -> dict[str, Any]:
     raise ValueError(f"seeds={seeds}: expected at least 1")
   start = time.perf_counter()
   os.makedirs(config.output_dir, exist_ok=True)
-  times: dict[str, float] = {}
+  times = StageTimes(os.path.join(config.output_dir, "stage_seconds.json"))
   configs = stage_configs(config)
-  _timed(times, "distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
+  times.run("distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
          lambda: distill.run(configs["distill"]))
   # rebuilt: the evaluations' tool spec is the one distillation wrote
   teacher = _metrics(stage_configs(config)["eval_teacher"], times, "eval teacher")
@@ -234,23 +247,24 @@ def run(config: Any, seeds: int = 1) -> dict[str, Any]:
   for seed in range(config.seed, config.seed + seeds):
     configs = stage_configs(config, seed)  # the tools spec exists now
     say(f"=== seed {seed}")
-    _timed(times, f"seed {seed} sft", configs["sft"].export_dir,
-           lambda: sft.run(configs["sft"]))
+    times.run(f"seed {seed} sft", configs["sft"].export_dir, lambda: sft.run(configs["sft"]))
     rows = {"teacher": teacher,
             "sft": _metrics(configs["eval_sft"], times, f"seed {seed} eval sft")}
-    _timed(times, f"seed {seed} dapo", configs["dapo"].export_dir,
-           lambda: dapo.run(configs["dapo"]))
+    times.run(f"seed {seed} dapo", configs["dapo"].export_dir, lambda: dapo.run(configs["dapo"]))
     rows["dapo"] = _metrics(configs["eval_dapo"], times, f"seed {seed} eval dapo")
     per_seed[seed] = rows
   k = config.eval.k
   summary = aggregate(per_seed, k)
+  stages = ["distill", "eval teacher"] + [f"seed {seed} {stage}" for seed in per_seed
+                                          for stage in ("sft", "eval sft", "dapo", "eval dapo")]
+  seconds = {name: times.seconds[name] for name in stages if name in times.seconds}
   table = format_summary(summary, k)
   results = {"seeds": list(per_seed), "per_seed": per_seed, "summary": summary, "table": table,
-             "stage_seconds": times, "wall_s": round(time.perf_counter() - start, 1),
+             "stage_seconds": seconds, "wall_s": round(time.perf_counter() - start, 1),
              "plot": plot(summary, k, seeds, os.path.join(config.output_dir, "results.png"))}
   with open(os.path.join(config.output_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=1)
   say(f"held-out tasks, mean +- sd over {seeds} seed(s):\n{table}")
-  say("stage wall times (s): " + ", ".join(f"{name} {t:.0f}" for name, t in times.items()))
+  say("stage wall times (s): " + ", ".join(f"{name} {t:.0f}" for name, t in seconds.items()))
   say(f"pipeline done in {results['wall_s']:.0f}s; results in {config.output_dir}")
   return results
