@@ -21,8 +21,10 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
-from coa_jax import distill, evaluate, sft
+from coa_jax import copy_probe, data_pipeline, distill, evaluate, sft, sharding
+from coa_jax.importers import DropCounter
 from coa_jax.metrics import say
+from coa_jax.model import Transformer
 from coa_jax.rl import dapo
 from configs import common, dapo_tiny_cpu, evaluate_tiny, sft_tiny_cpu
 
@@ -61,7 +63,7 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
   sft_config.seq_len, sft_config.batch_size = config.sft.seq_len, config.sft.batch_size
   sft_config.optimizer = common.optimizer(
       learning_rate=config.sft.learning_rate, warmup_steps=config.sft.warmup_steps,
-      schedule="cosine", total_steps=config.sft.steps, weight_decay=0.0)
+      schedule="cosine", total_steps=config.sft.steps, weight_decay=config.sft.weight_decay)
   sft_config.train = common.train(steps=config.sft.steps, log_every=config.log_every)
   sft_config.checkpoint = common.checkpoint(os.path.join(run_dir, "sft", "checkpoints"),
                                             every=config.sft.steps, max_to_keep=1)
@@ -268,3 +270,66 @@ def run(config: Any, seeds: int = 1) -> dict[str, Any]:
   say("stage wall times (s): " + ", ".join(f"{name} {t:.0f}" for name, t in seconds.items()))
   say(f"pipeline done in {results['wall_s']:.0f}s; results in {config.output_dir}")
   return results
+
+
+def copy_curve(config: Any, seeds: int, every: int) -> dict[str, Any]:
+  """Trains the SFT stage of `seeds` seeds, stopping every `every` steps to run the copy probe
+  on the held-out trajectories: when (and whether) each seed learns to copy. Distils first
+  unless the distilled data exist. Writes copy_curve/copy_curve.json and .png; returns the
+  curves (seed -> list of {step, loss, probe metrics})."""
+  if seeds < 1 or every < 1:
+    raise ValueError(f"seeds={seeds}, every={every}: expected at least 1 of each")
+  times = StageTimes(os.path.join(config.output_dir, "stage_seconds.json"))
+  os.makedirs(config.output_dir, exist_ok=True)
+  times.run("distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
+            lambda: distill.run(stage_configs(config)["distill"]))
+  out_dir = os.path.join(config.output_dir, "copy_curve")
+  curves: dict[int, list[dict[str, float]]] = {}
+  for seed in range(config.seed, config.seed + seeds):
+    cfg = stage_configs(config, seed)["sft"]
+    cfg.workdir = os.path.join(out_dir, f"seed-{seed}")
+    cfg.checkpoint.directory = os.path.join(cfg.workdir, "checkpoints")
+    cfg.checkpoint.every, cfg.train.stop_after, cfg.export_dir = every, every, ""
+    tokenizer = sft.load_tokenizer(cfg)
+    model_config, _ = sft.load_model(cfg, tokenizer,
+                                     sharding.make_mesh(sharding.MeshConfig(**cfg.mesh)))
+    heldout = data_pipeline.load_source(
+        os.path.join(config.output_dir, "distill", "heldout_trajectories.jsonl"), DropCounter())
+    examples = copy_probe.copy_examples(heldout, tokenizer, cfg.seq_len)
+    curves[seed] = []
+    steps = 0
+    while steps < cfg.train.steps:  # each run resumes from the last segment's checkpoint
+      out = sft.run(cfg)
+      if out["steps"] == steps:
+        raise RuntimeError(f"seed {seed}: SFT made no progress past step {steps}")
+      steps = out["steps"]
+      probe = copy_probe.copy_accuracy(Transformer(model_config), out["state"].params, examples,
+                                       temperature=config.sampling.temperature)
+      curves[seed].append({"step": steps, "loss": out.get("final_loss"), **probe})
+      say(f"seed {seed} step {steps}: copy exact {probe['copy_exact']:.3f} (sampled "
+          f"{probe['copy_sampled']:.3f}), calls exact {probe['call_exact']:.3f}")
+  with open(os.path.join(out_dir, "copy_curve.json"), "w") as f:
+    json.dump({"every": every, "curves": curves}, f, indent=1)
+  _plot_copy_curve(curves, os.path.join(out_dir, "copy_curve.png"))
+  return curves
+
+
+def _plot_copy_curve(curves: dict[int, list[dict[str, float]]], path: str) -> None:
+  """Plots each seed's copy_exact (solid) and copy_sampled (dashed) against the step."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return
+  fig, ax = plt.subplots(figsize=(6, 3.8))
+  for seed, points in curves.items():
+    steps = [p["step"] for p in points]
+    line, = ax.plot(steps, [p["copy_exact"] for p in points], marker="o", label=f"seed {seed}")
+    ax.plot(steps, [p["copy_sampled"] for p in points], linestyle="--", color=line.get_color())
+  ax.set(xlabel="SFT step", ylabel="held-out copies", ylim=(-0.02, 1.02),
+         title="copy probe: greedy exact (solid), sampled exactly (dashed)")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -37,7 +37,8 @@ def get_config() -> ml_collections.ConfigDict:
   # pass@1 0.367 greedy, 0.017 sampled). At 1e-3 over 2400 steps it had formed by step 1200
   # with copies 0.86 exact and 0.85 sampled.
   config.sft = ml_collections.ConfigDict(dict(steps=2400, seq_len=512, batch_size=8,
-                                              learning_rate=1e-3, warmup_steps=20))
+                                              learning_rate=1e-3, warmup_steps=20,
+                                              weight_decay=0.0))
   config.rollout = ml_collections.ConfigDict(dict(
       group_size=4, max_prompt_tokens=128, max_response_tokens=512, max_turns=12,
       max_observation_tokens=256, tool_workers=8, tool_timeout_s=30.0))

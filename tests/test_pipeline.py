@@ -42,3 +42,15 @@ def test_results_over_seeds_are_mean_and_sample_sd():
   assert summary["sft"]["pass@1"]["sd"] == pytest.approx(0.2)  # ddof=1
   table = pipeline.format_summary(summary, k=3)
   assert "| AFM after SFT | 0.700 +- 0.200 | 70 +- 20 |" in table
+
+
+def test_copy_curve_probes_each_segment_of_sft(tmp_path):
+  config = pipeline_tiny_cpu.quick(pipeline_tiny_cpu.get_config())
+  config.output_dir = str(tmp_path / "run")
+  config.mesh = common.mesh(data=2, fsdp=2, tensor=2)
+  curves = pipeline.copy_curve(config, seeds=1, every=2)
+  assert [p["step"] for p in curves[config.seed]] == [2, 4]  # config.sft.steps is 4
+  assert all(0.0 <= p["copy_exact"] <= 1.0 and p["copy_steps"] > 0 for p in curves[0])
+  saved = json.load(open(tmp_path / "run" / "copy_curve" / "copy_curve.json"))
+  assert saved["curves"]["0"] == curves[0] and saved["every"] == 2
+  assert (tmp_path / "run" / "copy_curve" / "copy_curve.png").exists()
