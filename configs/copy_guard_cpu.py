@@ -7,7 +7,7 @@ that the model never saw and cannot compute: a model that does not copy from the
 scores 0 on the copy probe. Rows of 128 tokens end each 150-token trajectory inside its
 double-check step; every copied answer lies within the row.
 
-  python experiments/copy_curve.py --config=configs/copy_guard_cpu.py   (about 3 minutes)
+  python experiments/copy_curve.py --config=configs/copy_guard_cpu.py   (about 4 minutes)
 """
 
 import ml_collections
@@ -23,6 +23,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.teacher.mental_math_rate = 0.0  # every answer is the number the code printed
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.model.update(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=2)
-  config.sft.update(steps=2000, seq_len=128, batch_size=8, learning_rate=1e-3, warmup_steps=20,
+  # Copying forms abruptly at a step that float rounding moves: over seeds 0-2 it had formed by
+  # step 1500 of 3000 (probe 0.90, 0.85, 0.73), while a 2000-step schedule left seed 2 at 0.000.
+  # The run lasts twice the latest formation seen, so the guard's 0.5 bar holds with a margin.
+  config.sft.update(steps=3000, seq_len=128, batch_size=8, learning_rate=1e-3, warmup_steps=20,
                     weight_decay=0.1)
   return config
