@@ -272,7 +272,7 @@ def run(config: Any, seeds: int = 1) -> dict[str, Any]:
   return results
 
 
-def copy_curve(config: Any, seeds: int, every: int) -> dict[str, Any]:
+def copy_curve(config: Any, seeds: int, every: int) -> dict[int, list[dict[str, Any]]]:
   """Trains the SFT stage of `seeds` seeds, stopping every `every` steps to run the copy probe
   on the held-out trajectories: when (and whether) each seed learns to copy. Distils first
   unless the distilled data exist. Writes copy_curve/copy_curve.json and .png; returns the
