@@ -191,16 +191,24 @@ def format_summary(summary: dict[str, dict[str, dict[str, Any]]], k: int) -> str
   return "\n".join(lines)
 
 
-def plot(summary: dict[str, dict[str, dict[str, Any]]], k: int, seeds: int,
-         path: str) -> str | None:
-  """Writes bar charts (mean over seeds, sd as error bars, values on the bars) of pass@1 and
-  pass@k, tokens and tool calls per task and format errors to `path`; returns it (None
-  without matplotlib)."""
+def _pyplot() -> Any:
+  """Returns matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
+    return None
+  return plt
+
+
+def plot(summary: dict[str, dict[str, dict[str, Any]]], k: int, seeds: int,
+         path: str) -> str | None:
+  """Writes bar charts (mean over seeds, sd as error bars, values on the bars) of pass@1 and
+  pass@k, tokens and tool calls per task and format errors to `path`; returns it (None
+  without matplotlib)."""
+  plt = _pyplot()
+  if plt is None:
     return None
   names = list(summary)
   colors = {"teacher": "#888888", "sft": "#44aa77", "dapo": "#4477aa"}
@@ -284,18 +292,19 @@ def copy_curve(config: Any, seeds: int, every: int) -> dict[int, list[dict[str, 
   times.run("distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
             lambda: distill.run(stage_configs(config)["distill"]))
   out_dir = os.path.join(config.output_dir, "copy_curve")
+  configs = stage_configs(config)
+  tokenizer = sft.load_tokenizer(configs["sft"])
+  model_config, _ = sft.load_model(configs["sft"], tokenizer,
+                                   sharding.make_mesh(sharding.MeshConfig(**config.mesh)))
+  model = Transformer(model_config)
+  heldout = data_pipeline.load_source(configs["eval_sft"].copy_probe, DropCounter())
+  examples = copy_probe.copy_examples(heldout, tokenizer, config.sft.seq_len)
   curves: dict[int, list[dict[str, float]]] = {}
   for seed in range(config.seed, config.seed + seeds):
     cfg = stage_configs(config, seed)["sft"]
     cfg.workdir = os.path.join(out_dir, f"seed-{seed}")
     cfg.checkpoint.directory = os.path.join(cfg.workdir, "checkpoints")
     cfg.checkpoint.every, cfg.train.stop_after, cfg.export_dir = every, every, ""
-    tokenizer = sft.load_tokenizer(cfg)
-    model_config, _ = sft.load_model(cfg, tokenizer,
-                                     sharding.make_mesh(sharding.MeshConfig(**cfg.mesh)))
-    heldout = data_pipeline.load_source(
-        os.path.join(config.output_dir, "distill", "heldout_trajectories.jsonl"), DropCounter())
-    examples = copy_probe.copy_examples(heldout, tokenizer, cfg.seq_len)
     curves[seed] = []
     steps = 0
     while steps < cfg.train.steps:  # each run resumes from the last segment's checkpoint
@@ -303,7 +312,7 @@ def copy_curve(config: Any, seeds: int, every: int) -> dict[int, list[dict[str, 
       if out["steps"] == steps:
         raise RuntimeError(f"seed {seed}: SFT made no progress past step {steps}")
       steps = out["steps"]
-      probe = copy_probe.copy_accuracy(Transformer(model_config), out["state"].params, examples,
+      probe = copy_probe.copy_accuracy(model, out["state"].params, examples,
                                        temperature=config.sampling.temperature)
       curves[seed].append({"step": steps, "loss": out.get("final_loss"), **probe})
       say(f"seed {seed} step {steps}: copy exact {probe['copy_exact']:.3f} (sampled "
@@ -316,11 +325,8 @@ def copy_curve(config: Any, seeds: int, every: int) -> dict[int, list[dict[str, 
 
 def _plot_copy_curve(curves: dict[int, list[dict[str, float]]], path: str) -> None:
   """Plots each seed's copy_exact (solid) and copy_sampled (dashed) against the step."""
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
+  plt = _pyplot()
+  if plt is None:
     return
   fig, ax = plt.subplots(figsize=(6, 3.8))
   for seed, points in curves.items():
