@@ -47,8 +47,10 @@ demo: $(STAMP)
 lm-demo: $(STAMP)
 	$(BIN)/python experiments/demo.py $(ARGS)
 
+# One worker per core, a test file per worker (module fixtures are built once); the workers share
+# conftest's compilation cache.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests $(ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile tests $(ARGS)
 
 sft: $(STAMP)
 	$(BIN)/python experiments/sft.py $(ARGS)

@@ -18,8 +18,7 @@ import numpy as np
 from coa_jax.safetensors_io import SafetensorsFile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
-       "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}  # with conftest's XLA_FLAGS: 8 devices, fast compile
 SFT_STEPS = 40  # the kill lands after a checkpoint of step 4-8 commits: 32+ steps before the end
 SFT = ["experiments/sft.py", f"--config.train.steps={SFT_STEPS}",
        f"--config.optimizer.total_steps={SFT_STEPS}",

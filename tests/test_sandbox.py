@@ -221,3 +221,17 @@ def test_bad_settings_are_rejected():
     CodeSandbox(isolation="docker")
   with pytest.raises(ValueError, match="workers must be >= 1"):
     CodeSandbox(workers=0)
+
+
+def test_processes_on_one_host_lease_different_uids(tmp_path):
+  # flock locks belong to an open file, so two pools in one process stand for two processes.
+  first, second = (sandbox_module._UidPool(base=2_000_000_000, size=2, lock_dir=str(tmp_path))
+                   for _ in range(2))
+  with first.lease() as a:
+    with second.lease() as b:
+      assert a != b
+      with pytest.raises(base.ToolFailure, match="all 2 sandbox uids are in use"):
+        with first.lease():
+          pass
+  with second.lease() as again:
+    assert again in (a, b)  # released uids are free again

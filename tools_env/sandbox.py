@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -107,21 +108,41 @@ class _Run:
 class _UidPool:
   """Dedicated uids for concurrent runs when the host is root: RLIMIT_NPROC then counts each
   run's processes alone (it never applies to root), and a run's leftovers can be found and
-  killed. The range sits far above the uids of real users and of container id maps."""
+  killed. The range sits far above the uids of real users and of container id maps.
 
-  def __init__(self, base: int = 1_900_000_000, size: int = 1024):
-    self.free = list(range(base, base + size))
-    self.lock = threading.Lock()
+  A uid is leased with an exclusive lock on its file in `lock_dir`, so that every process on
+  the host (two jobs, test workers, the hosts of a one-machine multi-process run) gets uids of
+  its own: one run never counts, or kills, another's processes. The kernel drops a dead
+  process's locks; whatever its runs left behind is killed when the uid is next leased."""
+
+  def __init__(self, base: int = 1_900_000_000, size: int = 1024,
+               lock_dir: str = os.path.join(tempfile.gettempdir(), "coa_jax_sandbox_uids")):
+    self.uids = range(base, base + size)
+    self.lock_dir = lock_dir
+    self.next = os.getpid() % size  # processes start their searches apart
+
+  def _acquire(self) -> tuple[int, int]:
+    os.makedirs(self.lock_dir, mode=0o700, exist_ok=True)
+    for i in range(len(self.uids)):
+      uid = self.uids[(self.next + i) % len(self.uids)]
+      fd = os.open(os.path.join(self.lock_dir, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        os.close(fd)
+        continue
+      self.next = (self.next + i + 1) % len(self.uids)
+      return uid, fd
+    raise ToolFailure(TOOL_ERROR, f"all {len(self.uids)} sandbox uids are in use on this host")
 
   @contextlib.contextmanager
   def lease(self) -> Iterator[int]:
-    with self.lock:
-      uid = self.free.pop(0)
+    uid, fd = self._acquire()
     try:
+      _kill_uid(uid)  # leftovers of a process that died holding it
       yield uid
     finally:
-      with self.lock:
-        self.free.append(uid)
+      os.close(fd)  # releases the lock
 
 
 _UIDS = _UidPool()
