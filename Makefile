@@ -47,10 +47,10 @@ demo: $(STAMP)
 lm-demo: $(STAMP)
 	$(BIN)/python experiments/demo.py $(ARGS)
 
-# One worker per core, a test file at a time per worker (module fixtures are built once), files
-# in conftest's order (the long ones first); the workers share conftest's compilation cache.
+# One worker per core, a test file at a time per worker (module fixtures are built once); the
+# workers share conftest's compilation cache.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests $(ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile tests $(ARGS)
 
 sft: $(STAMP)
 	$(BIN)/python experiments/sft.py $(ARGS)

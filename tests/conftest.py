@@ -32,14 +32,3 @@ from coa_jax import sharding  # noqa: E402
 def single_device_mesh():
   return sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
 
-
-# Files whose jobs run a minute or more, longest first: under `make test` (pytest-xdist, a file
-# per worker, in this order) the workers start on them together rather than one finishing them
-# alone at the end.
-LONG_FILES = ("test_copy_guard.py", "test_crash_recovery.py", "test_multihost.py",
-              "test_pipeline.py")
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(LONG_FILES)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable otherwise
