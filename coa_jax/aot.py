@@ -99,7 +99,11 @@ def topology_devices(topology: str) -> list[Any]:
 
   try:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
-  except Exception as e:  # libtpu missing or a name it rejects
+  except Exception as e:  # libtpu missing, a name it rejects, or its lock held
+    if "lockfile" in str(e):
+      raise ValueError(f"cannot describe TPU topology {topology!r}: another process on this "
+                       f"machine has loaded libtpu. With no TPU attached, set "
+                       f"ALLOW_MULTIPLE_LIBTPU_LOAD=1 to compile beside it: {e}") from None
     raise ValueError(f"cannot describe TPU topology {topology!r} (is the `tpu` extra, i.e. "
                      f"libtpu, installed?): {e}") from None
 

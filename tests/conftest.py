@@ -13,6 +13,9 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}").strip()
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# libtpu (loaded to compile for TPU topologies; no TPU is used) holds a host-wide lock for the
+# life of the process that loaded it: without this, a second test run on the machine fails.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # One persistent compilation cache per session: tests that rebuild the same jitted steps, and the
 # subprocesses of the multi-process and crash-recovery tests, load a compiled program instead of
