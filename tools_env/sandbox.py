@@ -123,9 +123,12 @@ class _UidPool:
 
   def _acquire(self) -> tuple[int, int]:
     os.makedirs(self.lock_dir, mode=0o700, exist_ok=True)
+    if os.stat(self.lock_dir).st_uid != os.geteuid():  # planted by another user
+      raise ToolFailure(TOOL_ERROR, f"{self.lock_dir} belongs to another user")
     for i in range(len(self.uids)):
       uid = self.uids[(self.next + i) % len(self.uids)]
-      fd = os.open(os.path.join(self.lock_dir, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+      fd = os.open(os.path.join(self.lock_dir, str(uid)),
+                   os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except BlockingIOError:
