@@ -45,10 +45,19 @@ def test_warmup_then_cosine_schedule():
                               schedule(110)], [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
 
 
+def test_warmup_stable_decay_schedule():
+  schedule = optimizer.learning_rate_schedule(common.optimizer(
+      schedule="wsd", learning_rate=1.0, warmup_steps=10, total_steps=110, decay_steps=40,
+      final_lr_fraction=0.0))
+  np.testing.assert_allclose([schedule(s) for s in (0, 5, 10, 40, 70, 90, 110)],
+                             [0.0, 0.5, 1.0, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
+
+
 @pytest.mark.parametrize("overrides,message", [
     (dict(schedule="linear"), "schedule='linear'"),
     (dict(learning_rate=0.0), "learning_rate must be > 0"),
     (dict(total_steps=5, warmup_steps=10), "must exceed warmup_steps"),
+    (dict(schedule="wsd", total_steps=100, warmup_steps=10, decay_steps=95), "decay_steps=95"),
 ])
 def test_bad_optimizer_values_are_named(overrides, message):
   with pytest.raises(ConfigError, match=message):

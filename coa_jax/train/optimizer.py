@@ -1,35 +1,44 @@
-"""AdamW with warm-up and a constant or cosine schedule, global-norm clipping, decay on weights."""
+"""AdamW with warm-up and a constant, cosine or warm-up-stable-decay schedule, global-norm
+clipping, decay on weights."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from coa_jax.model.config import ConfigError
 
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "wsd")
 
 
 def learning_rate_schedule(cfg: Any) -> optax.Schedule:
-  """Returns the schedule: linear warm-up to `learning_rate`, then constant or cosine decay."""
+  """Returns the schedule: linear warm-up to `learning_rate`, then "constant"; "cosine" decay to
+  `final_lr_fraction` of the peak by `total_steps`; or "wsd" (warm-up, stable, decay): constant
+  at the peak, then that cosine decay over the last `decay_steps` steps only."""
   if cfg.schedule not in SCHEDULES:
     raise ConfigError(f"optimizer.schedule={cfg.schedule!r}: expected one of {SCHEDULES}")
   if cfg.learning_rate <= 0 or cfg.warmup_steps < 0:
     raise ConfigError("optimizer.learning_rate must be > 0 and optimizer.warmup_steps >= 0")
-  if cfg.schedule == "constant":
-    after = optax.constant_schedule(cfg.learning_rate)
-  else:
-    if cfg.total_steps <= cfg.warmup_steps:
-      raise ConfigError(f"optimizer.total_steps={cfg.total_steps} must exceed "
-                        f"warmup_steps={cfg.warmup_steps} for a cosine schedule")
-    after = optax.cosine_decay_schedule(cfg.learning_rate, cfg.total_steps - cfg.warmup_steps,
-                                        alpha=cfg.final_lr_fraction)
-  if cfg.warmup_steps == 0:
-    return after
-  warmup = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
-  return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+  after_warmup = cfg.total_steps - cfg.warmup_steps
+  if cfg.schedule != "constant" and after_warmup <= 0:
+    raise ConfigError(f"optimizer.total_steps={cfg.total_steps} must exceed "
+                      f"warmup_steps={cfg.warmup_steps} for a {cfg.schedule} schedule")
+  decay = {"constant": 0, "cosine": after_warmup, "wsd": cfg.get("decay_steps", 0)}[cfg.schedule]
+  if cfg.schedule == "wsd" and not 0 < decay <= after_warmup:
+    raise ConfigError(f"optimizer.decay_steps={decay}: expected 1..total_steps - warmup_steps "
+                      f"({after_warmup}) for a wsd schedule")
+  # (schedule, steps) in order; the constant part of "constant" lasts to the end (None).
+  parts = [(optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps), cfg.warmup_steps),
+           (optax.constant_schedule(cfg.learning_rate),
+            None if cfg.schedule == "constant" else after_warmup - decay),
+           (optax.cosine_decay_schedule(cfg.learning_rate, max(decay, 1),
+                                        alpha=cfg.final_lr_fraction), decay)]
+  parts = [(schedule, steps) for schedule, steps in parts if steps != 0]
+  boundaries = np.cumsum([steps for _, steps in parts[:-1]]).tolist()
+  return optax.join_schedules([schedule for schedule, _ in parts], boundaries)
 
 
 DECAYED_PARAMS = ("kernel", "embedding", "lm_head")
