@@ -36,8 +36,9 @@ def get_config() -> ml_collections.ConfigDict:
   # prompt leaves 25% more trajectories in a row, and copying formed by step 900 for seed 1
   # (probe 0.82) and began there for seed 2 (0.14). The warm-up-stable-decay schedule holds the
   # peak through that window (a cosine had already halved it by step 900 of 1,600), then
-  # anneals over the last 500 steps, which makes the copies sure (probe 0.86 exact, 0.86
-  # sampled at 0.6). At a peak of 5e-3 copying formed later, and at 2e-3 and 5e-4 too.
+  # anneals over the last 500 steps, which makes the copies sure (SFT copy probe over seeds
+  # 0-2: 0.990, 0.945, 0.920 exact). At a peak of 5e-3 copying formed later, and at 2e-3 and
+  # 5e-4 too.
   config.sft = ml_collections.ConfigDict(dict(steps=1500, seq_len=512, batch_size=8,
                                               learning_rate=1e-3, warmup_steps=20,
                                               schedule="wsd", decay_steps=500,

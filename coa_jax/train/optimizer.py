@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from coa_jax.model.config import ConfigError
@@ -26,19 +25,21 @@ def learning_rate_schedule(cfg: Any) -> optax.Schedule:
   if cfg.schedule != "constant" and after_warmup <= 0:
     raise ConfigError(f"optimizer.total_steps={cfg.total_steps} must exceed "
                       f"warmup_steps={cfg.warmup_steps} for a {cfg.schedule} schedule")
-  decay = {"constant": 0, "cosine": after_warmup, "wsd": cfg.get("decay_steps", 0)}[cfg.schedule]
-  if cfg.schedule == "wsd" and not 0 < decay <= after_warmup:
-    raise ConfigError(f"optimizer.decay_steps={decay}: expected 1..total_steps - warmup_steps "
-                      f"({after_warmup}) for a wsd schedule")
-  # (schedule, steps) in order; the constant part of "constant" lasts to the end (None).
-  parts = [(optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps), cfg.warmup_steps),
-           (optax.constant_schedule(cfg.learning_rate),
-            None if cfg.schedule == "constant" else after_warmup - decay),
-           (optax.cosine_decay_schedule(cfg.learning_rate, max(decay, 1),
-                                        alpha=cfg.final_lr_fraction), decay)]
-  parts = [(schedule, steps) for schedule, steps in parts if steps != 0]
-  boundaries = np.cumsum([steps for _, steps in parts[:-1]]).tolist()
-  return optax.join_schedules([schedule for schedule, _ in parts], boundaries)
+  lr = cfg.learning_rate
+  if cfg.schedule == "constant":
+    after = optax.constant_schedule(lr)
+  else:
+    decay = after_warmup if cfg.schedule == "cosine" else cfg.get("decay_steps", 0)
+    if not 0 < decay <= after_warmup:
+      raise ConfigError(f"optimizer.decay_steps={decay}: expected 1..total_steps - warmup_steps "
+                        f"({after_warmup}) for a wsd schedule")
+    after = optax.cosine_decay_schedule(lr, decay, alpha=cfg.final_lr_fraction)
+    if decay < after_warmup:  # "wsd": stable at the peak first
+      after = optax.join_schedules([optax.constant_schedule(lr), after], [after_warmup - decay])
+  if cfg.warmup_steps == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, cfg.warmup_steps), after],
+                              [cfg.warmup_steps])
 
 
 DECAYED_PARAMS = ("kernel", "embedding", "lm_head")
