@@ -272,7 +272,7 @@ def _copy_probe(engine: Any, tokenizer: Any, path: str, max_len: int,
 def run(config: Any) -> dict[str, Any]:
   """Evaluates config.system ("model": a checkpoint with tools, or "teacher") on config.tasks
   with k samples per task; prints the table and writes metrics.json and samples.jsonl."""
-  from coa_jax import rollout_job, tokenizer as tokenizer_lib
+  from coa_jax import rollout_job
   from coa_jax.metrics import say
   from coa_jax.teacher import ScriptedTeacher, TeacherConfig
   from tools_env import registry as tools_registry
@@ -286,7 +286,7 @@ def run(config: Any) -> dict[str, Any]:
     teachers = [ScriptedTeacher(tools, TeacherConfig(**{**config.teacher, "seed": seed}))
                 for seed in range(k)]
     outcomes = evaluate_teacher(teachers, tasks, config.system_prompt, rewarder,
-                                tokenizer_lib.default_tokenizer("plain"))
+                                rollout_job.load_tokenizer(config))
   elif config.system == "model":
     config.rollout.group_size = k
     tokenizer = rollout_job.load_tokenizer(config)  # checked before the model loads

@@ -48,7 +48,9 @@ def get_config() -> ml_collections.ConfigDict:
       max_observation_tokens=256, tool_workers=8, tool_timeout_s=30.0))
   # DAPO's rollouts and the evaluations sample alike.
   config.sampling = ml_collections.ConfigDict(dict(temperature=0.6, top_k=0, top_p=1.0))
-  config.eval = ml_collections.ConfigDict(dict(k=3, max_tasks=60, batch_size=60))
+  # All 180 rows in one decode batch: the same samples as 3 batches of 60 (identical metrics),
+  # in 31.7 s instead of 37.6 s for seed 0's SFT model.
+  config.eval = ml_collections.ConfigDict(dict(k=3, max_tasks=60, batch_size=180))
   config.dapo = ml_collections.ConfigDict(dict(
       batch_size=32, group_size=4, learning_rate=1e-4,
       format_penalty=0.5,  # subtracted from a malformed sample's reward
