@@ -237,10 +237,7 @@ class _Run:
     steps = [f"{i}. Find the {world_lib.NOUNS[attr]} of {subject}." for i, (attr, subject) in
              enumerate(zip(plan["path"], subjects), 1)]
     if plan["multiplier"]:
-      # Written as the code will write it, as the arithmetic plan writes its expression: the
-      # student copies `* k` into the code after the same tokens (issue 19: with "Multiply it
-      # by k", seed 0 wrote another factor in all 44 of its failed held-out samples).
-      steps.append(f"{len(steps) + 1}. Compute it * {plan['multiplier']} with code.")
+      steps.append(f"{len(steps) + 1}. Multiply it by {plan['multiplier']} with code.")
     self.act("planner", "plan", "\n".join(steps + [f"{len(steps) + 1}. Double-check and "
                                                      f"answer."]))
     name, page = plan["name"], ""
