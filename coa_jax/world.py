@@ -17,9 +17,8 @@ goal. Task families:
 
 The train and held-out splits are two disjoint sets of entities (links stay inside a split),
 so held-out answers can only come from the tools. Difficulty: the hop mix, the family mix, the
-operands' digits, the counts' digits (populations, head counts), and the names: made-up words
-("Druthae Holdings"), or a kind and a number ("Company 4172"), which a small model copies from
-page to query as easily as any number.
+operands' digits, and the names: made-up words ("Druthae Holdings"), or a kind and a number
+("Company 4172"), which a small model copies from page to query as easily as any number.
 """
 
 from __future__ import annotations
@@ -92,7 +91,6 @@ _PROFESSIONS = ("engineer", "chemist", "architect", "teacher", "pilot", "economi
 _RANGES = {("city", "population"): (12_000, 950_000), ("city", "founded"): (1100, 1950),
            ("person", "born"): (1935, 2001), ("company", "founded"): (1850, 2015),
            ("company", "employees"): (40, 90_000)}
-COUNTS = (("city", "population"), ("company", "employees"))  # sized by WorldConfig.count_digits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +105,6 @@ class WorldConfig:
                                              ("mixed", 0.25))
   hops: tuple[float, ...] = (0.4, 0.4, 0.2)  # chance of 1, 2, 3 hops in lookup tasks
   digits: int = 3  # digits of the arithmetic operands
-  count_digits: int = 0  # digits of populations and head counts (0: 12,000-950,000 and 40-90,000)
   search_results: int = 3  # results per search (1: the agent must find the page in one try)
   names: str = "words"  # "words" (made-up words) or "numbers" (a kind and a 4-digit number)
 
@@ -125,9 +122,6 @@ class WorldConfig:
     if self.names == "numbers" and 6 * self.entities > 9000:
       raise ValueError(f"world.names='numbers' has 9000 numbers for {6 * self.entities} "
                        f"entities; use at most 1500 entities per kind")
-    if not 0 <= self.count_digits <= 9:
-      raise ValueError(f"world.count_digits={self.count_digits}: expected 0 (realistic ranges) "
-                       f"or 1-9 digits")
     if (self.entities < 2 or self.digits < 1 or self.search_results < 1 or
         min(self.train_tasks, self.heldout_tasks) < 0):
       raise ValueError("world.entities must be >= 2, world.digits >= 1, "
@@ -209,8 +203,6 @@ class World:
         ents[kind].append(Entity(kind, self._unique(lambda: self._name(kind)), split))
     pick = lambda kind: ents[kind][rng.integers(count)].name
     for (kind, attr), (low, high) in _RANGES.items():
-      if self.config.count_digits and (kind, attr) in COUNTS:
-        low, high = 10 ** (self.config.count_digits - 1), 10 ** self.config.count_digits
       for entity in ents[kind]:
         entity.attrs[attr] = int(rng.integers(low, high))
     for entity in ents["city"]:

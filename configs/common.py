@@ -53,9 +53,10 @@ def checkpoint(directory: str, **overrides) -> ml_collections.ConfigDict:
 
 def optimizer(**overrides) -> ml_collections.ConfigDict:
   """AdamW settings (see coa_jax.train.optimizer)."""
+  # decay_steps: how many of the last steps the "wsd" schedule decays over (unused otherwise).
   values = dict(learning_rate=1e-5, warmup_steps=0, schedule="cosine", total_steps=1000,
-                final_lr_fraction=0.1, decay_steps=0,  # decay_steps: the "wsd" schedule's
-                b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0)
+                final_lr_fraction=0.1, decay_steps=0, b1=0.9, b2=0.95, eps=1e-8,
+                weight_decay=0.1, grad_clip=1.0)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 

@@ -14,7 +14,7 @@ from coa_jax.distill import Distiller, FilterConfig, format_report, to_trajector
 from coa_jax.sample_data import SYSTEM_PROMPT
 from coa_jax.teacher import (ChatTeacher, ScriptedTeacher, TeacherConfig, TeacherError,
                              read_question)
-from coa_jax.world import COUNTS, RELATIONS, World, WorldConfig
+from coa_jax.world import RELATIONS, World, WorldConfig
 from tools_env import registry
 from tools_env.remote import ChatClient, HttpLimits
 
@@ -63,19 +63,6 @@ def test_numbered_names_are_a_kind_and_a_number_used_once():
 ])
 def test_questions_are_read_into_plans(question, plan):
   assert read_question(question) == plan
-
-
-def test_count_digits_sizes_populations_and_head_counts_alone():
-  sized = World(dataclasses.replace(CONFIG, count_digits=4))
-  default = World(CONFIG)
-  for name, entity in sized.by_name.items():
-    for attr, value in entity.attrs.items():
-      if (entity.kind, attr) in COUNTS:
-        assert 1000 <= value <= 9999
-      else:  # the same draws: every other fact is the default world's
-        assert value == default.by_name[name].attrs[attr]
-  with pytest.raises(ValueError, match="count_digits"):
-    WorldConfig(count_digits=-1)
 
 
 @pytest.mark.parametrize("variant", [{}, {"search_results": 1}, {"names": "numbers"}])
