@@ -7,7 +7,7 @@ that the model never saw and cannot compute: a model that does not copy from the
 scores 0 on the copy probe. Rows of 128 tokens end each 150-token trajectory inside its
 double-check step; every copied answer lies within the row.
 
-  python experiments/copy_curve.py --config=configs/copy_guard_cpu.py   (about 4 minutes)
+  python experiments/copy_curve.py --config=configs/copy_guard_cpu.py   (about 2 minutes)
 """
 
 import ml_collections
@@ -19,13 +19,16 @@ def get_config() -> ml_collections.ConfigDict:
   config = pipeline_tiny_cpu.get_config()
   config.output_dir = "runs/copy_guard"
   config.system_prompt = "Solve with tools."
-  config.world.update(families=(("arithmetic", 1.0),), train_tasks=2000, heldout_tasks=60)
+  # 1,000 tasks distil in 23 s (2,000 took 61 s): the code tool starts a sandboxed process
+  # per call.
+  config.world.update(families=(("arithmetic", 1.0),), train_tasks=1000, heldout_tasks=60)
   config.teacher.mental_math_rate = 0.0  # every answer is the number the code printed
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.model.update(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=2)
-  # Copying forms abruptly at a step that float rounding moves: over seeds 0-2 it had formed by
-  # step 1500 of 3000 (probe 0.90, 0.85, 0.73), while a 2000-step schedule left seed 2 at 0.000.
-  # The run lasts twice the latest formation seen, so the guard's 0.5 bar holds with a margin.
-  config.sft.update(steps=3000, seq_len=128, batch_size=8, learning_rate=1e-3, warmup_steps=20,
-                    schedule="cosine", weight_decay=0.1)
+  # Copying forms abruptly at a step that float rounding moves. Rows of 16 (60 ms a step here)
+  # reach it in half the steps of rows of 8, and the peak rate held until step 1,000 lets a
+  # late seed form it: probe 0.967 and 0.883 at step 1,500 for seeds 0 and 2 (0.917 and 0.083
+  # at step 1,000). With a cosine instead, seed 2 had 0.367 at step 1,500.
+  config.sft.update(steps=1500, seq_len=128, batch_size=16, learning_rate=1e-3, warmup_steps=20,
+                    schedule="wsd", decay_steps=500, weight_decay=0.1)
   return config
