@@ -5,8 +5,8 @@ A held-out answer is a 4-digit number the code tool printed for operands the mod
 a model that cannot read observations, or never learned to, scores 0 on the copy probe. The
 guard trains in a subprocess on one CPU device (the numerics of the documented command,
 `python experiments/copy_curve.py --config=configs/copy_guard_cpu.py`), deterministically.
-Seeds 0 and 2 end at 0.967 and 0.883; with the observations blanked out of the model's inputs
-(measured on the earlier 3,000-step guard) the probe stayed at 0.
+Seeds 0-2 end at 0.967, 0.967, 0.883; with the observations blanked out of the training inputs
+the probe stayed at 0.000 at steps 500, 1,000 and 1,500.
 """
 
 import json
