@@ -97,6 +97,16 @@ def summarize(outcomes: dict[str, Sequence[Sample]], k: int) -> dict[str, Any]:
   }
 
 
+def pass_at_1_by(outcomes: dict[str, Sequence[Sample]],
+                 group_of: dict[str, str]) -> dict[str, float]:
+  """Returns pass@1 over the tasks of each group (e.g. the embedded world's task families)."""
+  groups: dict[str, list[float]] = collections.defaultdict(list)
+  for task_id, samples in outcomes.items():
+    if task_id in group_of:
+      groups[group_of[task_id]].append(sum(s.correct for s in samples) / len(samples))
+  return {group: sum(values) / len(values) for group, values in sorted(groups.items())}
+
+
 def format_table(rows: dict[str, dict[str, Any]], k: int) -> str:
   """Returns a text table of several systems' metrics (one row each)."""
   columns = ["pass@1", f"avg@{k}", f"pass@{k}", f"maj@{k}", "tokens_per_task",
@@ -306,6 +316,11 @@ def run(config: Any) -> dict[str, Any]:
   else:
     raise ConfigError(f"evaluate system={config.system!r}: expected 'model' or 'teacher'")
   metrics = summarize(outcomes, k)
+  families = {task.id: task.data["family"] for task in tasks if "family" in task.data}
+  if families:
+    metrics["pass@1_by_family"] = pass_at_1_by(outcomes, families)
+    say("pass@1 by task family: " + ", ".join(
+        f"{family} {value:.3f}" for family, value in metrics["pass@1_by_family"].items()))
   if config.system == "model" and config.get("copy_probe"):
     metrics.update(probe)
     say(f"copy probe (teacher-forced, {probe['copy_steps']:.0f} held-out answers copied from an "

@@ -174,6 +174,18 @@ def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]],
   return summary
 
 
+def family_means(per_seed: dict[int, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+  """Returns, per system, each task family's pass@1 averaged over seeds (where the score is
+  won and lost)."""
+  means: dict[str, dict[str, float]] = {}
+  for system in SYSTEMS:
+    rows = [r[system]["pass@1_by_family"] for r in per_seed.values()
+            if "pass@1_by_family" in r.get(system, {})]
+    if rows:
+      means[system] = {family: float(np.mean([r[family] for r in rows])) for family in rows[0]}
+  return means
+
+
 def format_summary(summary: dict[str, dict[str, dict[str, Any]]], k: int) -> str:
   """Returns the results as a Markdown table of mean +- sd over seeds."""
   columns = [m for m in metric_names(k) if any(m in summary[s] for s in summary)]
@@ -270,12 +282,17 @@ def run(config: Any, seeds: int = 1) -> dict[str, Any]:
                                           for stage in ("sft", "eval sft", "dapo", "eval dapo")]
   seconds = {name: times.seconds[name] for name in stages if name in times.seconds}
   table = format_summary(summary, k)
+  by_family = family_means(per_seed)
   results = {"seeds": list(per_seed), "per_seed": per_seed, "summary": summary, "table": table,
+             "pass@1_by_family": by_family,
              "stage_seconds": seconds, "wall_s": round(time.perf_counter() - start, 1),
              "plot": plot(summary, k, seeds, os.path.join(config.output_dir, "results.png"))}
   with open(os.path.join(config.output_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=1)
   say(f"held-out tasks, mean +- sd over {seeds} seed(s):\n{table}")
+  say("pass@1 by task family, mean over seeds: " + "; ".join(
+      f"{SYSTEMS[system]} " + ", ".join(f"{f} {v:.3f}" for f, v in values.items())
+      for system, values in by_family.items()))
   say("stage wall times (s): " + ", ".join(f"{name} {t:.0f}" for name, t in seconds.items()))
   say(f"pipeline done in {results['wall_s']:.0f}s; results in {config.output_dir}")
   return results

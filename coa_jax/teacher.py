@@ -117,7 +117,7 @@ def _template_re(template: str) -> re.Pattern:
 _QUESTION_RES = [(key, _template_re(t)) for key, t in world_lib.QUESTIONS.items()]
 _RELATION_RES = [(key, _template_re(phrase)) for key, (_, phrase) in world_lib.RELATIONS.items()]
 _NOUN_RES = [(key, _template_re(t)) for key, t in world_lib.NUMERIC_NOUNS.items()]
-_MIXED_RE = re.compile(r"^What is (.+) multiplied by (\d+)\?$")
+_MIXED_RE = re.compile(r"^What is (.+) \* (\d+)\?$")
 _ARITHMETIC_RE = re.compile(r"^What is ([\d\s()+*-]+)\?$")
 
 
@@ -237,7 +237,7 @@ class _Run:
     steps = [f"{i}. Find the {world_lib.NOUNS[attr]} of {subject}." for i, (attr, subject) in
              enumerate(zip(plan["path"], subjects), 1)]
     if plan["multiplier"]:
-      steps.append(f"{len(steps) + 1}. Multiply it by {plan['multiplier']} with code.")
+      steps.append(f"{len(steps) + 1}. Compute it * {plan['multiplier']} with code.")
     self.act("planner", "plan", "\n".join(steps + [f"{len(steps) + 1}. Double-check and "
                                                      f"answer."]))
     name, page = plan["name"], ""

@@ -13,7 +13,7 @@ goal. Task families:
 - `lookup`: a fact 1-3 hops away ("What is the population of the city where the CEO of
   Norvale Works was born?");
 - `arithmetic`: a computation a small model cannot do in its head (needs `code`);
-- `mixed`: facts looked up, then computed with.
+- `mixed`: facts looked up, then computed with ("What is the population of Tunim * 24?").
 
 The train and held-out splits are two disjoint sets of entities (links stay inside a split),
 so held-out answers can only come from the tools. Difficulty: the hop mix, the family mix, the
@@ -267,7 +267,11 @@ class World:
       value = entity.attrs[key[1]]
       k = int(self.rng.integers(3, 30))
       noun = NUMERIC_NOUNS[key].format(x=description)
-      question, answer = f"What is {noun} multiplied by {k}?", value * k
+      # The factor is written "* k" in the question, as the teacher's plan and code write it:
+      # copying it is then the same two-token match ("*", " ") everywhere. Worded "multiplied
+      # by k", a 2-layer model had to learn that "by" in the question means "*" in the code,
+      # and most seeds wrote a wrong factor in the code (issue 19).
+      question, answer = f"What is {noun} * {k}?", value * k
       program = {"path": path, "expression": f"{value} * {k}"}
     question = question[0].upper() + question[1:]
     numeric = isinstance(answer, int)

@@ -40,6 +40,13 @@ def test_summary_metrics_equal_hand_computed_values():
   assert m["finish_reasons"] == {"answer": 8, "length": 1}
 
 
+def test_pass_at_1_by_group_averages_each_groups_tasks():
+  outcomes = {"a": [_s(True, "5"), _s(False, "6")], "b": [_s(True, "1"), _s(True, "1")],
+              "c": [_s(False, "7"), _s(False, "7")], "d": [_s(True, "2"), _s(True, "2")]}
+  by_family = evaluate.pass_at_1_by(outcomes, {"a": "lookup", "b": "lookup", "c": "mixed"})
+  assert by_family == pytest.approx({"lookup": (0.5 + 1.0) / 2, "mixed": 0.0})
+
+
 def test_majority_vote_normalizes_answers_and_breaks_ties_by_first_seen():
   assert evaluate.majority_correct([_s(True, "Paris"), _s(False, "Rome"), _s(True, "paris.")])
   assert not evaluate.majority_correct([_s(False, "Rome"), _s(True, "Paris")])

@@ -25,6 +25,7 @@ def test_quick_pipeline_runs_every_stage(tmp_path):
   saved = json.load(open(tmp_path / "run" / "results.json"))
   assert saved["per_seed"]["0"]["sft"]["tasks"] == config.eval.max_tasks
   assert saved["summary"]["sft"]["pass@1"]["values"] == [rows["sft"]["pass@1"]]
+  assert set(saved["pass@1_by_family"]["sft"]) <= {"lookup", "arithmetic", "mixed"}
   assert list(saved["stage_seconds"]) == ["distill", "eval teacher", "seed 0 sft",
                                           "seed 0 eval sft", "seed 0 dapo", "seed 0 eval dapo"]
   again = pipeline.run(config)  # every stage's output exists: all are reused
@@ -42,6 +43,12 @@ def test_results_over_seeds_are_mean_and_sample_sd():
   assert summary["sft"]["pass@1"]["sd"] == pytest.approx(0.2)  # ddof=1
   table = pipeline.format_summary(summary, k=3)
   assert "| AFM after SFT | 0.700 +- 0.200 | 70 +- 20 |" in table
+
+
+def test_family_pass_rates_are_averaged_over_seeds():
+  per_seed = {seed: {"sft": {"pass@1_by_family": {"lookup": 1.0, "mixed": value}}}
+              for seed, value in ((0, 0.2), (1, 0.6))}
+  assert pipeline.family_means(per_seed) == {"sft": pytest.approx({"lookup": 1.0, "mixed": 0.4})}
 
 
 def test_copy_curve_probes_each_segment_of_sft(tmp_path):
