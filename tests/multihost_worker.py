@@ -9,11 +9,14 @@ the DAPO export (each host its share of the tasks). Process 0 writes OUT_DIR/res
 and DAPO export HF folders.
 """
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 
 out, processes, process_id, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump of a hang
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402

@@ -7,6 +7,7 @@ or hangs, all are killed and the test fails with their logs."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,11 +44,18 @@ def _start(out, processes: int, port: int) -> list[tuple[subprocess.Popen, str]]
 
 
 def _wait(started, deadline: float) -> None:
-  """Waits for every process; on a failure or past the deadline, kills them all and fails."""
+  """Waits for every process; on a failure or past the deadline, kills them all and fails.
+  Past the deadline, each live process first writes every thread's Python stack to its log
+  (SIGUSR1, faulthandler), so a hang shows where it waits."""
   procs = [p for p, _ in started]
   while any(p.poll() is None for p in procs):
     failed = any(p.poll() not in (None, 0) for p in procs)
     if failed or time.monotonic() > deadline:
+      if not failed:
+        for p in procs:
+          if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(2)
       for p in procs:
         p.kill()
       for p in procs:
@@ -55,7 +63,7 @@ def _wait(started, deadline: float) -> None:
       break
     time.sleep(0.5)
   if any(p.returncode != 0 for p in procs):
-    logs = "\n".join(f"--- {log} (exit {p.returncode}):\n" + open(log).read()[-3000:]
+    logs = "\n".join(f"--- {log} (exit {p.returncode}):\n" + open(log).read()[-6000:]
                      for p, log in started)
     pytest.fail(f"a process failed or the {DEADLINE_S} s deadline passed:\n{logs}")
 
