@@ -13,7 +13,7 @@ goal. Task families:
 - `lookup`: a fact 1-3 hops away ("What is the population of the city where the CEO of
   Norvale Works was born?");
 - `arithmetic`: a computation a small model cannot do in its head (needs `code`);
-- `mixed`: facts looked up, then computed with ("What is the population of Tunim * 24?").
+- `mixed`: facts looked up, then computed with ("What is the population of Tunim *24?").
 
 The train and held-out splits are two disjoint sets of entities (links stay inside a split),
 so held-out answers can only come from the tools. Difficulty: the hop mix, the family mix, the
@@ -267,12 +267,15 @@ class World:
       value = entity.attrs[key[1]]
       k = int(self.rng.integers(3, 30))
       noun = NUMERIC_NOUNS[key].format(x=description)
-      # The factor is written "* k" in the question, as the teacher's plan and code write it:
-      # copying it is then the same two-token match ("*", " ") everywhere. Worded "multiplied
-      # by k", a 2-layer model had to learn that "by" in the question means "*" in the code,
-      # and most seeds wrote a wrong factor in the code (issue 19).
-      question, answer = f"What is {noun} * {k}?", value * k
-      program = {"path": path, "expression": f"{value} * {k}"}
+      # The factor is written "*k" in the question, as the teacher's plan and code write it,
+      # and with no space: the default tokenizer makes the space before a number a token of
+      # its own, so in "* k" the factor followed " *", " " (the two tokens before every
+      # operand of an arithmetic question) and finding it took a two-token match, which some
+      # seeds never formed (seed 1 wrote a random factor in 166 of 171 mixed samples). After
+      # " *" with no space, the factor is found by the token just before it; worded
+      # "multiplied by k", the question did not even share that token with the code (issue 19).
+      question, answer = f"What is {noun} *{k}?", value * k
+      program = {"path": path, "expression": f"{value} *{k}"}
     question = question[0].upper() + question[1:]
     numeric = isinstance(answer, int)
     return {"id": f"{split}-{index}", "question": f"Question: {question}",

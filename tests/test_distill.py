@@ -58,7 +58,7 @@ def test_numbered_names_are_a_kind_and_a_number_used_once():
      {"name": "Norvale Works", "path": ["ceo"], "multiplier": None}),
     ("Question: What is the population of the city where the CEO of Norvale Works was born?",
      {"name": "Norvale Works", "path": ["ceo", "birthplace", "population"], "multiplier": None}),
-    ("Question: What is the birth year of the mayor of Tunim * 24?",
+    ("Question: What is the birth year of the mayor of Tunim *24?",
      {"name": "Tunim", "path": ["mayor", "born"], "multiplier": 24}),
 ])
 def test_questions_are_read_into_plans(question, plan):
