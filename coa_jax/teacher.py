@@ -117,7 +117,7 @@ def _template_re(template: str) -> re.Pattern:
 _QUESTION_RES = [(key, _template_re(t)) for key, t in world_lib.QUESTIONS.items()]
 _RELATION_RES = [(key, _template_re(phrase)) for key, (_, phrase) in world_lib.RELATIONS.items()]
 _NOUN_RES = [(key, _template_re(t)) for key, t in world_lib.NUMERIC_NOUNS.items()]
-_MIXED_RE = re.compile(r"^What is (.+) \*(\d+)\?$")
+_MIXED_RE = re.compile(r"^What is (.+) \*(\d+)\?$")  # world_lib.times
 _ARITHMETIC_RE = re.compile(r"^What is ([\d\s()+*-]+)\?$")
 
 
@@ -237,7 +237,8 @@ class _Run:
     steps = [f"{i}. Find the {world_lib.NOUNS[attr]} of {subject}." for i, (attr, subject) in
              enumerate(zip(plan["path"], subjects), 1)]
     if plan["multiplier"]:
-      steps.append(f"{len(steps) + 1}. Compute it *{plan['multiplier']} with code.")
+      product = world_lib.times("it", plan["multiplier"])
+      steps.append(f"{len(steps) + 1}. Compute {product} with code.")
     self.act("planner", "plan", "\n".join(steps + [f"{len(steps) + 1}. Double-check and "
                                                      f"answer."]))
     name, page = plan["name"], ""
@@ -251,7 +252,7 @@ class _Run:
       name = value
     answer = name
     if plan["multiplier"]:
-      answer = str(self.compute(f"{name} *{plan['multiplier']}"))
+      answer = str(self.compute(world_lib.times(name, plan["multiplier"])))
     truth = lambda: self.read(page, plan["path"][-1])[0]
     self.conclude(answer, lambda: self.fact_check(page, plan, answer, truth()))
 
@@ -343,7 +344,7 @@ class _Run:
                 if a.step == "crawl_page")
     value = self.read(page or "", plan["path"][-1])[0]
     if plan["multiplier"]:
-      return str(self.compute(f"{value} *{plan['multiplier']}"))
+      return str(self.compute(world_lib.times(value, plan["multiplier"])))
     return value
 
 

@@ -79,6 +79,16 @@ NUMERIC_NOUNS = {("city", "population"): "the population of {x}",
                  ("company", "founded"): "the founding year of {x}",
                  ("company", "employees"): "the number of employees of {x}"}
 
+
+def times(x: object, k: int) -> str:
+  """Returns how a mixed task writes `x` times `k`, alike in its question, in the teacher's
+  plan and in the code: "*k" with no space. The default tokenizer makes the space before a
+  number a token of its own, so in "* k" the factor followed " *", " " (the two tokens before
+  every operand of an arithmetic question) and finding it took a two-token match, which some
+  seeds never formed (one wrote a random factor in 166 of 171 mixed samples); after " *" the
+  factor is found by the token just before it (issue 19)."""
+  return f"{x} *{k}"
+
 _ONSETS = ("b", "br", "c", "d", "dr", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "th",
            "v", "z", "qu", "sh")
 _VOWELS = ("a", "e", "i", "o", "u", "ae", "io", "ou")
@@ -267,15 +277,8 @@ class World:
       value = entity.attrs[key[1]]
       k = int(self.rng.integers(3, 30))
       noun = NUMERIC_NOUNS[key].format(x=description)
-      # The factor is written "*k" in the question, as the teacher's plan and code write it,
-      # and with no space: the default tokenizer makes the space before a number a token of
-      # its own, so in "* k" the factor followed " *", " " (the two tokens before every
-      # operand of an arithmetic question) and finding it took a two-token match, which some
-      # seeds never formed (seed 1 wrote a random factor in 166 of 171 mixed samples). After
-      # " *" with no space, the factor is found by the token just before it; worded
-      # "multiplied by k", the question did not even share that token with the code (issue 19).
-      question, answer = f"What is {noun} *{k}?", value * k
-      program = {"path": path, "expression": f"{value} *{k}"}
+      question, answer = f"What is {times(noun, k)}?", value * k
+      program = {"path": path, "expression": times(value, k)}
     question = question[0].upper() + question[1:]
     numeric = isinstance(answer, int)
     return {"id": f"{split}-{index}", "question": f"Question: {question}",

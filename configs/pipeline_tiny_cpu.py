@@ -23,11 +23,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict(dict(
       # 4 heads of 32: attention's element-wise work is most of a step on a CPU, and 4 heads
       # of 32 train at 1.76x the speed of 8 of 16 (386 vs 679 ms a step on 2 cores).
-      # 3 layers (1.4x a step of 2): copying a number found by the tokens two back (" *", " ",
-      # then the factor; the space is a token of its own) is a circuit that 2 layers formed
-      # in some seeds only. On 60 held-out tasks, seed 2's SFT solved 0 of 51 mixed samples
-      # with 2 layers and 42 of 51 with 3 (pass@1 0.644 -> 0.889); with 2 layers seed 1 did
-      # not learn to copy the code's output into its answer (arithmetic 0.022; issue 19).
+      # 3 layers (1.4x a step of 2), chosen while mixed questions still wrote "* k" (the
+      # factor two tokens after " *"; world.times): on 60 held-out tasks, seed 2's SFT solved
+      # 0 of 51 mixed samples with 2 layers and 42 of 51 with 3 (pass@1 0.644 -> 0.889), and
+      # with 2 layers seed 1 did not learn to copy the code's output into its answer
+      # (arithmetic 0.022). 2 layers with "*k" were not measured (issue 19).
       preset="tiny", hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
       num_kv_heads=4, attention_impl="blockwise"))
   # Rows of 512 pack the same tokens per step as 4 x 1024 at 1.7x the speed (attention's cost
@@ -59,9 +59,10 @@ def get_config() -> ml_collections.ConfigDict:
   # same model, as much as the spread over seeds that the recipe must stay under.
   config.eval = ml_collections.ConfigDict(dict(k=3, max_tasks=200, batch_size=600))
   # DAPO's learning rate: 5e-5. Its gain is moving mental arithmetic to the code tool, and at
-  # 1e-4 the same 16 steps also unlearned copying elsewhere: on seed 0's 200 held-out tasks,
-  # SFT 0.802 -> DAPO 0.823 at 1e-4 (lookup samples solved 178 -> 165, mixed 114 -> 102),
-  # 0.855 at 5e-5 (176, 111; mental arithmetic 42 -> 5 samples in both) and 0.670 at 2e-4.
+  # 1e-4 the same 16 steps also unlearned copying elsewhere: on seed 0's 200 held-out tasks
+  # (mixed questions then wrote "* k"), SFT 0.802 -> DAPO 0.823 at 1e-4 (lookup samples
+  # solved 178 -> 165, mixed 114 -> 102), 0.855 at 5e-5 (176, 111; mental arithmetic 42 -> 5
+  # samples in both) and 0.670 at 2e-4.
   # After a good SFT most groups are uniform, and Adam's step size does not shrink with the
   # gradient, so each step moves every weight by about the learning rate whatever the signal.
   config.dapo = ml_collections.ConfigDict(dict(
