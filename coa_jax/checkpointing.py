@@ -53,7 +53,11 @@ class Checkpointer:
       except Exception as e:  # noqa: BLE001 - any unreadable step is skipped the same way
         self._set_aside(step, e)
         continue
-      return restored["state"], restored["data"]
+      # Every shard in place before the first step: on CPU, devices whose shards landed first
+      # ran ahead into the step's collectives and held every executor thread, so the device
+      # still waiting for its shard could not join them (an 8-device resume hung in a
+      # rendezvous under load).
+      return jax.block_until_ready(restored["state"]), restored["data"]
     return None
 
   def _set_aside(self, step: int, error: Exception) -> None:

@@ -17,6 +17,7 @@ import sys
 
 out, processes, process_id, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump of a hang
+faulthandler.enable(all_threads=True)  # and the stacks of an abort (XLA's collective timeout)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
