@@ -53,10 +53,9 @@ class Checkpointer:
       except Exception as e:  # noqa: BLE001 - any unreadable step is skipped the same way
         self._set_aside(step, e)
         continue
-      # Every shard in place before the first step: on CPU, devices whose shards landed first
-      # ran ahead into the step's collectives and held every executor thread, so the device
-      # still waiting for its shard could not join them (an 8-device resume hung in a
-      # rendezvous under load).
+      # Every shard in place before the first step. An 8-device CPU resume under load hung in
+      # the first step's collectives with one device missing from every rendezvous; likely the
+      # devices whose shards landed first ran ahead and held every executor thread.
       return jax.block_until_ready(restored["state"]), restored["data"]
     return None
 

@@ -171,7 +171,8 @@ def test_a_hanging_tool_times_out_without_holding_the_rollout():
 
 
 class Gathering(Echo):
-  """Answers only once `parties` calls are in flight at the same time (else fails after 60 s)."""
+  """Answers once `parties` calls are in flight together; calls made one at a time never meet,
+  and the rollout's tool timeout turns them into errors."""
 
   def __init__(self, tag, parties):
     super().__init__(tag)
