@@ -89,6 +89,7 @@ def times(x: object, k: int) -> str:
   factor is found by the token just before it (issue 19)."""
   return f"{x} *{k}"
 
+
 _ONSETS = ("b", "br", "c", "d", "dr", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "th",
            "v", "z", "qu", "sh")
 _VOWELS = ("a", "e", "i", "o", "u", "ae", "io", "ou")
