@@ -64,7 +64,8 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
   sft_config.optimizer = common.optimizer(
       learning_rate=config.sft.learning_rate, warmup_steps=config.sft.warmup_steps,
       schedule=config.sft.schedule, decay_steps=config.sft.decay_steps,
-      total_steps=config.sft.steps, weight_decay=config.sft.weight_decay)
+      total_steps=config.sft.steps, final_lr_fraction=config.sft.final_lr_fraction,
+      weight_decay=config.sft.weight_decay)
   sft_config.train = common.train(steps=config.sft.steps, log_every=config.log_every)
   sft_config.checkpoint = common.checkpoint(os.path.join(run_dir, "sft", "checkpoints"),
                                             every=config.sft.steps, max_to_keep=1)

@@ -12,6 +12,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from absl import app, flags, logging  # noqa: E402
+import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from coa_jax import distributed, pipeline  # noqa: E402
@@ -33,6 +34,10 @@ def main(argv):
   config = _CONFIG.value
   if _QUICK.value:
     config = pipeline_tiny_cpu.quick(config)
+  # Both evaluations of a seed, and every seed, compile the same programs: a persistent cache
+  # beside the outputs compiles each once (the loaded program is the compiled one, bit for bit).
+  jax.config.update("jax_compilation_cache_dir", os.path.join(config.output_dir, "jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   pipeline.run(config, seeds=_SEEDS.value)
 
 

@@ -10,8 +10,13 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # passes cost more than the unoptimised code's run time (the suite needs 27% less CPU).
 # Subprocesses that check the documented commands' numerics (the copy guard) set their own flags.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}").strip()
+# A collective on fake CPU devices waits for one thread per device; XLA aborts the process when
+# one has not arrived after 40 s, which a loaded 2-core machine can exceed (the suite beside a
+# pipeline run). Tests bound their own waits.
+PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") +
+    f" --xla_force_host_platform_device_count=8 {FAST_COMPILE} {PATIENT_COLLECTIVES}").strip()
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # libtpu (loaded to compile for TPU topologies; no TPU is used) holds a host-wide lock for the
 # life of the process that loaded it: without this, a second test run on the machine fails.

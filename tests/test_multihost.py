@@ -32,7 +32,8 @@ def _start(out, processes: int, port: int) -> list[tuple[subprocess.Popen, str]]
   os.makedirs(out, exist_ok=True)
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes} "
-             "--xla_backend_optimization_level=0")  # fast compile, as in conftest
+             "--xla_backend_optimization_level=0 "  # as in conftest: fast compile, and
+             "--xla_cpu_collective_call_terminate_timeout_seconds=900")  # patient collectives
   started = []
   for index in range(processes):
     log = os.path.join(out, f"process-{index}.log")
