@@ -28,7 +28,7 @@ from coa_jax import coa_format, rewards
 from coa_jax.coa_format import OBSERVATION, Step, Trajectory
 from coa_jax.metrics import say
 from coa_jax.teacher import ScriptedTeacher, TeacherConfig, Trace
-from coa_jax.world import World, WorldConfig
+from coa_jax.world import World, WorldConfig, load_tools_spec
 from tools_env import registry as tools_registry
 
 STAGES = ("correct", "format", "complexity", "quality")
@@ -165,8 +165,7 @@ def run(config: Any) -> dict[str, Any]:
   paths = world.write(os.path.join(config.output_dir, "world"))
   say(f"world: {len(world.by_name)} entities, {len(world.tasks['train'])} train / "
       f"{len(world.tasks['heldout'])} held-out tasks -> {os.path.dirname(paths['corpus'])}")
-  with open(paths["tools"]) as f:
-    tools = tools_registry.build_registry(json.load(f))
+  tools = tools_registry.build_registry(load_tools_spec(os.path.dirname(paths["tools"])))
   teacher_config = TeacherConfig(**config.teacher)
   traces, failures = solve(ScriptedTeacher(tools, teacher_config), world.tasks["train"],
                            config.workers)

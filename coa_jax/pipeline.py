@@ -21,7 +21,7 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
-from coa_jax import copy_probe, data_pipeline, distill, evaluate, sft, sharding
+from coa_jax import copy_probe, data_pipeline, distill, evaluate, sft, sharding, world
 from coa_jax.importers import DropCounter
 from coa_jax.metrics import say
 from coa_jax.model import Transformer
@@ -74,8 +74,7 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
 
   tools = ml_collections.ConfigDict()  # the world's tools, once distillation has written them
   if os.path.exists(os.path.join(world_dir, "tools.json")):
-    with open(os.path.join(world_dir, "tools.json")) as f:
-      tools = ml_collections.ConfigDict(json.load(f))
+    tools = ml_collections.ConfigDict(world.load_tools_spec(world_dir))
 
   def evaluation(system: str, checkpoint: str, name: str) -> ml_collections.ConfigDict:
     cfg = evaluate_tiny.get_config()

@@ -309,6 +309,17 @@ class World:
       with open(path, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows[name])
     paths["tools"] = os.path.join(directory, "tools.json")
-    with open(paths["tools"], "w") as f:
-      json.dump(self.tools_spec(os.path.abspath(paths["corpus"])), f, indent=1)
+    with open(paths["tools"], "w") as f:  # the corpus relative to it: the folder can move
+      json.dump(self.tools_spec(os.path.basename(paths["corpus"])), f, indent=1)
     return paths
+
+
+def load_tools_spec(directory: str) -> dict[str, dict]:
+  """Returns the tool spec of the world written to `directory`, with its corpus path resolved
+  against that folder."""
+  with open(os.path.join(directory, "tools.json")) as f:
+    spec = json.load(f)
+  for tool in spec.values():
+    if "corpus_path" in tool:
+      tool["corpus_path"] = os.path.join(os.path.abspath(directory), tool["corpus_path"])
+  return spec

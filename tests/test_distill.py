@@ -14,7 +14,7 @@ from coa_jax.distill import Distiller, FilterConfig, format_report, to_trajector
 from coa_jax.sample_data import SYSTEM_PROMPT
 from coa_jax.teacher import (ChatTeacher, ScriptedTeacher, TeacherConfig, TeacherError,
                              read_question)
-from coa_jax.world import RELATIONS, World, WorldConfig
+from coa_jax.world import RELATIONS, World, WorldConfig, load_tools_spec
 from tools_env import registry
 from tools_env.remote import ChatClient, HttpLimits
 
@@ -24,9 +24,9 @@ CONFIG = WorldConfig(seed=3, entities=6, train_tasks=40, heldout_tasks=10)
 @pytest.fixture(scope="module")
 def world_and_tools(tmp_path_factory):
   world = World(CONFIG)
-  paths = world.write(str(tmp_path_factory.mktemp("world")))
-  with open(paths["tools"]) as f:
-    return world, registry.build_registry(json.load(f))
+  directory = str(tmp_path_factory.mktemp("world"))
+  world.write(directory)
+  return world, registry.build_registry(load_tools_spec(directory))
 
 
 def test_world_is_deterministic_and_its_splits_are_disjoint(world_and_tools):
@@ -70,8 +70,8 @@ def test_teacher_answers_every_task_through_real_tool_calls(world_and_tools, var
   world, tools = world_and_tools
   if variant:  # the world with fewer search results, or with numbered names
     world = World(dataclasses.replace(CONFIG, **variant))
-    with open(world.write(str(tmp_path))["tools"]) as f:
-      tools = registry.build_registry(json.load(f))
+    world.write(str(tmp_path))
+    tools = registry.build_registry(load_tools_spec(str(tmp_path)))
     assert tools.tools["web_search"].top_k == world.config.search_results
   teacher = ScriptedTeacher(tools, TeacherConfig(vague_query_rate=0, misread_rate=0,
                                                  skip_verify_rate=0))
