@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import FAST_COMPILE, PATIENT_COLLECTIVES
 from coa_jax.safetensors_io import SafetensorsFile
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
@@ -32,8 +33,7 @@ def _start(out, processes: int, port: int) -> list[tuple[subprocess.Popen, str]]
   os.makedirs(out, exist_ok=True)
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes} "
-             "--xla_backend_optimization_level=0 "  # as in conftest: fast compile, and
-             "--xla_cpu_collective_call_terminate_timeout_seconds=900")  # patient collectives
+             f"{FAST_COMPILE} {PATIENT_COLLECTIVES}")
   started = []
   for index in range(processes):
     log = os.path.join(out, f"process-{index}.log")
