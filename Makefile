@@ -10,7 +10,7 @@ export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 
 # Every package the install brings, at the exact versions the README's results were measured with.
 # `make lock` re-resolves it from setup.py; upgrading is a deliberate change that re-runs the
-# main job (README, "The end-to-end pipeline").
+# main job (docs/pipeline.md).
 LOCK := requirements.lock
 EXTRAS := test,tpu,plots,tfds
 

@@ -8,7 +8,8 @@ setup(
     description="Chain-of-Agents (multi-agent distillation, observation-masked SFT, DAPO) "
                 "in JAX/Flax, TPU-native",
     python_requires=">=3.10",
-    packages=find_packages(include=["coa_jax", "coa_jax.*", "tools_env", "tools_env.*"]),
+    # configs: the shipped experiment configs that the entry points in experiments/ load.
+    packages=find_packages(include=["coa_jax", "coa_jax.*", "tools_env", "tools_env.*", "configs"]),
     package_data={"coa_jax": ["assets/*.jsonl"], "tools_env": ["data/*.jsonl"]},
     install_requires=[
         "jax>=0.10.2",
@@ -22,6 +23,10 @@ setup(
         "absl-py",
         "grain>=0.2.18",
         "bm25s>=0.2",
+        # clu's metric writers: metrics as JSONL and TensorBoard events (TensorFlow's writer).
+        "clu>=0.0.12",
+        "tensorboard>=2.20",
+        "tensorflow-cpu>=2.20",
         "ml_dtypes",
         "numpy",
     ],

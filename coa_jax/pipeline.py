@@ -3,7 +3,7 @@ evaluate, and a table of the teacher system, the AFM after SFT and after DAPO on
 tasks.
 
 `run(config, seeds)` is `experiments/pipeline.py`; each stage is the library job of that
-stage (`distill.run`, `sft.run`, `evaluate.run`, `rl.dapo.run`) on a config derived from the
+stage (`distill.run`, `sft.run`, `evaluation.run`, `rl.run`) on a config derived from the
 pipeline config. Distillation (the world and the teacher's data) is shared by every seed and
 written under config.output_dir/distill; each seed (model init, data order, sampling) trains and
 evaluates under config.output_dir/seed-<seed>/<stage>. Stages whose outputs exist are reused,
@@ -21,12 +21,11 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
-from coa_jax import copy_probe, data_pipeline, distill, evaluate, sft, sharding, world
-from coa_jax.importers import DropCounter
-from coa_jax.metrics import say
+from coa_jax import distill, evaluation, rl, sft
+from coa_jax.data import DropCounter, load_source, load_tokenizer
 from coa_jax.model import Transformer
-from coa_jax.rl import dapo
-from configs import common, dapo_tiny_cpu, evaluate_tiny, sft_tiny_cpu
+from coa_jax.runtime import load_model, sharding
+from coa_jax.runtime.distributed import say
 
 SYSTEMS = {"teacher": "teacher system", "sft": "AFM after SFT", "dapo": "AFM after DAPO"}
 
@@ -38,87 +37,6 @@ def _stage(name: str, path: str) -> bool:
     return True
   say(f"== {name}")
   return False
-
-
-def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collections.ConfigDict]:
-  """Returns the configs of every stage for `seed` (default config.seed), derived from the
-  pipeline config."""
-  seed = config.seed if seed is None else seed
-  out = os.path.abspath(config.output_dir)
-  world_dir = os.path.join(out, "distill", "world")
-  run_dir = os.path.join(out, f"seed-{seed}")
-  model = dict(config.model)
-
-  distill_config = ml_collections.ConfigDict(dict(
-      world=config.world, teacher=config.teacher, filters=config.filters,
-      system_prompt=config.system_prompt, workers=config.workers,
-      output_dir=os.path.join(out, "distill")))
-
-  sft_config = sft_tiny_cpu.get_config()
-  sft_config.seed = seed
-  sft_config.model = common.model(**model)
-  sft_config.mesh = config.mesh
-  sft_config.data = common.data(os.path.join(out, "distill", "trajectories.jsonl"),
-                                num_epochs=1000)
-  sft_config.seq_len, sft_config.batch_size = config.sft.seq_len, config.sft.batch_size
-  sft_config.optimizer = common.optimizer(
-      learning_rate=config.sft.learning_rate, warmup_steps=config.sft.warmup_steps,
-      schedule=config.sft.schedule, decay_steps=config.sft.decay_steps,
-      total_steps=config.sft.steps, final_lr_fraction=config.sft.final_lr_fraction,
-      weight_decay=config.sft.weight_decay)
-  sft_config.train = common.train(steps=config.sft.steps, log_every=config.log_every)
-  sft_config.checkpoint = common.checkpoint(os.path.join(run_dir, "sft", "checkpoints"),
-                                            every=config.sft.steps, max_to_keep=1)
-  sft_config.workdir = os.path.join(run_dir, "sft")
-  sft_config.export_dir = os.path.join(run_dir, "sft", "hf_export")
-
-  tools = ml_collections.ConfigDict()  # the world's tools, once distillation has written them
-  if os.path.exists(os.path.join(world_dir, "tools.json")):
-    tools = ml_collections.ConfigDict(world.load_tools_spec(world_dir))
-
-  def evaluation(system: str, checkpoint: str, name: str) -> ml_collections.ConfigDict:
-    cfg = evaluate_tiny.get_config()
-    cfg.system, cfg.seed, cfg.k = system, seed, config.eval.k
-    cfg.model = common.model(**model)
-    cfg.model.checkpoint = checkpoint
-    cfg.mesh = config.mesh
-    cfg.tasks = os.path.join(world_dir, "heldout.jsonl")
-    cfg.copy_probe = os.path.join(out, "distill", "heldout_trajectories.jsonl")
-    cfg.max_tasks = config.eval.max_tasks
-    cfg.batch_size = config.eval.batch_size
-    cfg.rollout.update(dict(config.rollout), group_size=config.eval.k)
-    cfg.sampling, cfg.system_prompt = config.sampling, config.system_prompt
-    cfg.tools = tools
-    cfg.teacher = config.teacher
-    # The scripted teacher's samples do not depend on the seed: it is evaluated once.
-    cfg.output_dir = os.path.join(out if system == "teacher" else run_dir, name)
-    return cfg
-
-  dapo_config = dapo_tiny_cpu.get_config()
-  dapo_config.seed = seed
-  dapo_config.model = common.model(**model)
-  dapo_config.mesh = config.mesh
-  dapo_config.model.checkpoint = sft_config.export_dir
-  dapo_config.tasks = os.path.join(world_dir, "train.jsonl")
-  dapo_config.eval_tasks = ""  # the pipeline evaluates after DAPO
-  dapo_config.batch_size = config.dapo.batch_size
-  dapo_config.sampling, dapo_config.system_prompt = config.sampling, config.system_prompt
-  dapo_config.rollout = ml_collections.ConfigDict(dict(config.rollout))
-  dapo_config.rollout.group_size = config.dapo.group_size
-  dapo_config.tools = tools
-  dapo_config.rewards.format_penalty = config.dapo.get("format_penalty", 0.0)
-  dapo_config.rl = common.rl(**dict(config.dapo.rl))
-  dapo_config.optimizer = common.optimizer(learning_rate=config.dapo.learning_rate,
-                                           schedule="constant", weight_decay=0.0)
-  dapo_config.checkpoint = common.checkpoint(os.path.join(run_dir, "dapo", "checkpoints"),
-                                             every=config.dapo.rl.steps, max_to_keep=1)
-  dapo_config.workdir = os.path.join(run_dir, "dapo")
-  dapo_config.export_dir = os.path.join(run_dir, "dapo", "hf_export")
-
-  return {"distill": distill_config, "sft": sft_config, "dapo": dapo_config,
-          "eval_teacher": evaluation("teacher", "", "eval_teacher"),
-          "eval_sft": evaluation("model", sft_config.export_dir, "eval_sft"),
-          "eval_dapo": evaluation("model", dapo_config.export_dir, "eval_dapo")}
 
 
 class StageTimes:
@@ -145,7 +63,7 @@ class StageTimes:
 
 def _metrics(cfg: Any, times: StageTimes, name: str) -> dict[str, Any]:
   path = os.path.join(cfg.output_dir, "metrics.json")
-  times.run(name, path, lambda: evaluate.run(cfg))
+  times.run(name, path, lambda: evaluation.run(cfg))
   with open(path) as f:
     return json.load(f)
 
@@ -253,9 +171,16 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], k: int, seeds: int,
   return path
 
 
-def run(config: Any, seeds: int = 1) -> dict[str, Any]:
+StageConfigs = Callable[..., dict[str, ml_collections.ConfigDict]]
+
+
+def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, Any]:
   """Distils once, then trains and evaluates `seeds` seeds (config.seed, config.seed + 1,
-  ...); returns the results (also written as results.json and results.png)."""
+  ...); returns the results (also written as results.json and results.png).
+
+  `stage_configs(config, seed=None)` returns the config of every stage ("distill", "sft",
+  "eval_teacher", "eval_sft", "dapo", "eval_dapo") derived from the pipeline config, e.g.
+  `configs/pipeline_tiny_cpu.py`'s."""
   if seeds < 1:
     raise ValueError(f"seeds={seeds}: expected at least 1")
   start = time.perf_counter()
@@ -273,7 +198,7 @@ def run(config: Any, seeds: int = 1) -> dict[str, Any]:
     times.run(f"seed {seed} sft", configs["sft"].export_dir, lambda: sft.run(configs["sft"]))
     rows = {"teacher": teacher,
             "sft": _metrics(configs["eval_sft"], times, f"seed {seed} eval sft")}
-    times.run(f"seed {seed} dapo", configs["dapo"].export_dir, lambda: dapo.run(configs["dapo"]))
+    times.run(f"seed {seed} dapo", configs["dapo"].export_dir, lambda: rl.run(configs["dapo"]))
     rows["dapo"] = _metrics(configs["eval_dapo"], times, f"seed {seed} eval dapo")
     per_seed[seed] = rows
   k = config.eval.k
@@ -298,7 +223,8 @@ def run(config: Any, seeds: int = 1) -> dict[str, Any]:
   return results
 
 
-def copy_curve(config: Any, seeds: int, every: int) -> dict[int, list[dict[str, Any]]]:
+def copy_curve(config: Any, stage_configs: StageConfigs, seeds: int,
+               every: int) -> dict[int, list[dict[str, Any]]]:
   """Trains the SFT stage of `seeds` seeds, stopping every `every` steps to run the copy probe
   on the held-out trajectories: when (and whether) each seed learns to copy. Distils first
   unless the distilled data exist. Writes copy_curve/copy_curve.json and .png; returns the
@@ -311,12 +237,12 @@ def copy_curve(config: Any, seeds: int, every: int) -> dict[int, list[dict[str, 
             lambda: distill.run(stage_configs(config)["distill"]))
   out_dir = os.path.join(config.output_dir, "copy_curve")
   configs = stage_configs(config)
-  tokenizer = sft.load_tokenizer(configs["sft"])
-  model_config, _ = sft.load_model(configs["sft"], tokenizer,
-                                   sharding.make_mesh(sharding.MeshConfig(**config.mesh)))
+  tokenizer = load_tokenizer(configs["sft"])
+  model_config, _ = load_model(configs["sft"], tokenizer,
+                               sharding.make_mesh(sharding.MeshConfig(**config.mesh)))
   model = Transformer(model_config)
-  heldout = data_pipeline.load_source(configs["eval_sft"].copy_probe, DropCounter())
-  examples = copy_probe.copy_examples(heldout, tokenizer, config.sft.seq_len)
+  heldout = load_source(configs["eval_sft"].copy_probe, DropCounter())
+  examples = evaluation.copy_examples(heldout, tokenizer, config.sft.seq_len)
   curves: dict[int, list[dict[str, float]]] = {}
   for seed in range(config.seed, config.seed + seeds):
     cfg = stage_configs(config, seed)["sft"]
@@ -330,7 +256,7 @@ def copy_curve(config: Any, seeds: int, every: int) -> dict[int, list[dict[str, 
       if out["steps"] == steps:
         raise RuntimeError(f"seed {seed}: SFT made no progress past step {steps}")
       steps = out["steps"]
-      probe = copy_probe.copy_accuracy(model, out["state"].params, examples,
+      probe = evaluation.copy_accuracy(model, out["state"].params, examples,
                                        temperature=config.sampling.temperature)
       curves[seed].append({"step": steps, "loss": out.get("final_loss"), **probe})
       say(f"seed {seed} step {steps}: copy exact {probe['copy_exact']:.3f} (sampled "

@@ -4,7 +4,7 @@ import dataclasses
 
 import ml_collections
 
-from coa_jax.model.config import ModelConfig
+from coa_jax.model import ModelConfig
 
 # Numerics and execution fields of ModelConfig, listed here so that the command line can
 # override them (--config.model.remat=full); their defaults stay in ModelConfig.
@@ -62,7 +62,7 @@ def optimizer(**overrides) -> ml_collections.ConfigDict:
 
 
 def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
-  """DAPO settings; the defaults are the reference's (see docs/DESIGN.md, "Reference facts").
+  """DAPO settings; the defaults are the reference's (see docs/design.md, "Reference facts").
 
   A step gathers `batch_groups` prompt groups (dynamic sampling generates rounds of
   `prompts_per_round` prompts, at most `max_rounds`), then updates once per mini-batch of

@@ -10,9 +10,9 @@ compiles its update step for `topology`.
 
 import ml_collections
 
+from coa_jax.data import prompts
 from configs import common
-from coa_jax.sample_data import SYSTEM_PROMPT
-from tools_env.registry import default_spec
+from tools_env import default_spec
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -28,7 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.max_tasks = 0
   config.eval_tasks = "/data/afm_rl_heldout.jsonl"
   config.eval_max_tasks = 256
-  config.system_prompt = SYSTEM_PROMPT
+  config.system_prompt = prompts.AGENT
   config.batch_size = 512  # decode rows
   config.chunk = 64
   config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))

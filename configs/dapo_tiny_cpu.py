@@ -8,15 +8,12 @@ a group different rewards, so the run learns the CoA format. The real configs
 (e.g. dapo_qwen2_5_32b.py) use the reference's settings.
 """
 
-import os
 
 import ml_collections
 
+from coa_jax.data import SAMPLE_PATH, prompts
 from configs import common
-from coa_jax.sample_data import SYSTEM_PROMPT
-from tools_env.registry import default_spec
-
-_SAMPLE = os.path.join(os.path.dirname(__file__), "..", "coa_jax", "assets", "coa_sample.jsonl")
+from tools_env import default_spec
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -28,11 +25,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.tokenizer = common.tokenizer("default", "plain")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.topology = "v5e:2x2"  # for experiments/aot_compile.py
-  config.tasks = os.path.normpath(_SAMPLE)  # JSONL with "question" and the reward's fields
+  config.tasks = SAMPLE_PATH  # JSONL with "question" and the reward's fields
   config.max_tasks = 0  # 0: all
-  config.eval_tasks = os.path.normpath(_SAMPLE)  # held-out tasks ("" skips evaluation)
+  config.eval_tasks = SAMPLE_PATH  # held-out tasks ("" skips evaluation)
   config.eval_max_tasks = 8
-  config.system_prompt = SYSTEM_PROMPT
+  config.system_prompt = prompts.AGENT
   config.batch_size = 16  # decode rows (a multiple of rollout.group_size)
   config.chunk = 32  # decode steps per device call
   config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))

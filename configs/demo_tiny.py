@@ -1,4 +1,4 @@
-"""The README's main job today: train the tiny model on synthetic sequences over all devices."""
+"""The LM demo (make lm-demo): train the tiny model on synthetic sequences over all devices."""
 
 import ml_collections
 

@@ -2,7 +2,7 @@
 
 import ml_collections
 
-from coa_jax.world import SYSTEM_PROMPT
+from coa_jax.data import prompts
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -27,7 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   # coa_jax.distill.FilterConfig: the complexity range kept (mental arithmetic calls no tool).
   config.filters = ml_collections.ConfigDict(dict(min_tool_calls=0, max_tool_calls=12,
                                                   max_steps=48))
-  config.system_prompt = SYSTEM_PROMPT
+  config.system_prompt = prompts.WORLD
   config.workers = 4  # tasks solved at once
   config.output_dir = "runs/distill_tiny"
   return config

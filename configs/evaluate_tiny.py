@@ -2,7 +2,7 @@
 
 import ml_collections
 
-from coa_jax.world import SYSTEM_PROMPT, World, WorldConfig
+from coa_jax.data import World, WorldConfig, prompts
 from configs import common, distill_tiny
 
 _WORLD = "runs/distill_tiny/world"
@@ -22,7 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Held-out teacher trajectories for the copy probe (coa_jax.copy_probe); "" skips it.
   config.copy_probe = ""
   config.k = 3  # samples per task
-  config.system_prompt = SYSTEM_PROMPT
+  config.system_prompt = prompts.WORLD
   config.batch_size = 24  # decode rows (a multiple of k)
   config.chunk = 32
   config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))

@@ -1,20 +1,25 @@
 """The end-to-end recipe on the embedded world with a tiny model, on a CPU (the README's main
 job): distil with the scripted teacher, SFT from scratch, DAPO, evaluate on held-out tasks.
 
-`quick(config)` shrinks it to a smoke test (a few minutes) for CI.
+`stage_configs(config, seed)` derives every stage's config from it (the pipeline's per-seed
+directories and the shared settings); `quick(config)` shrinks it to a smoke test (a few
+minutes) for CI.
 """
+
+import os
+from typing import Any
 
 import ml_collections
 
-from coa_jax.world import SYSTEM_PROMPT
-from configs import common, distill_tiny
+from coa_jax.data import load_tools_spec, prompts
+from configs import common, dapo_tiny_cpu, distill_tiny, evaluate_tiny, sft_tiny_cpu
 
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.output_dir = "runs/pipeline_tiny"
-  config.system_prompt = SYSTEM_PROMPT
+  config.system_prompt = prompts.WORLD
   config.workers = 4
   config.log_every = 20
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
@@ -100,3 +105,84 @@ def quick(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   config.dapo.rl.update(steps=1, batch_groups=2, prompts_per_round=2, mini_batch_groups=2,
                         overlong_cache=32, dynamic_sampling=False)
   return config
+
+
+def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collections.ConfigDict]:
+  """Returns the configs of every stage for `seed` (default config.seed), derived from the
+  pipeline config."""
+  seed = config.seed if seed is None else seed
+  out = os.path.abspath(config.output_dir)
+  world_dir = os.path.join(out, "distill", "world")
+  run_dir = os.path.join(out, f"seed-{seed}")
+  model = dict(config.model)
+
+  distill_config = ml_collections.ConfigDict(dict(
+      world=config.world, teacher=config.teacher, filters=config.filters,
+      system_prompt=config.system_prompt, workers=config.workers,
+      output_dir=os.path.join(out, "distill")))
+
+  sft_config = sft_tiny_cpu.get_config()
+  sft_config.seed = seed
+  sft_config.model = common.model(**model)
+  sft_config.mesh = config.mesh
+  sft_config.data = common.data(os.path.join(out, "distill", "trajectories.jsonl"),
+                                num_epochs=1000)
+  sft_config.seq_len, sft_config.batch_size = config.sft.seq_len, config.sft.batch_size
+  sft_config.optimizer = common.optimizer(
+      learning_rate=config.sft.learning_rate, warmup_steps=config.sft.warmup_steps,
+      schedule=config.sft.schedule, decay_steps=config.sft.decay_steps,
+      total_steps=config.sft.steps, final_lr_fraction=config.sft.final_lr_fraction,
+      weight_decay=config.sft.weight_decay)
+  sft_config.train = common.train(steps=config.sft.steps, log_every=config.log_every)
+  sft_config.checkpoint = common.checkpoint(os.path.join(run_dir, "sft", "checkpoints"),
+                                            every=config.sft.steps, max_to_keep=1)
+  sft_config.workdir = os.path.join(run_dir, "sft")
+  sft_config.export_dir = os.path.join(run_dir, "sft", "hf_export")
+
+  tools = ml_collections.ConfigDict()  # the world's tools, once distillation has written them
+  if os.path.exists(os.path.join(world_dir, "tools.json")):
+    tools = ml_collections.ConfigDict(load_tools_spec(world_dir))
+
+  def evaluation(system: str, checkpoint: str, name: str) -> ml_collections.ConfigDict:
+    cfg = evaluate_tiny.get_config()
+    cfg.system, cfg.seed, cfg.k = system, seed, config.eval.k
+    cfg.model = common.model(**model)
+    cfg.model.checkpoint = checkpoint
+    cfg.mesh = config.mesh
+    cfg.tasks = os.path.join(world_dir, "heldout.jsonl")
+    cfg.copy_probe = os.path.join(out, "distill", "heldout_trajectories.jsonl")
+    cfg.max_tasks = config.eval.max_tasks
+    cfg.batch_size = config.eval.batch_size
+    cfg.rollout.update(dict(config.rollout), group_size=config.eval.k)
+    cfg.sampling, cfg.system_prompt = config.sampling, config.system_prompt
+    cfg.tools = tools
+    cfg.teacher = config.teacher
+    # The scripted teacher's samples do not depend on the seed: it is evaluated once.
+    cfg.output_dir = os.path.join(out if system == "teacher" else run_dir, name)
+    return cfg
+
+  dapo_config = dapo_tiny_cpu.get_config()
+  dapo_config.seed = seed
+  dapo_config.model = common.model(**model)
+  dapo_config.mesh = config.mesh
+  dapo_config.model.checkpoint = sft_config.export_dir
+  dapo_config.tasks = os.path.join(world_dir, "train.jsonl")
+  dapo_config.eval_tasks = ""  # the pipeline evaluates after DAPO
+  dapo_config.batch_size = config.dapo.batch_size
+  dapo_config.sampling, dapo_config.system_prompt = config.sampling, config.system_prompt
+  dapo_config.rollout = ml_collections.ConfigDict(dict(config.rollout))
+  dapo_config.rollout.group_size = config.dapo.group_size
+  dapo_config.tools = tools
+  dapo_config.rewards.format_penalty = config.dapo.get("format_penalty", 0.0)
+  dapo_config.rl = common.rl(**dict(config.dapo.rl))
+  dapo_config.optimizer = common.optimizer(learning_rate=config.dapo.learning_rate,
+                                           schedule="constant", weight_decay=0.0)
+  dapo_config.checkpoint = common.checkpoint(os.path.join(run_dir, "dapo", "checkpoints"),
+                                             every=config.dapo.rl.steps, max_to_keep=1)
+  dapo_config.workdir = os.path.join(run_dir, "dapo")
+  dapo_config.export_dir = os.path.join(run_dir, "dapo", "hf_export")
+
+  return {"distill": distill_config, "sft": sft_config, "dapo": dapo_config,
+          "eval_teacher": evaluation("teacher", "", "eval_teacher"),
+          "eval_sft": evaluation("model", sft_config.export_dir, "eval_sft"),
+          "eval_dapo": evaluation("model", dapo_config.export_dir, "eval_dapo")}

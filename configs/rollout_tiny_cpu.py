@@ -1,14 +1,11 @@
 """Rollouts of the tiny SFT model (`make demo` exports it) with the embedded tools, on a CPU."""
 
-import os
 
 import ml_collections
 
+from coa_jax.data import SAMPLE_PATH, prompts
 from configs import common
-from coa_jax.sample_data import SYSTEM_PROMPT
-from tools_env.registry import default_spec
-
-_SAMPLE = os.path.join(os.path.dirname(__file__), "..", "coa_jax", "assets", "coa_sample.jsonl")
+from tools_env import default_spec
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -20,9 +17,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.checkpoint = "runs/sft_tiny/hf_export"
   config.tokenizer = common.tokenizer("default", "plain")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
-  config.tasks = os.path.normpath(_SAMPLE)  # JSONL with "question" (and any other fields)
+  config.tasks = SAMPLE_PATH  # JSONL with "question" (and any other fields)
   config.max_tasks = 16  # 0: all
-  config.system_prompt = SYSTEM_PROMPT
+  config.system_prompt = prompts.AGENT
   config.batch_size = 8  # decode rows (a multiple of rollout.group_size)
   config.chunk = 32  # decode steps per device call
   config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))

@@ -1,7 +1,7 @@
 """Observation-masked SFT of Qwen2.5-7B-Instruct on one node of 8 GPUs (e.g. 8 x H100 80 GB):
 the TPU recipe (configs/sft_qwen2_5_7b.py) with FSDP over the 8 GPUs and cuDNN's fused
 attention. On several nodes, run the same config on every node with COA_JAX_DISTRIBUTED=auto
-(SLURM: one task per node); the mesh then spans every GPU (README, "Running on GPUs")."""
+(SLURM: one task per node); the mesh then spans every GPU (docs/gpus.md)."""
 
 import ml_collections
 

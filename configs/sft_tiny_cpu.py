@@ -1,12 +1,10 @@
 """Observation-masked SFT of a tiny model on the shipped CoA sample (about a minute on a CPU)."""
 
-import os
 
 import ml_collections
 
+from coa_jax.data import SAMPLE_PATH
 from configs import common
-
-_SAMPLE = os.path.join(os.path.dirname(__file__), "..", "coa_jax", "assets", "coa_sample.jsonl")
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -16,7 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
                               num_heads=4, num_kv_heads=2, attention_impl="blockwise")
   config.model.checkpoint = ""  # a local HF folder to fine-tune instead of a fresh init
   config.tokenizer = common.tokenizer("default", "plain")
-  config.data = common.data(os.path.normpath(_SAMPLE), num_epochs=100)
+  config.data = common.data(SAMPLE_PATH, num_epochs=100)
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.topology = "v5e:2x2"  # for experiments/aot_compile.py
   config.batch_size = 8

@@ -12,21 +12,19 @@ Needs the `tpu` extra (libtpu). --model and --topology are shorthands for
 
 import dataclasses
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from absl import app, flags
+from ml_collections import config_flags
 
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from coa_jax import aot, sharding  # noqa: E402
-from coa_jax.rl import dapo  # noqa: E402
-from coa_jax.model import build_config  # noqa: E402
-from coa_jax.rollout import RolloutConfig  # noqa: E402
+from coa_jax.model import build_config
+from coa_jax.perf import aot
+from coa_jax.rl import dapo
+from coa_jax.rollout.tool_loop import RolloutConfig
+from coa_jax.runtime import sharding
+from configs import aot_train
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/aot_train.py"))
+    "config", aot_train.__file__)
 _MODEL = flags.DEFINE_string("model", None, "model preset (overrides config.model.preset)")
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:2x2x1")
 _REPORT = flags.DEFINE_string("report_json", None, "also write the report here (JSON)")

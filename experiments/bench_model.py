@@ -8,18 +8,16 @@ faster of JAX's and PyTorch's 2048^3 matmul). Writes a JSON file of the figures.
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from absl import app
+from ml_collections import config_flags
 
-from absl import app  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from coa_jax import bench, flops  # noqa: E402
-from coa_jax.model import build_config  # noqa: E402
+from coa_jax.model import build_config
+from coa_jax.perf import bench, flops
+from configs import bench_model
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/bench_model.py"))
+    "config", bench_model.__file__)
 
 
 def main(argv):

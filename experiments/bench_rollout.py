@@ -16,22 +16,23 @@
 
 import json
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import numpy as np
+from absl import app, flags, logging
 
-from absl import app, flags, logging  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from coa_jax import bench, hf_checkpoint, rollout_job, sharding, sft  # noqa: E402
-from coa_jax.model import Transformer, build_config  # noqa: E402
-from coa_jax.sampler import Sampler, SamplingConfig, bucket  # noqa: E402
-from coa_jax.train.state import init_params  # noqa: E402
-from configs import bench_model, rollout_tiny_cpu, sft_tiny_cpu  # noqa: E402
-from tools_env import Tool, ToolRegistry  # noqa: E402
+from coa_jax.data.tasks import load_tasks
+from coa_jax.model import Transformer, build_config
+from coa_jax.perf import bench
+from coa_jax.rollout import job as rollout_job
+from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket
+from coa_jax.runtime import hf_checkpoint, sharding
+from coa_jax.runtime.sharding import init_params
+from coa_jax.sft import job as sft
+from configs import bench_model, rollout_tiny_cpu, sft_tiny_cpu
+from tools_env import Tool, ToolRegistry
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "64"], "decode batch sizes")
 _PROMPT = flags.DEFINE_integer("prompt_len", 64, "prompt tokens")
@@ -126,7 +127,7 @@ def bench_tool_latency():
   config.max_tasks = _TASKS.value
   config.sampling.temperature = 0.0  # greedy: the same tokens whatever the tool timing
   config.rollout.group_size = 1
-  tasks = rollout_job.load_tasks(config.tasks, config.max_tasks)
+  tasks = load_tasks(config.tasks, config.max_tasks, require_answer=False)
   runs = {}
   for delay in (0.0, _TOOL_DELAY.value):
     engine, _ = rollout_job.build(config)

@@ -16,12 +16,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-from tools_env import search  # noqa: E402
-from tools_env.sandbox import ISOLATION_MODES, CodeSandbox  # noqa: E402
+from tools_env import search
+from tools_env.sandbox import ISOLATION_MODES, CodeSandbox
 
 _SNIPPETS = flags.DEFINE_integer("snippets", 64, "snippets per measurement")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2", "4", "8"], "pool sizes for throughput")

@@ -9,19 +9,17 @@ config.output_dir/copy_curve/copy_curve.json and copy_curve.png. Use it to compa
 before paying for whole pipeline runs.
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-from coa_jax import pipeline  # noqa: E402
+from coa_jax import pipeline
+from configs import pipeline_tiny_cpu
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/pipeline_tiny_cpu.py"))
+    pipeline_tiny_cpu.__file__)
 _SEEDS = flags.DEFINE_integer("seeds", 1, "seeds config.seed, config.seed + 1, ...")
 _EVERY = flags.DEFINE_integer("every", 200, "SFT steps between copy probes")
 
@@ -29,7 +27,8 @@ _EVERY = flags.DEFINE_integer("every", 200, "SFT steps between copy probes")
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  pipeline.copy_curve(_CONFIG.value, seeds=_SEEDS.value, every=_EVERY.value)
+  pipeline.copy_curve(_CONFIG.value, pipeline_tiny_cpu.stage_configs, seeds=_SEEDS.value,
+                     every=_EVERY.value)
 
 
 if __name__ == "__main__":

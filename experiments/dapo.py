@@ -7,20 +7,18 @@ fractions) to config.workdir, checkpoints to config.checkpoint.directory (a re-r
 and the final policy as an HF checkpoint to config.export_dir.
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from absl import app, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, logging
+from ml_collections import config_flags
 
-from coa_jax import distributed  # noqa: E402
-from coa_jax.rl import dapo  # noqa: E402
+from coa_jax.rl import dapo
+from coa_jax.runtime import distributed
+from configs import dapo_tiny_cpu
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/dapo_tiny_cpu.py"),
+    dapo_tiny_cpu.__file__,
     lock_config=True)
 
 

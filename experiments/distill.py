@@ -7,19 +7,17 @@ trace), trajectories.jsonl (what SFT reads) and distill_report.json to config.ou
 prints each filter stage's counts and retention.
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from absl import app, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, logging
+from ml_collections import config_flags
 
-from coa_jax import distill  # noqa: E402
+from coa_jax.distill import job as distill
+from configs import distill_tiny
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/distill_tiny.py"),
+    distill_tiny.__file__,
     lock_config=True)
 
 

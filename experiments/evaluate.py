@@ -7,19 +7,18 @@ Prints pass@1, avg@k, pass@k, maj@k, tokens and tool calls per task and the form
 writes metrics.json and samples.jsonl to config.output_dir.
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from absl import app, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, logging
+from ml_collections import config_flags
 
-from coa_jax import distributed, evaluate  # noqa: E402
+from coa_jax.evaluation import job as evaluate
+from coa_jax.runtime import distributed
+from configs import evaluate_tiny
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/evaluate_tiny.py"))
+    evaluate_tiny.__file__)
 
 
 def main(argv):

@@ -25,9 +25,7 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from coa_jax.distributed import ENV  # noqa: E402
+from coa_jax.runtime.distributed import ENV
 
 REMOTE_DIR = "~/coa-jax"
 ARCHIVE = "/tmp/coa-jax.tar.gz"

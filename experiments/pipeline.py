@@ -7,20 +7,18 @@ results.png: the teacher system, the AFM after SFT and after DAPO on held-out ta
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-from absl import app, flags, logging  # noqa: E402
-import jax  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from coa_jax import distributed, pipeline  # noqa: E402
-from configs import pipeline_tiny_cpu  # noqa: E402
+from coa_jax import pipeline
+from coa_jax.runtime import distributed
+from configs import pipeline_tiny_cpu
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/pipeline_tiny_cpu.py"))
+    pipeline_tiny_cpu.__file__)
 _QUICK = flags.DEFINE_bool("quick", False, "a few-minute smoke test of every stage")
 _SEEDS = flags.DEFINE_integer("seeds", 1, "train and evaluate this many seeds (config.seed, "
                               "config.seed + 1, ...) on the same distilled data; results.json "
@@ -38,7 +36,7 @@ def main(argv):
   # beside the outputs compiles each once (the loaded program is the compiled one, bit for bit).
   jax.config.update("jax_compilation_cache_dir", os.path.join(config.output_dir, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  pipeline.run(config, seeds=_SEEDS.value)
+  pipeline.run(config, pipeline_tiny_cpu.stage_configs, seeds=_SEEDS.value)
 
 
 if __name__ == "__main__":

@@ -4,19 +4,18 @@
   python experiments/rollout.py --interactive
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-from coa_jax import distributed, rollout_job  # noqa: E402
+from coa_jax.rollout import job as rollout_job
+from coa_jax.runtime import distributed
+from configs import rollout_tiny_cpu
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/rollout_tiny_cpu.py"))
+    rollout_tiny_cpu.__file__)
 _INTERACTIVE = flags.DEFINE_bool("interactive", False,
                                  "type questions and watch the agent's steps stream out")
 

@@ -3,19 +3,18 @@
   python experiments/sft.py [--config=configs/sft_tiny_cpu.py] [--config.train.steps=300 ...]
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from absl import app, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, logging
+from ml_collections import config_flags
 
-from coa_jax import distributed, sft  # noqa: E402
+from coa_jax.runtime import distributed
+from coa_jax.sft import job as sft
+from configs import sft_tiny_cpu
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "../configs/sft_tiny_cpu.py"),
+    sft_tiny_cpu.__file__,
     lock_config=True)
 
 

@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from coa_jax import sharding  # noqa: E402
+from coa_jax.runtime import sharding  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -11,20 +11,20 @@ and DAPO export HF folders.
 
 import faulthandler
 import json
-import os
 import signal
 import sys
 
 out, processes, process_id, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump of a hang
 faulthandler.enable(all_threads=True)  # and the stacks of an abort (XLA's collective timeout)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
+import jax
 
-from coa_jax import distributed, evaluate, sft  # noqa: E402
-from coa_jax.rl import dapo  # noqa: E402
-from configs import common, dapo_tiny_cpu, evaluate_tiny, sft_tiny_cpu  # noqa: E402
+from coa_jax.evaluation import job as evaluate
+from coa_jax.rl import dapo
+from coa_jax.runtime import distributed
+from coa_jax.sft import job as sft
+from configs import common, dapo_tiny_cpu, evaluate_tiny, sft_tiny_cpu
 
 if processes > 1:
   distributed.initialize(distributed.DistributedConfig(

@@ -2,8 +2,9 @@
 
 import pytest
 
-from coa_jax import aot, hardware, sharding
 from coa_jax.model import get_preset
+from coa_jax.perf import aot
+from coa_jax.runtime import hardware, sharding
 from configs import common
 
 TINY = get_preset("tiny", num_layers=4, dtype="bfloat16", remat="full")
@@ -54,8 +55,8 @@ def test_topology_chip_counts():
 
 
 def test_the_7b_sft_config_compiles_scaled_down():
-  from configs import sft_qwen2_5_7b
   from coa_jax.model import build_config
+  from configs import sft_qwen2_5_7b
 
   config = sft_qwen2_5_7b.get_config()
   model = build_config(config.model).replace(num_layers=2)
@@ -70,9 +71,9 @@ def test_the_7b_sft_config_compiles_scaled_down():
 
 
 def test_the_32b_dapo_update_compiles_scaled_down():
-  from configs import dapo_qwen2_5_32b
   from coa_jax.model import build_config
   from coa_jax.rl import dapo
+  from configs import dapo_qwen2_5_32b
 
   config = dapo_qwen2_5_32b.get_config()
   model = build_config(config.model).replace(num_layers=2, hidden_size=512,
@@ -86,8 +87,8 @@ def test_the_32b_dapo_update_compiles_scaled_down():
 
 
 def test_the_32b_dapo_decode_step_compiles_scaled_down_on_one_host():
-  from configs import dapo_qwen2_5_32b
   from coa_jax.model import build_config
+  from configs import dapo_qwen2_5_32b
 
   config = dapo_qwen2_5_32b.get_config()
   model = build_config(config.model).replace(num_layers=2, hidden_size=512,

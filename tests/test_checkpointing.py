@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from coa_jax.checkpointing import CheckpointWarning, Checkpointer
+from coa_jax.runtime.checkpointing import Checkpointer, CheckpointWarning
 
 
 @pytest.fixture

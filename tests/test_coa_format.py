@@ -3,10 +3,11 @@
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from coa_jax import coa_format as cf
-from coa_jax.coa_format import Step
+from coa_jax.data import coa_format as cf
+from coa_jax.data.coa_format import Step
 
 GOOD = [
     Step("plan", "1. search\n2. answer"),

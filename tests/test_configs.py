@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from coa_jax import hardware, sharding, sft
 from coa_jax.model import ConfigError, build_config
+from coa_jax.runtime import hardware, load_model, sharding
 
 NAMES = sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(__file__), "..",
                                                        "configs"))
@@ -42,4 +42,4 @@ def test_a_gpu_preset_on_cpu_fails_before_the_checkpoint_loads():
   config = importlib.import_module("configs.sft_qwen2_5_7b_gpu").get_config()
   mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
   with pytest.raises(ConfigError, match="'cudnn' needs a GPU backend, but the mesh is on 'cpu'"):
-    sft.load_model(config, None, mesh)  # the checkpoint folder would be read next
+    load_model(config, None, mesh)  # the checkpoint folder would be read next

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coa_jax import copy_probe
-from coa_jax.coa_format import Step, Trajectory
-from coa_jax.tokenizer import default_tokenizer
+from coa_jax.data.coa_format import Step, Trajectory
+from coa_jax.data.tokenizer import default_tokenizer
+from coa_jax.evaluation import copy_probe
 
 TOKENIZER = default_tokenizer("plain")
 TRAJECTORY = Trajectory("Solve it.", "Question: What is 29 * 94 + 67?", (

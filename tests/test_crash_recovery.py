@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from coa_jax.safetensors_io import SafetensorsFile
+from coa_jax.runtime.safetensors_io import SafetensorsFile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}  # with conftest's XLA_FLAGS: 8 devices, fast compile

@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coa_jax.losses.dapo import (AGGREGATIONS, PolicyLossConfig, aggregation_weights,
-                                 policy_loss)
+from coa_jax.losses.dapo import AGGREGATIONS, PolicyLossConfig, aggregation_weights, policy_loss
 
 CONFIG = PolicyLossConfig(eps_low=0.2, eps_high=0.28, dual_clip=3.0)
 
@@ -51,7 +50,7 @@ def _numpy_loss_and_grad(logp, old, adv, mask, groups, aggregation, cfg, norm=0)
   return float(np.sum(loss * weights)), grad * weights
 
 
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS.names())
 def test_loss_and_gradient_match_numpy(aggregation):
   logp, old, adv, mask, groups = _inputs()
   cfg = PolicyLossConfig(eps_low=0.2, eps_high=0.28, dual_clip=3.0, aggregation=aggregation,
@@ -102,7 +101,7 @@ def test_reference_kl_and_entropy_terms_are_added_per_token():
   np.testing.assert_allclose(sums.metrics()["ref_kl"], k3.mean(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS.names())
 def test_sums_of_halves_equal_the_whole(aggregation):
   """Weights from the whole mini-batch make any split (micro-batches, devices) exact."""
   logp, old, adv, mask, groups = _inputs()
@@ -126,3 +125,40 @@ def test_sums_of_halves_equal_the_whole(aggregation):
 def test_bad_loss_settings_are_named(overrides, message):
   with pytest.raises(ValueError, match=message):
     PolicyLossConfig(**overrides)
+
+
+@pytest.fixture
+def scaled_mask_aggregation():
+  """Registers "test-scaled-mask" (weights = mask x norm_tokens) for one test, then removes it."""
+
+  @AGGREGATIONS.register("test-scaled-mask")
+  def scaled_mask(mask_BxT, group_B, norm_tokens):
+    del group_B
+    return mask_BxT * norm_tokens
+
+  yield "test-scaled-mask"
+  AGGREGATIONS.unregister("test-scaled-mask")
+
+
+def test_a_registered_aggregation_is_a_valid_setting(scaled_mask_aggregation):
+  assert PolicyLossConfig(aggregation=scaled_mask_aggregation).aggregation == "test-scaled-mask"
+
+
+def test_aggregation_weights_use_a_registered_aggregation(scaled_mask_aggregation):
+  mask = jnp.array([[1, 0, 1], [0, 1, 1]])
+  weights = aggregation_weights(mask, jnp.zeros(2, jnp.int32), scaled_mask_aggregation, 3)
+  assert weights.dtype == jnp.float32  # the mask arrives as float32
+  np.testing.assert_array_equal(weights, [[3, 0, 3], [0, 3, 3]])
+
+
+def test_an_unknown_aggregation_lists_the_registered_names():
+  with pytest.raises(ValueError, match="aggregation='mean'") as error:
+    aggregation_weights(jnp.ones((1, 2)), jnp.zeros(1, jnp.int32), "mean")
+  for name in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+               "group-token-mean"):
+    assert repr(name) in str(error.value)
+
+
+def test_an_aggregation_name_is_registered_once():
+  with pytest.raises(ValueError, match="aggregation 'token-mean' is already registered"):
+    AGGREGATIONS.register("token-mean")(lambda mask_BxT, group_B, norm_tokens: mask_BxT)

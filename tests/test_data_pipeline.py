@@ -2,11 +2,14 @@
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
-from coa_jax import coa_format, data_pipeline, sample_data, tokenizer as tk
-from coa_jax.importers import DropCounter
+from coa_jax.data import coa_format, packing, sample_data
+from coa_jax.data import tokenizer as tk
+from coa_jax.data.importers import DropCounter
+from coa_jax.train.batch import TokenBatch
 
 TRAJECTORIES = [dataclasses.replace(t, question=f"{t.question} (#{i})")
                 for i, t in enumerate(sample_data.make_trajectories(12))]
@@ -19,17 +22,17 @@ def tok():
 
 def _dataset(tok, counter=None, **overrides):
   defaults = dict(seq_len=1024, batch_size=2, seed=3)
-  config = data_pipeline.PipelineConfig(**{**defaults, **overrides})
-  return data_pipeline.build_dataset(TRAJECTORIES, tok, config, counter or DropCounter())
+  config = packing.PipelineConfig(**{**defaults, **overrides})
+  return packing.build_dataset(TRAJECTORIES, tok, config, counter or DropCounter())
 
 
 def _trained_text_by_segment(tok, batch):
   texts = []
-  for row in range(batch["input_ids"].shape[0]):
-    seg = batch["segment_ids"][row]
+  for row in range(batch.input_ids.shape[0]):
+    seg = batch.segment_ids[row]
     for s in np.unique(seg[seg > 0]):
-      where = (seg == s) & (batch["loss_mask"][row] == 1)
-      texts.append(tok.decode(batch["targets"][row][where]))
+      where = (seg == s) & (batch.loss_mask[row] == 1)
+      texts.append(tok.decode(batch.targets[row][where]))
   return texts
 
 
@@ -38,8 +41,8 @@ def test_packed_rows_keep_exact_masks_per_example(tok):
               tok.decode([tok.end_id]) for t in TRAJECTORIES}
   seen = []
   for batch in _dataset(tok, num_epochs=1):
-    assert set(batch) == set(data_pipeline.BATCH_KEYS)
-    assert batch["input_ids"].shape == (2, 1024)
+    assert isinstance(batch, TokenBatch)
+    assert batch.input_ids.shape == (2, 1024)
     seen.extend(_trained_text_by_segment(tok, batch))
   assert len(seen) > 2 * len(list(_dataset(tok)))  # rows really hold several examples
   assert set(seen) <= expected
@@ -47,37 +50,36 @@ def test_packed_rows_keep_exact_masks_per_example(tok):
 
 def test_positions_restart_for_each_packed_example(tok):
   batch = next(iter(_dataset(tok)))
-  seg, pos = batch["segment_ids"][0], batch["positions"][0]
+  seg, pos = batch.segment_ids[0], batch.positions[0]
   starts = np.flatnonzero(np.diff(seg) != 0) + 1
   assert pos[0] == 0 and all(pos[i] == 0 for i in starts if seg[i] > 0)
 
 
 def test_processes_read_disjoint_shards(tok):
-  config = data_pipeline.PipelineConfig(seq_len=1024, batch_size=1, shuffle=False,
+  config = packing.PipelineConfig(seq_len=1024, batch_size=1, shuffle=False,
                                         packing_bins=1)
   questions = []
   for index in range(2):
-    ds = data_pipeline.build_dataset(TRAJECTORIES, tok, config, DropCounter(), index, 2)
-    ids = np.concatenate([b["input_ids"][0] for b in ds])
+    ds = packing.build_dataset(TRAJECTORIES, tok, config, DropCounter(), index, 2)
+    ids = np.concatenate([b.input_ids[0] for b in ds])
     questions.append({t.question for t in TRAJECTORIES if tok.decode(ids).count(t.question)})
   assert questions[0] and questions[1] and not questions[0] & questions[1]
 
 
 def test_batches_depend_on_the_shard_count_not_the_process_count(tok):
-  config = data_pipeline.PipelineConfig(seq_len=256, batch_size=4, seed=3, num_epochs=4)
-  one = data_pipeline.ShardedBatches(TRAJECTORIES, tok, config, DropCounter(), shards=2)
-  halves = [data_pipeline.ShardedBatches(TRAJECTORIES, tok, dataclasses.replace(
+  config = packing.PipelineConfig(seq_len=256, batch_size=4, seed=3, num_epochs=4)
+  one = packing.ShardedBatches(TRAJECTORIES, tok, config, DropCounter(), shards=2)
+  halves = [packing.ShardedBatches(TRAJECTORIES, tok, dataclasses.replace(
       config, batch_size=2), DropCounter(), 2, index, 2) for index in range(2)]
   for _ in range(3):
     whole, parts = next(one), [next(h) for h in halves]
-    for key in data_pipeline.BATCH_KEYS:
-      np.testing.assert_array_equal(whole[key], np.concatenate([p[key] for p in parts]))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, whole, TokenBatch.concatenate(parts))
   state = {**halves[0].get_state(), **halves[1].get_state()}
   assert state == one.get_state()
   expected = next(one)
-  resumed = data_pipeline.ShardedBatches(TRAJECTORIES, tok, config, DropCounter(), shards=2)
+  resumed = packing.ShardedBatches(TRAJECTORIES, tok, config, DropCounter(), shards=2)
   resumed.set_state(state)
-  np.testing.assert_array_equal(next(resumed)["input_ids"], expected["input_ids"])
+  np.testing.assert_array_equal(next(resumed).input_ids, expected.input_ids)
 
 
 def test_restoring_iterator_state_resumes_the_same_data_order(tok):
@@ -90,8 +92,7 @@ def test_restoring_iterator_state_resumes_the_same_data_order(tok):
   resumed.set_state(state)
   for want in expected:
     got = next(resumed)
-    for key in data_pipeline.BATCH_KEYS:
-      np.testing.assert_array_equal(got[key], want[key])
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
 
 
 def test_overlong_examples_are_counted_when_dropped(tok):
@@ -108,6 +109,6 @@ def test_parquet_source_reads_the_same_trajectories(tmp_path):
              for t in TRAJECTORIES[:4]] + [{"instruction": "q", "output": "<think>\nopen"}]
   pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.parquet")
   counter = DropCounter()
-  got = data_pipeline.load_source(str(tmp_path / "d.parquet"), counter)
+  got = packing.load_source(str(tmp_path / "d.parquet"), counter)
   assert [t.steps for t in got] == [t.steps for t in TRAJECTORIES[:4]]
   assert dict(counter.dropped) == {"unclosed_tag": 1}

@@ -8,13 +8,19 @@ import threading
 import numpy as np
 import pytest
 
-from coa_jax import coa_format, sft_tokenize, tokenizer as tokenizer_lib
-from coa_jax.coa_format import Step, Trajectory
-from coa_jax.distill import Distiller, FilterConfig, format_report, to_trajectory
-from coa_jax.sample_data import SYSTEM_PROMPT
-from coa_jax.teacher import (ChatTeacher, ScriptedTeacher, TeacherConfig, TeacherError,
-                             read_question)
-from coa_jax.world import RELATIONS, World, WorldConfig, load_tools_spec
+from coa_jax.data import coa_format, prompts
+from coa_jax.data import tokenize as sft_tokenize
+from coa_jax.data import tokenizer as tokenizer_lib
+from coa_jax.data.coa_format import Step, Trajectory
+from coa_jax.data.world import RELATIONS, World, WorldConfig, load_tools_spec
+from coa_jax.distill.job import Distiller, FilterConfig, format_report, to_trajectory
+from coa_jax.distill.teacher import (
+  ChatTeacher,
+  ScriptedTeacher,
+  TeacherConfig,
+  TeacherError,
+  read_question,
+)
 from tools_env import registry
 from tools_env.remote import ChatClient, HttpLimits
 
@@ -153,7 +159,7 @@ def test_the_default_rates_give_an_imperfect_teacher(world_and_tools):
 
 
 def _trajectory(*steps, answer="42", truth="42"):
-  return Trajectory(SYSTEM_PROMPT, "Question: q?", tuple(Step(t, c) for t, c in steps) +
+  return Trajectory(prompts.AGENT, "Question: q?", tuple(Step(t, c) for t, c in steps) +
                     (Step("answer", answer),), {"domain": "math", "ground_truth": truth})
 
 
@@ -189,7 +195,7 @@ def test_distilled_trajectories_tokenize_with_observations_masked(world_and_tool
   tokenizer = tokenizer_lib.default_tokenizer("plain")
   teacher = ScriptedTeacher(tools, TeacherConfig(seed=1))
   for task in world.tasks["train"][:6]:
-    trajectory = to_trajectory(teacher.run(task), SYSTEM_PROMPT)
+    trajectory = to_trajectory(teacher.run(task), prompts.AGENT)
     assert not coa_format.validate(list(trajectory.steps))
     example = sft_tokenize.tokenize_trajectory(trajectory, tokenizer, max_len=4096)
     ids, mask = example.input_ids.tolist(), example.loss_mask.tolist()
@@ -251,6 +257,6 @@ def test_chat_teacher_runs_the_agents_on_a_fake_endpoint_with_real_tools():
   crawl = trace.activations[3]
   assert crawl.tool_ok and "Paris is the capital" in crawl.tool_result
   assert trace.answer == "Paris"
-  trajectory = to_trajectory(trace, SYSTEM_PROMPT)
+  trajectory = to_trajectory(trace, prompts.AGENT)
   assert not coa_format.validate(list(trajectory.steps))
   assert Distiller().filter([trajectory])[1]["output"] == 1

@@ -6,8 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from coa_jax import evaluate
-from coa_jax.evaluate import Sample, pass_at_k, summarize
+from coa_jax.data.tasks import load_tasks
+from coa_jax.evaluation import job as evaluate
+from coa_jax.evaluation.job import Sample, pass_at_k, summarize
 from coa_jax.model import ConfigError
 
 
@@ -67,7 +68,7 @@ def test_task_files_in_every_layout_load(tmp_path):
       "prompt": [{"role": "system", "content": "sys"}, {"role": "user", "content": "Who?"}],
       "reward_model": {"ground_truth": json.dumps({"target": ["Ada"]})},
       "data_source": "hotpotqa", "extra_info": {"index": 3}}]), rl)
-  (t1,), (t2,), (t3,), (t4,) = (evaluate.load_tasks(str(p)) for p in (ours, qa, bench, rl))
+  (t1,), (t2,), (t3,), (t4,) = (load_tasks(str(p)) for p in (ours, qa, bench, rl))
   assert (t1.id, t1.question, t1.data["ground_truth"]) == ("t1", "Question: 2+2?", "4")
   assert t2.question == "Question: Capital of France?" and t2.data["ground_truth"] == [
       "Paris", "paris"]
@@ -80,7 +81,7 @@ def test_a_task_without_an_answer_is_named(tmp_path):
   path = tmp_path / "bad.jsonl"
   path.write_text(json.dumps({"question": "Why?"}) + "\n")
   with pytest.raises(ConfigError, match="task 1: no answer"):
-    evaluate.load_tasks(str(path))
+    load_tasks(str(path))
 
 
 def test_livecodebench_rows_become_code_tasks(tmp_path):
@@ -89,7 +90,7 @@ def test_livecodebench_rows_become_code_tasks(tmp_path):
            {"input": "f(1)", "output": "2", "testtype": "functional"}]
   path.write_text(json.dumps({"question_id": "abc1", "question_content": "Add two numbers.",
                               "public_test_cases": json.dumps(cases)}) + "\n")
-  (task,) = evaluate.load_tasks(str(path))
+  (task,) = load_tasks(str(path))
   assert task.data["domain"] == "code" and task.data["tests"] == [
       {"stdin": "1 2\n", "stdout": "3\n"}]
 
@@ -99,8 +100,17 @@ def test_livecodebench_rows_become_code_tasks(tmp_path):
 def test_tfds_datasets_load_offline_from_mock_data(name, split):
   tfds = pytest.importorskip("tensorflow_datasets")
   with tfds.testing.mock_data(num_examples=3):
-    tasks = evaluate.load_tasks(f"tfds:{name}:{split}", limit=2)
+    tasks = load_tasks(f"tfds:{name}:{split}", limit=2)
   assert len(tasks) == 2
   for task in tasks:
     assert task.question.startswith("Question: ") and task.data["domain"] == "qa"
     assert task.data["ground_truth"] and all(isinstance(g, str) for g in task.data["ground_truth"])
+
+
+def test_tasks_to_roll_out_need_no_answer(tmp_path):
+  path = tmp_path / "questions.jsonl"
+  path.write_text('{"id": "a", "question": "Question: why?"}\n')
+  (task,) = load_tasks(str(path), require_answer=False)
+  assert (task.id, task.question) == ("a", "Question: why?")
+  with pytest.raises(ConfigError, match="no answer"):
+    load_tasks(str(path))

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
-from coa_jax import hf_checkpoint, sharding
-from coa_jax.model import Transformer
-from coa_jax.train.state import param_shardings
 from hf_reference import hf_logits, make_hf_model
+
+from coa_jax.model import Transformer
+from coa_jax.runtime import hf_checkpoint, sharding
+from coa_jax.runtime.sharding import param_shardings
 
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                       high_freq_factor=4.0, original_max_position_embeddings=16)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from coa_jax import coa_format, importers, sample_data
-from coa_jax.importers import DataError, DropCounter
+from coa_jax.data import coa_format, importers, sample_data
+from coa_jax.data.importers import DataError, DropCounter
 
 TRAJ = sample_data.make_trajectories(3)[1]
 TEXT = TRAJ.response_text()
@@ -73,8 +73,7 @@ def test_nothing_kept_fails_clearly():
 
 
 def test_shipped_sample_is_the_deterministic_generator_output(tmp_path):
-  import os
-  shipped = os.path.join(os.path.dirname(importers.__file__), "assets", "coa_sample.jsonl")
+  shipped = sample_data.SAMPLE_PATH
   sample_data.write_jsonl(str(tmp_path / "fresh.jsonl"),
                           sample_data.make_trajectories(sample_data.SHIPPED_COUNT))
   assert open(shipped).read() == (tmp_path / "fresh.jsonl").read_text()

@@ -1,12 +1,15 @@
 """The TPU pod-slice launcher: --dry-run prints exactly the commands it would run."""
 
-import os
-import sys
+import importlib.util
+import pathlib
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
-import launch_tpu  # noqa: E402
+# An entry point, not a package module: loaded from its file.
+_SPEC = importlib.util.spec_from_file_location(
+    "launch_tpu", pathlib.Path(__file__).resolve().parent.parent / "experiments" / "launch_tpu.py")
+launch_tpu = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(launch_tpu)
 
 _FLAGS = ["--tpu=coa-v5p-32", "--zone=us-east5-a", "--project=my-proj", "--workers=4"]
 _SSH = "gcloud compute tpus tpu-vm ssh coa-v5p-32"

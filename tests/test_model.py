@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coa_jax.model import ConfigError, ModelConfig, Transformer, get_preset
-from coa_jax.train.state import abstract_params
+from coa_jax.model import ConfigError, Transformer, get_preset
+from coa_jax.runtime.sharding import abstract_params
 
 
 def _init(config, seed=0):

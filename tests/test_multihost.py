@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import FAST_COMPILE, PATIENT_COLLECTIVES
-from coa_jax.safetensors_io import SafetensorsFile
+
+from coa_jax.runtime.safetensors_io import SafetensorsFile
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
 DEADLINE_S = 480

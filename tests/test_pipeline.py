@@ -13,7 +13,7 @@ def test_quick_pipeline_runs_every_stage(tmp_path):
   config = pipeline_tiny_cpu.quick(pipeline_tiny_cpu.get_config())
   config.output_dir = str(tmp_path / "run")
   config.mesh = common.mesh(data=2, fsdp=2, tensor=2)  # the 8 fake devices
-  results = pipeline.run(config)
+  results = pipeline.run(config, pipeline_tiny_cpu.stage_configs)
   rows = results["per_seed"][config.seed]
   assert list(rows) == ["teacher", "sft", "dapo"]
   assert rows["teacher"]["pass@1"] > 0.5  # the scripted teacher solves them
@@ -28,7 +28,8 @@ def test_quick_pipeline_runs_every_stage(tmp_path):
   assert set(saved["pass@1_by_family"]["sft"]) <= {"lookup", "arithmetic", "mixed"}
   assert list(saved["stage_seconds"]) == ["distill", "eval teacher", "seed 0 sft",
                                           "seed 0 eval sft", "seed 0 dapo", "seed 0 eval dapo"]
-  again = pipeline.run(config)  # every stage's output exists: all are reused
+  # every stage's output exists: all are reused
+  again = pipeline.run(config, pipeline_tiny_cpu.stage_configs)
   assert again["per_seed"] == results["per_seed"]
   assert again["stage_seconds"] == results["stage_seconds"]  # the times they took when they ran
 
@@ -55,7 +56,7 @@ def test_copy_curve_probes_each_segment_of_sft(tmp_path):
   config = pipeline_tiny_cpu.quick(pipeline_tiny_cpu.get_config())
   config.output_dir = str(tmp_path / "run")
   config.mesh = common.mesh(data=2, fsdp=2, tensor=2)
-  curves = pipeline.copy_curve(config, seeds=1, every=2)
+  curves = pipeline.copy_curve(config, pipeline_tiny_cpu.stage_configs, seeds=1, every=2)
   assert [p["step"] for p in curves[config.seed]] == [2, 4]  # config.sft.steps is 4
   assert all(0.0 <= p["copy_exact"] <= 1.0 and p["copy_steps"] > 0 for p in curves[0])
   saved = json.load(open(tmp_path / "run" / "copy_curve" / "copy_curve.json"))

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from coa_jax import rewards
-from coa_jax.rewards import Reward, build_rewarder
+from coa_jax.data import rewards
+from coa_jax.data.rewards import Reward, build_rewarder
 from tools_env.remote import HttpLimits
 from tools_env.sandbox import CodeSandbox, SandboxLimits
 

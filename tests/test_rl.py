@@ -6,15 +6,15 @@ import numpy as np
 import optax
 import pytest
 
-from coa_jax import sharding
 from coa_jax.losses.dapo import PolicyLossConfig
 from coa_jax.model import Transformer, get_preset
 from coa_jax.rl import update
-from coa_jax.rl.advantages import group_advantages, overlong_penalty
+from coa_jax.rl.advantages import ADVANTAGE_ESTIMATORS, group_advantages, overlong_penalty
 from coa_jax.rl.batch import rollout_batch
 from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup, fill_batch
-from coa_jax.rollout import RolloutRecord
-from coa_jax.sampler import Sampler, SamplingConfig
+from coa_jax.rollout.sampler import Sampler, SamplingConfig
+from coa_jax.rollout.tool_loop import RolloutRecord
+from coa_jax.runtime import sharding
 from coa_jax.train import state as state_lib
 
 
@@ -43,6 +43,29 @@ def test_negative_advantages_are_scaled_by_their_weight():
 def test_mean_only_advantages_are_centered_rewards():
   np.testing.assert_allclose(group_advantages(np.array([[1.0, 0.0, 0.0, 0.0]]), "mean"),
                              [[0.75, -0.25, -0.25, -0.25]])
+
+
+@pytest.fixture
+def median_estimator():
+  """Registers "test-median" (R - the group's median) for one test, then removes it."""
+
+  @ADVANTAGE_ESTIMATORS.register("test-median")
+  def median(rewards_GxN, eps):
+    del eps
+    return rewards_GxN - np.median(rewards_GxN, axis=1, keepdims=True)
+
+  yield "test-median"
+  ADVANTAGE_ESTIMATORS.unregister("test-median")
+
+
+def test_a_registered_advantage_estimator_is_used_by_name(median_estimator):
+  adv = group_advantages(np.array([[3.0, 0.0, 1.0]]), median_estimator, negative_weight=0.5)
+  np.testing.assert_allclose(adv, [[2.0, -0.5, 0.0]])  # then negatives are scaled as usual
+
+
+def test_an_unknown_advantage_estimator_lists_the_registered_names():
+  with pytest.raises(ValueError, match=r"normalize='max': expected one of \('std', 'mean'\)"):
+    group_advantages(np.array([[1.0, 0.0]]), "max")
 
 
 @pytest.mark.parametrize("length,expected", [(0, 0.0), (60, 0.0), (70, -0.5), (79, -0.95),
@@ -86,12 +109,12 @@ def test_rollout_batch_shifts_ids_masks_and_logprobs():
   record = _record([5, 6, 7, 8, 9], [0, 0, 1, 0, 1], [0, 0, -0.5, 0, -0.25])
   batch = rollout_batch([record, record], [1.5, -1.5], [0, 0], seq_len=6,
                         drop_mask=[False, True])
-  np.testing.assert_array_equal(batch["input_ids"][0], [5, 6, 7, 8, 0, 0])
-  np.testing.assert_array_equal(batch["targets"][0], [6, 7, 8, 9, 0, 0])
-  np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 0, 1, 0, 0], [0] * 6])
-  np.testing.assert_array_equal(batch["old_logp"][0], [0, -0.5, 0, -0.25, 0, 0])
-  np.testing.assert_array_equal(batch["segment_ids"][0], [1, 1, 1, 1, 0, 0])
-  np.testing.assert_array_equal(batch["advantages"][1, :4], [-1.5] * 4)
+  np.testing.assert_array_equal(batch.input_ids[0], [5, 6, 7, 8, 0, 0])
+  np.testing.assert_array_equal(batch.targets[0], [6, 7, 8, 9, 0, 0])
+  np.testing.assert_array_equal(batch.loss_mask, [[0, 1, 0, 1, 0, 0], [0] * 6])
+  np.testing.assert_array_equal(batch.sampler_logp[0], [0, -0.5, 0, -0.25, 0, 0])
+  np.testing.assert_array_equal(batch.segment_ids[0], [1, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(batch.advantages[1, :4], [-1.5] * 4)
 
 
 def test_rollout_batch_rejects_records_longer_than_the_update():
@@ -108,7 +131,8 @@ def _random_batch(model_config, rows=8, length=16, seed=0):
   records = [_record(ids[r], mask[r], rng.normal(-3.0, 0.3, length + 1) * mask[r])
              for r in range(rows)]
   adv = rng.normal(size=rows)
-  return rollout_batch(records, adv, np.arange(rows) // 2, seq_len=length)
+  batch = rollout_batch(records, adv, np.arange(rows) // 2, seq_len=length)
+  return batch.replace(old_logp=batch.sampler_logp)  # as if the sampler were the policy
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +174,7 @@ def test_dapo_steps_raise_a_verifiable_reward(tiny, single_device_mesh):
                     stop_ids=(), sampling=SamplingConfig(temperature=1.0))
   state = state_lib.init_state(model, tx, mesh, jax.random.key(1))
   step = update.jit_dapo_step(model, tx, mesh, loss_config=PolicyLossConfig())
-  logprobs = update.jit_token_logprobs(model, mesh, state_lib.param_shardings(model, mesh))
+  logprobs = update.jit_policy_logprobs(model, mesh, sharding.param_shardings(model, mesh))
   rewards = []
   for i in range(30):
     decode = sampler.prefill_groups(state.params, sampler.init_state(),
@@ -165,7 +189,7 @@ def test_dapo_steps_raise_a_verifiable_reward(tiny, single_device_mesh):
     batch = sharding.shard_batch(
         rollout_batch(records, group_advantages(np.where(correct, 1.0, -1.0)).reshape(-1),
                       np.arange(groups * n) // n, seq_len=4 + new - 1), mesh)
-    batch["old_logp"] = logprobs(state.params, batch)[0]
+    batch = batch.replace(old_logp=logprobs(state.params, batch)[0])
     state, metrics = step(state, batch)
     assert metrics["is_finite"]
   assert np.mean(rewards[:5]) < 0.7 and np.mean(rewards[-5:]) > 0.9, rewards
@@ -175,7 +199,7 @@ def test_non_finite_update_is_flagged_and_not_applied(tiny, single_device_mesh):
   model_config, model, tx = tiny
   state = state_lib.init_state(model, tx, single_device_mesh, jax.random.key(0))
   batch = _random_batch(model_config)
-  batch["advantages"][0, :] = np.nan
+  batch.advantages[0, :] = np.nan
   step = update.jit_dapo_step(model, tx, single_device_mesh, donate=False,
                               loss_config=PolicyLossConfig())
   new_state, metrics = step(state, sharding.shard_batch(batch, single_device_mesh))
@@ -199,8 +223,8 @@ def test_teacher_forced_logprobs_are_the_samplers_at_its_temperature(tiny, singl
   batch = rollout_batch(records, [0.0, 0.0], [0, 0], seq_len=len(prompt) + new - 1)
   gaps = {}
   for temperature in (0.6, 1.0):
-    fn = update.jit_token_logprobs(model, mesh, state_lib.param_shardings(model, mesh),
+    fn = update.jit_policy_logprobs(model, mesh, sharding.param_shardings(model, mesh),
                                    temperature)
     got, _ = fn(state.params, sharding.shard_batch(batch, mesh))
-    gaps[temperature] = np.abs(np.asarray(got) - batch["old_logp"])[batch["loss_mask"] > 0].max()
+    gaps[temperature] = np.abs(np.asarray(got) - batch.sampler_logp)[batch.loss_mask > 0].max()
   assert gaps[0.6] < 1e-5 and gaps[1.0] > 0.05  # 4.8e-7 and 0.17

@@ -9,15 +9,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coa_jax import coa_format, sharding
+from coa_jax.data import coa_format
+from coa_jax.data.tokenize import step_ids
+from coa_jax.data.tokenizer import default_tokenizer
 from coa_jax.model import ConfigError, build_config
 from coa_jax.model.transformer import Transformer
-from coa_jax.rollout import (Rollout, RolloutConfig, Task, check_prompt_lengths, stop_ids,
-                             summarize)
-from coa_jax.sampler import Chunk, Sampler, SamplingConfig
-from coa_jax.sft_tokenize import step_ids
-from coa_jax.tokenizer import default_tokenizer
-from coa_jax.train.state import init_params
+from coa_jax.rollout.sampler import Chunk, Sampler, SamplingConfig
+from coa_jax.rollout.tool_loop import (
+  Rollout,
+  RolloutConfig,
+  Task,
+  check_prompt_lengths,
+  stop_ids,
+  summarize,
+)
+from coa_jax.runtime import sharding
+from coa_jax.runtime.sharding import init_params
 from tools_env import Tool, ToolRegistry
 
 TOKENIZER = default_tokenizer("plain")

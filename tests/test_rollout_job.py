@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from coa_jax import rollout_job
-from coa_jax.model import ConfigError
+from coa_jax.rollout import job as rollout_job
 from configs import rollout_tiny_cpu
 
 
@@ -39,16 +38,3 @@ def test_interactive_session_answers_each_question(config):
   assert out.getvalue().count("> ") == 2 and "tokens," in out.getvalue()
 
 
-@pytest.mark.parametrize("content,message", [
-    ("", "has no tasks"),
-    ('{"id": 1}\n', "not a task record with a 'question'"),
-    ('{"question": ""}\n', "non-empty string"),
-    ("not json\n", "1: not a task record"),
-])
-def test_bad_task_files_are_clear_errors(tmp_path, content, message):
-  path = tmp_path / "tasks.jsonl"
-  path.write_text(content)
-  with pytest.raises(ConfigError, match=message):
-    rollout_job.load_tasks(str(path))
-  with pytest.raises(ConfigError, match="does not exist"):
-    rollout_job.load_tasks(str(tmp_path / "missing.jsonl"))

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coa_jax import sharding
 from coa_jax.model import build_config
 from coa_jax.model.transformer import Transformer
-from coa_jax.sampler import Sampler, SamplingConfig, bucket, sample_tokens
-from coa_jax.train.state import init_params, param_shardings
+from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket, sample_tokens
+from coa_jax.runtime import sharding
+from coa_jax.runtime.sharding import init_params, param_shardings
 
 CONFIG = build_config({"preset": "tiny", "tie_embeddings": False})
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19]]

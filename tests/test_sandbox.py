@@ -7,7 +7,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest

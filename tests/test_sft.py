@@ -9,11 +9,15 @@ import jax
 import numpy as np
 import pytest
 
-from coa_jax import sft, sharding
-from coa_jax.importers import DataError
+from coa_jax.data.importers import DataError
 from coa_jax.losses import token_cross_entropy_and_z
 from coa_jax.model import Transformer, get_preset
-from coa_jax.train import optimizer, state as state_lib, step as step_lib
+from coa_jax.runtime import sharding
+from coa_jax.sft import job as sft
+from coa_jax.train import optimizer
+from coa_jax.train import state as state_lib
+from coa_jax.train import step as step_lib
+from coa_jax.train.step import NonFiniteLossError
 from configs import common, sft_tiny_cpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,9 +39,8 @@ def test_loss_and_z_loss_equal_a_numpy_reference():
 def _batch(rows=8, seq=16, seed=0):
   rng = np.random.RandomState(seed)
   batch = step_lib.next_token_batch(rng.randint(0, 512, (rows, seq + 1)))
-  batch["loss_mask"] = (rng.rand(rows, seq) < np.linspace(0.1, 0.9, rows)[:, None]).astype(
-      np.int32)  # very different token counts per row
-  return batch
+  return batch.replace(loss_mask=(rng.rand(rows, seq) < np.linspace(0.1, 0.9, rows)[:, None])
+                       .astype(np.int32))  # very different token counts per row
 
 
 def _step(mesh, micro_batches, z_loss=0.0):
@@ -118,7 +121,7 @@ def test_resume_is_exact_and_the_loss_falls(tmp_path):
 
 def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(tmp_path):
   sft.run(_config(tmp_path, 4, **{"train.stop_after": 2}))
-  with pytest.raises(sft.NonFiniteLossError, match="last good checkpoint .* is intact"):
+  with pytest.raises(NonFiniteLossError, match="last good checkpoint .* is intact"):
     sft.run(_config(tmp_path, 4, **{"train.z_loss": float("nan")}))
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["2"]
 

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from coa_jax import coa_format, sample_data, tokenizer as tk
-from coa_jax.sft_tokenize import DroppedExample, tokenize_trajectory
+from coa_jax.data import coa_format, sample_data
+from coa_jax.data import tokenizer as tk
+from coa_jax.data.tokenize import DroppedExample, tokenize_trajectory
 
 
 @pytest.fixture(scope="module", params=["plain", "chatml"])

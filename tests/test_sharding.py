@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from coa_jax import distributed, sharding
 from coa_jax.model import ConfigError, Transformer, get_preset
-from coa_jax.train import optimizer, state as state_lib, step as step_lib
+from coa_jax.runtime import distributed, sharding
+from coa_jax.train import optimizer
+from coa_jax.train import state as state_lib
+from coa_jax.train import step as step_lib
 
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 2, 4), (2, 2, 2)]
 CONFIG = get_preset("tiny", num_heads=8, num_kv_heads=4, hidden_size=64, intermediate_size=128)
@@ -48,7 +50,7 @@ def _flat(tree):
 def _batch(seed=0):
   tokens = np.random.RandomState(seed).randint(0, CONFIG.vocab_size, (8, 17))
   batch = step_lib.next_token_batch(tokens)
-  batch["loss_mask"][:, :3] = 0  # a prompt-like prefix that is not trained on
+  batch.loss_mask[:, :3] = 0  # a prompt-like prefix that is not trained on
   return batch
 
 
@@ -79,7 +81,7 @@ def _assert_trees_close(got, want, atol):
 @pytest.mark.parametrize("shape", MESHES)
 def test_param_shardings_follow_the_rules_table(shape):
   mesh = sharding.make_mesh(shape)
-  shardings = _flat(state_lib.param_shardings(Transformer(CONFIG), mesh))
+  shardings = _flat(sharding.param_shardings(Transformer(CONFIG), mesh))
   specs = {k: s.spec for k, s in shardings.items()}
   assert specs == EXPECTED_SPECS
 
@@ -138,7 +140,7 @@ def test_heads_not_divisible_by_tensor_axis_are_named():
 def test_uneven_parameter_split_is_named():
   mesh = sharding.make_mesh((1, 8, 1))
   with pytest.raises(ConfigError, match="does not split over mesh axes"):
-    state_lib.param_shardings(Transformer(get_preset("tiny", hidden_size=36, num_heads=2,
+    sharding.param_shardings(Transformer(get_preset("tiny", hidden_size=36, num_heads=2,
                                                      num_kv_heads=2)), mesh)
 
 
@@ -163,7 +165,7 @@ def test_blockwise_attention_sharded_equals_dense_single_device(reference):
   _, (ref_loss, ref_grads), _, _ = reference
   mesh = sharding.make_mesh((2, 2, 2))
   model = Transformer(CONFIG.replace(attention_impl="blockwise", attention_block=8))
-  params = state_lib.init_params(model, mesh, jax.random.key(0))
+  params = sharding.init_params(model, mesh, jax.random.key(0))
   loss, grads = _loss_and_grads(model, params, mesh)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   _assert_trees_close(grads, ref_grads, atol=1e-7)

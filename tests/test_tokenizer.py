@@ -2,7 +2,8 @@
 
 import pytest
 
-from coa_jax import coa_format, tokenizer as tk
+from coa_jax.data import coa_format
+from coa_jax.data import tokenizer as tk
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_missing_folder_and_unknown_template_are_named(tmp_path, tok):
 
 def test_the_embedded_world_tokenizes_compactly(tok):
   # Trained on a world of its own seed: the URL scheme and name syllables are tokens.
-  from coa_jax.world import World, WorldConfig
+  from coa_jax.data.world import World, WorldConfig
 
   pipeline_world = World(WorldConfig(seed=0, entities=4, train_tasks=0, heldout_tasks=0))
   names = list(pipeline_world.by_name)

@@ -5,7 +5,13 @@ import json
 import pytest
 
 from tools_env import base, search
-from tools_env.registry import TOOL_TAGS, ToolRegistry, TrajectoryTools, build_registry, default_spec
+from tools_env.registry import (
+  TOOL_TAGS,
+  ToolRegistry,
+  TrajectoryTools,
+  build_registry,
+  default_spec,
+)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coa_jax import demo, sharding
 from coa_jax.losses import token_cross_entropy
 from coa_jax.model import ConfigError, Transformer, get_preset
-from coa_jax.train import optimizer, state as state_lib, step as step_lib
+from coa_jax.runtime import sharding
+from coa_jax.train import lm_demo as demo
+from coa_jax.train import optimizer
+from coa_jax.train import state as state_lib
+from coa_jax.train import step as step_lib
 from configs import common, demo_tiny
 
 
@@ -25,13 +28,13 @@ def test_cross_entropy_counts_only_masked_tokens():
 
 def test_next_token_batch_shifts_targets():
   batch = step_lib.next_token_batch(np.array([[5, 6, 7, 8]]))
-  np.testing.assert_array_equal(batch["input_ids"], [[5, 6, 7]])
-  np.testing.assert_array_equal(batch["targets"], [[6, 7, 8]])
-  np.testing.assert_array_equal(batch["positions"], [[0, 1, 2]])
+  np.testing.assert_array_equal(batch.input_ids, [[5, 6, 7]])
+  np.testing.assert_array_equal(batch.targets, [[6, 7, 8]])
+  np.testing.assert_array_equal(batch.positions, [[0, 1, 2]])
 
 
 def test_weight_decay_skips_norms_and_biases():
-  params = state_lib.abstract_params(Transformer(get_preset("tiny")))
+  params = sharding.abstract_params(Transformer(get_preset("tiny")))
   mask = {"/".join(k.key for k in path): v for path, v in
           jax.tree_util.tree_leaves_with_path(optimizer.weight_decay_mask(nn.unbox(params)))}
   assert mask["embedding"] and mask["layers/mlp/up_proj/kernel"]
@@ -90,3 +93,19 @@ def test_demo_trains_exports_and_reloads_on_a_2x2x2_mesh(tmp_path):
   assert summary["reload_max_abs_logit_diff"] == 0.0
   assert (tmp_path / "hf_export" / "config.json").is_file()
   assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_the_job_loop_writes_every_step_to_tensorboard_too(tmp_path):
+  from tensorboard.backend.event_processing import event_accumulator
+  from tensorboard.util import tensor_util
+
+  config = demo_tiny.get_config()
+  config.steps, config.log_every, config.batch_size, config.seq_len = 3, 1, 8, 16
+  config.workdir = str(tmp_path)
+  demo.run(config)
+  events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+  events.Reload()
+  losses = [json.loads(line)["loss"] for line in open(tmp_path / "metrics.jsonl")]
+  written = [(e.step, float(np.asarray(tensor_util.make_ndarray(e.tensor_proto))))
+             for e in events.Tensors("loss")]
+  assert written == [(step, pytest.approx(loss)) for step, loss in enumerate(losses, 1)]

@@ -11,11 +11,17 @@
   state (repeated-call notices, counters).
 
 Every limit is a constructor argument or a field of `SandboxLimits` / `HttpLimits`, with a
-default; the README's "Tool environments" section lists them.
+default; docs/tools_and_rollouts.md lists them.
 """
 
 from tools_env.base import Tool, ToolFailure, ToolResult, truncate_middle
-from tools_env.registry import TOOL_TAGS, ToolRegistry, TrajectoryTools
+from tools_env.registry import (
+           TOOL_TAGS,
+           ToolRegistry,
+           TrajectoryTools,
+           build_registry,
+           default_spec,
+)
 
 __all__ = ["TOOL_TAGS", "Tool", "ToolFailure", "ToolRegistry", "ToolResult", "TrajectoryTools",
-           "truncate_middle"]
+           "build_registry", "default_spec", "truncate_middle"]

@@ -28,8 +28,16 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from tools_env.base import (BAD_REQUEST, BAD_RESPONSE, HTTP_ERROR, NO_RESULTS, NOT_FOUND,
-                            TIMEOUT, Tool, ToolFailure)
+from tools_env.base import (
+  BAD_REQUEST,
+  BAD_RESPONSE,
+  HTTP_ERROR,
+  NO_RESULTS,
+  NOT_FOUND,
+  TIMEOUT,
+  Tool,
+  ToolFailure,
+)
 from tools_env.search import Crawl, format_results
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

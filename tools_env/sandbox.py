@@ -48,9 +48,19 @@ import time
 from typing import Any, Iterator, Sequence
 
 from tools_env import sandbox_boot
-from tools_env.base import (BAD_REQUEST, MEMORY_LIMIT, PROCESS_LIMIT, RUNTIME_ERROR,
-                            SYNTAX_ERROR, TIMEOUT, TOO_LARGE, TOOL_ERROR, Tool, ToolFailure,
-                            ToolResult)
+from tools_env.base import (
+  BAD_REQUEST,
+  MEMORY_LIMIT,
+  PROCESS_LIMIT,
+  RUNTIME_ERROR,
+  SYNTAX_ERROR,
+  TIMEOUT,
+  TOO_LARGE,
+  TOOL_ERROR,
+  Tool,
+  ToolFailure,
+  ToolResult,
+)
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,11 @@ micro-batching and sharding leave it, and its gradient, exactly unchanged:
   prompt's group of samples, averaged over groups.
 
 Sequences (or groups) without any unmasked token (e.g. overlong-filtered) count in no mean.
+
+The config's `aggregation` names a function in the `AGGREGATIONS` registry. A new mode is a
+function and a name: `@AGGREGATIONS.register("name")` on a function
+`(mask_BxT float32, group_B, norm_tokens) -> weights_BxT` whose weights are 0 wherever the mask
+is; `PolicyLossConfig(aggregation="name")` then accepts it and `aggregation_weights` uses it.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-                "group-token-mean")
+from coa_jax.losses.registry import Registry
+
+# (mask_BxT float32, group_B, norm_tokens) -> weights_BxT, by the config's `aggregation` name.
+AGGREGATIONS = Registry("aggregation")
+register_aggregation = AGGREGATIONS.register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +55,7 @@ class PolicyLossConfig:
   entropy_coef: float = 0.0  # entropy bonus
 
   def __post_init__(self):
-    if self.aggregation not in AGGREGATIONS:
-      raise ValueError(f"aggregation={self.aggregation!r}: expected one of {AGGREGATIONS}")
+    AGGREGATIONS.get(self.aggregation)  # an unknown name raises, listing the registered ones
     if not 0 <= self.eps_low < 1 or self.eps_high < 0:
       raise ValueError(f"clip ratios must satisfy 0 <= eps_low < 1 and eps_high >= 0, got "
                        f"eps_low={self.eps_low}, eps_high={self.eps_high}")
@@ -96,24 +103,51 @@ def aggregation_weights(mask_BxT: jax.Array, group_B: jax.Array, aggregation: st
   """Returns the (B, T) weights whose sum with per-token losses is the aggregated loss.
 
   `mask_BxT` and `group_B` (each row's prompt-group id, in [0, B)) must cover the whole
-  mini-batch; the weights are 0 wherever the mask is 0.
+  mini-batch; the weights are 0 wherever the mask is 0. `aggregation` names a function in
+  `AGGREGATIONS` (an unknown name raises ValueError listing the registered ones).
   """
-  mask = mask_BxT.astype(jnp.float32)
-  row_tokens_B = mask.sum(axis=1)
-  rows_with_tokens = jnp.maximum(jnp.sum(row_tokens_B > 0), 1)
-  if aggregation == "token-mean":
-    return mask / jnp.maximum(mask.sum(), 1.0)
-  if aggregation == "seq-mean-token-mean":
-    return mask / jnp.maximum(row_tokens_B, 1.0)[:, None] / rows_with_tokens
-  if aggregation == "seq-mean-token-sum-norm":
-    length = norm_tokens or mask.shape[1]
-    return mask / (length * rows_with_tokens)
-  if aggregation == "group-token-mean":
-    batch = mask.shape[0]
-    group_tokens_G = jax.ops.segment_sum(row_tokens_B, group_B, num_segments=batch)
-    groups_with_tokens = jnp.maximum(jnp.sum(group_tokens_G > 0), 1)
-    return mask / jnp.maximum(group_tokens_G[group_B], 1.0)[:, None] / groups_with_tokens
-  raise ValueError(f"aggregation={aggregation!r}: expected one of {AGGREGATIONS}")
+  return AGGREGATIONS.get(aggregation)(mask_BxT.astype(jnp.float32), group_B, norm_tokens)
+
+
+def _rows_with_tokens(row_tokens_B: jax.Array) -> jax.Array:
+  """Returns the number of rows with an unmasked token, at least 1."""
+  return jnp.maximum(jnp.sum(row_tokens_B > 0), 1)
+
+
+@AGGREGATIONS.register("token-mean")
+def token_mean(mask_BxT: jax.Array, group_B: jax.Array, norm_tokens: int) -> jax.Array:
+  """Returns 1 / (unmasked tokens of the mini-batch) at every unmasked token."""
+  del group_B, norm_tokens
+  return mask_BxT / jnp.maximum(mask_BxT.sum(), 1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-mean")
+def seq_mean_token_mean(mask_BxT: jax.Array, group_B: jax.Array, norm_tokens: int) -> jax.Array:
+  """Returns the weights of the mean over sequences of each sequence's token mean."""
+  del group_B, norm_tokens
+  row_tokens_B = mask_BxT.sum(axis=1)
+  return mask_BxT / jnp.maximum(row_tokens_B, 1.0)[:, None] / _rows_with_tokens(row_tokens_B)
+
+
+@AGGREGATIONS.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(mask_BxT: jax.Array, group_B: jax.Array, norm_tokens: int) -> jax.Array:
+  """Returns the weights of the mean over sequences of each sequence's token sum over a
+  constant length: `norm_tokens`, or the padded row length when 0."""
+  del group_B
+  rows_with_tokens = _rows_with_tokens(mask_BxT.sum(axis=1))
+  length = norm_tokens or mask_BxT.shape[1]
+  return mask_BxT / (length * rows_with_tokens)
+
+
+@AGGREGATIONS.register("group-token-mean")
+def group_token_mean(mask_BxT: jax.Array, group_B: jax.Array, norm_tokens: int) -> jax.Array:
+  """Returns the weights of the mean over prompt groups of each group's token mean."""
+  del norm_tokens
+  row_tokens_B = mask_BxT.sum(axis=1)
+  batch = mask_BxT.shape[0]
+  group_tokens_G = jax.ops.segment_sum(row_tokens_B, group_B, num_segments=batch)
+  groups_with_tokens = jnp.maximum(jnp.sum(group_tokens_G > 0), 1)
+  return mask_BxT / jnp.maximum(group_tokens_G[group_B], 1.0)[:, None] / groups_with_tokens
 
 
 def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array,

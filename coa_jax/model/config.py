@@ -121,6 +121,14 @@ _LLAMA3 = dict(family="llama", rope_theta=500_000.0, rms_norm_eps=1e-5, qkv_bias
                max_position_embeddings=131_072, vocab_size=128_256, bos_token_id=128000,
                eos_token_id=128001)
 
+
+
+def _qwen2_5(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+             tie: bool) -> dict[str, Any]:
+  return dict(_QWEN2_5, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+              num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, tie_embeddings=tie)
+
+
 # Figures of the published HF config.json files (Qwen2.5 *-Instruct, which the CoA recipe
 # fine-tunes; the base checkpoints differ only in max_position_embeddings and, for 14B/32B,
 # rms_norm_eps). Llama 3 figures from meta-llama/Llama-3.2-1B and Llama-3.1-8B.
@@ -129,18 +137,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                  num_layers=2, num_heads=4, num_kv_heads=2, rope_theta=10_000.0,
                  rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=True,
                  max_position_embeddings=2048),
-    "qwen2_5_0_5b": dict(_QWEN2_5, vocab_size=151_936, hidden_size=896, intermediate_size=4864,
-                         num_layers=24, num_heads=14, num_kv_heads=2, tie_embeddings=True),
-    "qwen2_5_1_5b": dict(_QWEN2_5, vocab_size=151_936, hidden_size=1536, intermediate_size=8960,
-                         num_layers=28, num_heads=12, num_kv_heads=2, tie_embeddings=True),
-    "qwen2_5_3b": dict(_QWEN2_5, vocab_size=151_936, hidden_size=2048, intermediate_size=11008,
-                       num_layers=36, num_heads=16, num_kv_heads=2, tie_embeddings=True),
-    "qwen2_5_7b": dict(_QWEN2_5, vocab_size=152_064, hidden_size=3584, intermediate_size=18944,
-                       num_layers=28, num_heads=28, num_kv_heads=4, tie_embeddings=False),
-    "qwen2_5_14b": dict(_QWEN2_5, vocab_size=152_064, hidden_size=5120, intermediate_size=13824,
-                        num_layers=48, num_heads=40, num_kv_heads=8, tie_embeddings=False),
-    "qwen2_5_32b": dict(_QWEN2_5, vocab_size=152_064, hidden_size=5120, intermediate_size=27648,
-                        num_layers=64, num_heads=40, num_kv_heads=8, tie_embeddings=False),
+    # Qwen2.5: vocabulary, hidden, intermediate, layers, heads, KV heads, tied embeddings.
+    "qwen2_5_0_5b": _qwen2_5(151_936, 896, 4864, 24, 14, 2, True),
+    "qwen2_5_1_5b": _qwen2_5(151_936, 1536, 8960, 28, 12, 2, True),
+    "qwen2_5_3b": _qwen2_5(151_936, 2048, 11008, 36, 16, 2, True),
+    "qwen2_5_7b": _qwen2_5(152_064, 3584, 18944, 28, 28, 4, False),
+    "qwen2_5_14b": _qwen2_5(152_064, 5120, 13824, 48, 40, 8, False),
+    "qwen2_5_32b": _qwen2_5(152_064, 5120, 27648, 64, 40, 8, False),
     "llama3_2_1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_layers=16,
                         num_heads=32, num_kv_heads=8, head_dim=64, tie_embeddings=True,
                         rope_scaling=Llama3RopeScaling(factor=32.0)),

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import math
 
-import jax
-import jax.numpy as jnp
 import flax.linen as nn
 import flax.struct
+import jax
+import jax.numpy as jnp
 
 from coa_jax.model.attention import attend, cached_attention
 from coa_jax.model.config import ConfigError, ModelConfig

@@ -1,1 +1,10 @@
-"""Agentic RL with DAPO: advantages, dynamic sampling, rollout batches, updates and the loop."""
+"""Agentic RL with DAPO: advantages, dynamic sampling, rollout batches, updates and the job."""
+
+from coa_jax.rl.advantages import (
+                                   ADVANTAGE_ESTIMATORS,
+                                   group_advantages,
+                                   overlong_penalty,
+                                   register_advantage_estimator,
+)
+from coa_jax.rl.dapo import Trainer, run
+from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup, fill_batch

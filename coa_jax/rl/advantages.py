@@ -1,8 +1,20 @@
-"""Reward shaping and advantages on the host: overlong shaping, group-normalized advantages."""
+"""Reward shaping and advantages on the host: overlong shaping, group-normalized advantages.
+
+The config's `advantage` names an estimator in the `ADVANTAGE_ESTIMATORS` registry. A new one is
+a function and a name: `@ADVANTAGE_ESTIMATORS.register("name")` on a function
+`(rewards_GxN float64, eps) -> advantages_GxN`, each row a prompt's group of samples;
+`group_advantages(rewards_GxN, "name")` then uses it (and scales its negative advantages).
+"""
 
 from __future__ import annotations
 
 import numpy as np
+
+from coa_jax.losses.registry import Registry
+
+# (rewards_GxN float64, eps) -> advantages_GxN, by the config's `advantage` name.
+ADVANTAGE_ESTIMATORS = Registry("advantage normalize")
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 
 
 def overlong_penalty(response_len: int, max_len: int, cache_len: int) -> float:
@@ -22,23 +34,33 @@ def group_advantages(rewards_GxN: np.ndarray, normalize: str = "std", eps: float
                      negative_weight: float = 1.0) -> np.ndarray:
   """Returns each sample's advantage within its prompt's group (rows of `rewards_GxN`).
 
-  "std": (R - mean) / (std + eps) with the Bessel-corrected std (ddof=1, the reference's);
-  "mean": R - mean (Dr.GRPO). A group of one sample, or of equal rewards, gets 0.
-  Negative advantages are then scaled by `negative_weight` (1: the reference; below 1 pushes
-  failed samples down less than successful ones up).
+  `normalize` names an estimator in `ADVANTAGE_ESTIMATORS` ("std": GRPO/DAPO's, the default;
+  "mean": Dr.GRPO's; an unknown name raises ValueError listing the registered ones), given the
+  rewards as float64 and `eps`. Negative advantages are then scaled by `negative_weight` (1: the
+  reference; below 1 pushes failed samples down less than successful ones up).
   """
   rewards = np.asarray(rewards_GxN, np.float64)
   if rewards.ndim != 2:
     raise ValueError(f"rewards must be (groups, samples), got shape {rewards.shape}")
   if not 0 <= negative_weight <= 1:
     raise ValueError(f"advantage negative_weight={negative_weight}: expected 0..1")
-  centered = rewards - rewards.mean(axis=1, keepdims=True)
-  if normalize == "mean":
-    advantages = centered
-  elif normalize != "std":
-    raise ValueError(f"advantage normalize={normalize!r}: expected 'std' or 'mean'")
-  elif rewards.shape[1] < 2:
-    advantages = np.zeros_like(rewards)
-  else:
-    advantages = centered / (rewards.std(axis=1, ddof=1, keepdims=True) + eps)
+  advantages = ADVANTAGE_ESTIMATORS.get(normalize)(rewards, eps)
   return np.where(advantages < 0, negative_weight * advantages, advantages)
+
+
+@ADVANTAGE_ESTIMATORS.register("std")
+def std_advantages(rewards_GxN: np.ndarray, eps: float) -> np.ndarray:
+  """Returns (R - mean) / (std + eps) within each group, with the Bessel-corrected std (ddof=1,
+  the reference's); a group of one sample, or of equal rewards, gets 0."""
+  if rewards_GxN.shape[1] < 2:
+    return np.zeros_like(rewards_GxN)
+  centered = rewards_GxN - rewards_GxN.mean(axis=1, keepdims=True)
+  return centered / (rewards_GxN.std(axis=1, ddof=1, keepdims=True) + eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("mean")
+def mean_advantages(rewards_GxN: np.ndarray, eps: float) -> np.ndarray:
+  """Returns R - mean within each group (Dr.GRPO: no std normalization, so `eps` is unused); a
+  group of one sample, or of equal rewards, gets 0."""
+  del eps
+  return rewards_GxN - rewards_GxN.mean(axis=1, keepdims=True)

@@ -6,28 +6,26 @@ from typing import Sequence
 
 import numpy as np
 
-from coa_jax.rollout import RolloutRecord
-
-BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids", "old_logp",
-              "advantages", "group")
+from coa_jax.rollout.tool_loop import RolloutRecord
+from coa_jax.train.batch import PolicyBatch
 
 
 def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
                   groups: Sequence[int], seq_len: int,
-                  drop_mask: Sequence[bool] | None = None) -> dict[str, np.ndarray]:
+                  drop_mask: Sequence[bool] | None = None) -> PolicyBatch:
   """Returns the (B, seq_len) next-token arrays of `records`, right-padded.
 
   Row b predicts ids[1:] from ids[:-1]; its loss mask is the record's mask on the predicted
   tokens (sampled tokens only) and 0 where `drop_mask[b]` (e.g. overlong filtering);
-  old_logp holds the sampler's log-probs there; every token gets the row's advantage;
-  `group` is the row's prompt-group id.
+  sampler_logp holds the sampler's log-probs there; every token gets the row's advantage;
+  `group` is the row's prompt-group id. old_logp is left for the update to recompute.
   """
   rows = len(records)
   if not rows == len(advantages) == len(groups):
     raise ValueError(f"{rows} records, {len(advantages)} advantages, {len(groups)} groups")
   arrays = {k: np.zeros((rows, seq_len), np.int32) for k in
             ("input_ids", "targets", "loss_mask", "positions", "segment_ids")}
-  arrays["old_logp"] = np.zeros((rows, seq_len), np.float32)
+  arrays["sampler_logp"] = np.zeros((rows, seq_len), np.float32)
   arrays["advantages"] = np.zeros((rows, seq_len), np.float32)
   for b, record in enumerate(records):
     n = len(record.ids) - 1
@@ -44,7 +42,6 @@ def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
       arrays["loss_mask"][b, :n] = record.loss_mask[1:]
     arrays["positions"][b, :n] = np.arange(n)
     arrays["segment_ids"][b, :n] = 1
-    arrays["old_logp"][b, :n] = record.logprobs[1:]
+    arrays["sampler_logp"][b, :n] = record.logprobs[1:]
     arrays["advantages"][b, :n] = advantages[b]
-  arrays["group"] = np.asarray(groups, np.int32)
-  return arrays
+  return PolicyBatch(**arrays, group=np.asarray(groups, np.int32))

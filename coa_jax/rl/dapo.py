@@ -5,7 +5,7 @@ every field. The sampler and the updates share one mesh and one copy of the para
 step's rollouts use the params the previous step's updates produced, with no transfer.
 
 A step: dynamic sampling generates rounds of prompt groups with the current policy and scores
-every sample (`coa_jax.rewards`), keeping groups whose samples disagree until the batch is
+every sample (`coa_jax.data.rewards`), keeping groups whose samples disagree until the batch is
 full; rewards get overlong shaping, groups get normalized advantages, and truncated samples
 can be masked out (overlong filtering). The rollout policy's log-probs are recomputed
 teacher-forced (and compared with the sampler's, a health metric), then the batch is split into
@@ -32,20 +32,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coa_jax import distributed, evaluate, hf_checkpoint, rewards as rewards_lib, rollout, sharding
-from coa_jax.checkpointing import Checkpointer, PreemptionFlag
+from coa_jax.data import Task, build_rewarder, load_tasks, load_tokenizer
 from coa_jax.losses.dapo import PolicyLossConfig
-from coa_jax.metrics import MetricsLog, say
 from coa_jax.model import ConfigError, Transformer
 from coa_jax.rl import update
-from coa_jax.rl.advantages import group_advantages, overlong_penalty
+from coa_jax.rl.advantages import ADVANTAGE_ESTIMATORS, group_advantages, overlong_penalty
 from coa_jax.rl.batch import rollout_batch
 from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup, fill_batch
-from coa_jax.rollout import Rollout, RolloutConfig, Task
-from coa_jax.sampler import Sampler, SamplingConfig
-from coa_jax.sft import NonFiniteLossError, load_model, load_tokenizer
-from coa_jax.train import optimizer, state as state_lib
-from tools_env import registry as tools_registry
+from coa_jax.rollout import (
+  Rollout,
+  RolloutConfig,
+  Sampler,
+  SamplingConfig,
+  check_prompt_lengths,
+  stop_ids,
+)
+from coa_jax.runtime import distributed, load_model, sharding
+from coa_jax.runtime.distributed import say
+from coa_jax.train import LoopConfig, NonFiniteLossError, optimizer, run_loop
+from coa_jax.train import state as state_lib
+from coa_jax.train.batch import PolicyBatch
+from tools_env import build_registry
 
 PLOT_KEYS = ("reward", "accuracy", "response_len", "entropy", "clip_high", "clip_low")
 SHOWN = ("reward", "accuracy", "eval_accuracy", "response_len", "kept", "rounds", "pg_loss",
@@ -98,14 +105,15 @@ class Trainer:
                         f"rl.mini_batch_groups={rl.mini_batch_groups}")
     sharding.check_batch_fits_mesh(rl.mini_batch_groups * self.n, rl.micro_batches, self.mesh)
     self.loss_config = loss_config(rl)
+    ADVANTAGE_ESTIMATORS.get(rl.advantage)  # an unknown name fails before any rollout
     # Tasks with their ground truth (metadata fields lifted up), as the evaluation reads them.
-    self.tasks = evaluate.load_tasks(config.tasks, config.max_tasks)
-    self.eval_tasks = (evaluate.load_tasks(config.eval_tasks, config.eval_max_tasks)
+    self.tasks = load_tasks(config.tasks, config.max_tasks)
+    self.eval_tasks = (load_tasks(config.eval_tasks, config.eval_max_tasks)
                        if config.eval_tasks else [])
     for tasks in (self.tasks, self.eval_tasks):
-      rollout.check_prompt_lengths(self.tokenizer, config.system_prompt, tasks,
+      check_prompt_lengths(self.tokenizer, config.system_prompt, tasks,
                                    self.rollout_config.max_prompt_tokens)
-    self.rewarder = rewards_lib.build_rewarder(config.rewards.to_dict())
+    self.rewarder = build_rewarder(config.rewards.to_dict())
 
     model_config, params = load_model(config, self.tokenizer, self.mesh)
     self.model_config, self.model = model_config, Transformer(model_config)
@@ -126,20 +134,19 @@ class Trainer:
     if sampling.temperature == 0:
       raise ConfigError("DAPO needs sampled rollouts: sampling.temperature must be > 0")
     self.host = sharding.host_mesh(self.mesh)
-    self.host_shardings = state_lib.param_shardings(self.model, self.host)
+    self.host_shardings = sharding.param_shardings(self.model, self.host)
     sampler = Sampler(model_config, self.host, batch_size=config.batch_size // self.hosts,
                       cache_size=self.rollout_config.cache_size, chunk=config.chunk,
-                      stop_ids=rollout.stop_ids(self.tokenizer), sampling=sampling)
-    tools = tools_registry.build_registry(config.tools.to_dict())
+                      stop_ids=stop_ids(self.tokenizer), sampling=sampling)
+    tools = build_registry(config.tools.to_dict())
     self.engine = Rollout(sampler, self.state.params, self.tokenizer, tools, self.rollout_config,
                           config.system_prompt, seed=config.seed)
     self.update = update.jit_dapo_step(self.model, self.tx, self.mesh,
-                                       with_ref=self.ref_params is not None,
                                        loss_config=self.loss_config,
                                        micro_batches=rl.micro_batches, schedule=self.schedule,
                                        temperature=sampling.temperature)
-    self.logprobs = update.jit_token_logprobs(
-        self.model, self.mesh, state_lib.param_shardings(self.model, self.mesh),
+    self.logprobs = update.jit_policy_logprobs(
+        self.model, self.mesh, sharding.param_shardings(self.model, self.mesh),
         sampling.temperature)
     self.stream = TaskStream(self.tasks, config.seed)
     self.prompts: dict[str, list[int]] = {}  # task id -> [groups, all correct, all wrong]
@@ -165,8 +172,6 @@ class Trainer:
       rewards = list(self.reward_pool.map(lambda text: self.rewarder(text, data), texts))
       scores = [r.score + self._overlong(record.response_len)
                 for r, record in zip(rewards, group)]
-      for record, reward in zip(group, rewards):
-        record.task_data = {**record.task_data, "reward": reward.score, "correct": reward.correct}
       yield ScoredGroup(group[0].task_id, group, scores, [r.correct for r in rewards])
 
   def _overlong(self, response_len: int) -> float:
@@ -179,6 +184,15 @@ class Trainer:
   # --- one step ----------------------------------------------------------------------------
 
   def step(self, step: int) -> dict[str, float]:
+    """Runs step `step` for the job loop: one update, then an evaluation on the held-out tasks
+    every rl.eval_every steps and at the last; returns the metrics of both."""
+    metrics = self.update_once(step)
+    rl = self.config.rl
+    if self.eval_tasks and (step % rl.eval_every == 0 or step == rl.steps):
+      metrics.update(self.evaluate(step))
+    return metrics
+
+  def update_once(self, step: int) -> dict[str, float]:
     """Rolls out, filters and updates once; returns the step's metrics."""
     rl = self.config.rl
     generated: list[ScoredGroup] = []
@@ -217,7 +231,7 @@ class Trainer:
       part = slice(start, start + rows)
       batch = rollout_batch(records[part], advantages[part], groups, self.seq_len, drop[part])
       mini_batches.append(sharding.shard_batch(batch, self.mesh))
-    health = self._recompute_old_logprobs(mini_batches)
+    mini_batches, health = self._with_old_logprobs(mini_batches)
     update_metrics = []
     for batch in mini_batches:
       self.state, metrics = self.update(self.state, batch)
@@ -242,21 +256,22 @@ class Trainer:
         sums=stats.to_json()))
     return out
 
-  def _recompute_old_logprobs(self, mini_batches: list[dict[str, jax.Array]]) -> dict[str, float]:
-    """Replaces each batch's old_logp by the rollout policy's teacher-forced log-probs (and
-    adds ref_logp when a KL term is on); returns how far the sampler's were from them."""
+  def _with_old_logprobs(self, mini_batches: list[PolicyBatch]
+                         ) -> tuple[list[PolicyBatch], dict[str, float]]:
+    """Returns the batches with old_logp, the rollout policy's teacher-forced log-probs (and
+    ref_logp when a KL term is on), beside the sampler's; and how far the two were apart."""
     diffs, tokens, worst = 0.0, 0.0, 0.0
+    out = []
     for batch in mini_batches:
       old_logp, _ = self.logprobs(self.state.params, batch)
-      mask = batch["loss_mask"] > 0
-      gap = jnp.where(mask, jnp.abs(old_logp - batch["old_logp"]), 0.0)
+      mask = batch.loss_mask > 0
+      gap = jnp.where(mask, jnp.abs(old_logp - batch.sampler_logp), 0.0)
       diffs += float(gap.sum())
       tokens += float(mask.sum())
       worst = max(worst, float(gap.max()))
-      batch["old_logp"] = old_logp
-      if self.ref_params is not None:
-        batch["ref_logp"] = self.logprobs(self.ref_params, batch)[0]
-    return dict(logp_diff_mean=diffs / max(tokens, 1.0), logp_diff_max=worst)
+      ref_logp = None if self.ref_params is None else self.logprobs(self.ref_params, batch)[0]
+      out.append(batch.replace(old_logp=old_logp, ref_logp=ref_logp))
+    return out, dict(logp_diff_mean=diffs / max(tokens, 1.0), logp_diff_max=worst)
 
   def evaluate(self, step: int) -> dict[str, float]:
     """Returns accuracy (avg@n at the sampling temperature) and lengths on the held-out tasks."""
@@ -283,6 +298,13 @@ class Trainer:
   def data_state(self, step: int) -> dict[str, Any]:
     """Returns what a checkpoint keeps beside the train state (the same on every host)."""
     return {"cursor": self.stream.cursor, "step": step, "prompts": self.all_prompts()}
+
+  def restore(self, state: Any, data_state: dict[str, Any]) -> int:
+    """Takes a restored checkpoint; returns the step it was saved at."""
+    self.state, self.stream.cursor = state, int(data_state["cursor"])
+    # Host 0 carries the counts so far; the others count from here (all_prompts sums them).
+    self.prompts = data_state.get("prompts", {}) if self.host_index == 0 else {}
+    return int(data_state["step"])
 
   def close(self) -> None:
     self.reward_pool.shutdown(wait=False, cancel_futures=True)
@@ -311,67 +333,35 @@ def run(config: Any) -> dict[str, Any]:
       f"{len(trainer.tasks)} tasks, {rl.batch_groups} groups x {trainer.n} samples per step in "
       f"{rl.batch_groups // rl.mini_batch_groups} mini-batch(es); "
       f"{len(trainer.eval_tasks)} held-out tasks")
-  checkpointer = Checkpointer(config.checkpoint.directory, config.checkpoint.max_to_keep,
-                              config.checkpoint.async_save)
-  start = 0
-  restored = checkpointer.restore_latest(
-      state_lib.abstract_state(trainer.model, trainer.tx, trainer.mesh))
-  if restored is not None:
-    trainer.state, data_state = restored
-    trainer.stream.cursor, start = int(data_state["cursor"]), int(data_state["step"])
-    # Host 0 carries the counts so far; the others count from here (all_prompts sums them).
-    trainer.prompts = data_state.get("prompts", {}) if trainer.host_index == 0 else {}
-    say(f"resumed from step {start} in {checkpointer.directory}")
-  os.makedirs(config.workdir, exist_ok=True)
-  log = MetricsLog(os.path.join(config.workdir, "metrics.jsonl"), rl.steps, rl.log_every,
-                   unit="samples", append=restored is not None, shown=SHOWN)
-  last = rl.steps if not rl.stop_after else min(rl.steps, start + rl.stop_after)
-  stopped_by_signal, completed = False, start
+  loop = LoopConfig(steps=rl.steps, workdir=config.workdir, checkpoint=config.checkpoint,
+                    log_every=rl.log_every, stop_after=rl.stop_after,
+                    export_dir=config.export_dir, export_dtype=config.export_dtype,
+                    unit="samples", units_per_step=rl.batch_groups * trainer.n, shown=SHOWN,
+                    plot_keys=PLOT_KEYS, plot_file="dapo.png", title="DAPO")
   try:
-    with PreemptionFlag() as preempted:
-      for step in range(start + 1, last + 1):
-        metrics = trainer.step(step)
-        if trainer.eval_tasks and (step % rl.eval_every == 0 or step == rl.steps):
-          metrics.update(trainer.evaluate(step))
-        log.log(step, metrics, units=rl.batch_groups * trainer.n)
-        if step % config.checkpoint.every == 0 or step == last or preempted.requested:
-          checkpointer.save(step, trainer.state, trainer.data_state(step),
-                            force=preempted.requested)
-        completed = step
-        if preempted.requested:
-          stopped_by_signal = True
-          break
+    result = run_loop(trainer, loop, state_lib.abstract_state(trainer.model, trainer.tx,
+                                                              trainer.mesh), trainer.model_config)
   finally:
-    checkpointer.close()
     trainer.close()
-  summary: dict[str, Any] = dict(steps=completed, resumed_from=start,
-                                 stopped_by_signal=stopped_by_signal, metrics=log.path)
+  summary = dict(result.summary(), state=trainer.state)
   if rl.track_prompts:
     report = trainer.prompt_report()
     summary["prompts"] = os.path.join(config.workdir, "prompts.json")
     if trainer.host_index == 0:
       with open(summary["prompts"], "w") as f:
         json.dump(report, f, indent=1)
-  if log.rows:
+  if result.rows:
     # The rollouts' own accuracy (at the sampling temperature) averaged over the first and the
     # last quarter of the steps: one step's batch is too few samples to compare.
-    window = max(len(log.rows) // 4, 1)
+    window = max(len(result.rows) // 4, 1)
     first, final = ({k: float(np.mean([r[k] for r in rows])) for k in ("reward", "accuracy")}
-                    for rows in (log.rows[:window], log.rows[-window:]))
+                    for rows in (result.rows[:window], result.rows[-window:]))
     summary.update(first_reward=first["reward"], final_reward=final["reward"],
                    first_accuracy=first["accuracy"], final_accuracy=final["accuracy"])
-    summary["plot"] = log.plot(os.path.join(config.workdir, "dapo.png"), PLOT_KEYS,
-                               title="DAPO")
     span = f"{window} step{'s' * (window > 1)}"
     say(f"rollout reward {first['reward']:.3f} -> {final['reward']:.3f}, rollout accuracy "
         f"{first['accuracy']:.3f} -> {final['accuracy']:.3f} (training rollouts, means of "
-        f"the first and the last {span}); plot {summary['plot']}")
-  if config.export_dir and summary["steps"] == rl.steps:
-    hf_checkpoint.save_checkpoint(config.export_dir, trainer.model_config, trainer.state.params,
-                                  dtype=config.export_dtype)
-    summary["export_dir"] = config.export_dir
-    say(f"exported HF checkpoint to {config.export_dir}")
-  summary["state"] = trainer.state
+        f"the first and the last {span}); plot {result.plot}")
   return summary
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable
 
-from coa_jax.rollout import RolloutRecord
+from coa_jax.rollout.tool_loop import RolloutRecord
 
 
 class DynamicSamplingError(RuntimeError):

@@ -10,50 +10,48 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from coa_jax import sharding
+from coa_jax.losses import token_entropy, token_logprobs
 from coa_jax.losses.dapo import PolicyLossConfig, aggregation_weights, policy_loss
-from coa_jax.rl.batch import BATCH_KEYS
+from coa_jax.runtime import sharding
+from coa_jax.train.batch import PolicyBatch
 from coa_jax.train.state import TrainState
 from coa_jax.train.step import apply_if_finite, jit_state_step, summed_grads
 
 
-def token_logprobs(model: nn.Module, params: Any, batch: dict[str, jax.Array],
-                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def policy_logprobs(model: nn.Module, params: Any, batch: PolicyBatch,
+                    temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """Returns (log p(target), entropy of the next-token distribution), each (B, T) float32, of
   the policy at the sampling `temperature` (softmax(logits / temperature)), which is the
   policy the rollouts sampled from."""
-  logits_BxTxV = model.apply({"params": params}, batch["input_ids"], batch["positions"],
-                             batch["segment_ids"]).astype(jnp.float32) / temperature
-  log_z_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-  target_BxT = jnp.take_along_axis(logits_BxTxV, batch["targets"][..., None], axis=-1)[..., 0]
-  probs_BxTxV = jnp.exp(logits_BxTxV - log_z_BxT[..., None])
-  entropy_BxT = log_z_BxT - jnp.sum(probs_BxTxV * logits_BxTxV, axis=-1)
-  return target_BxT - log_z_BxT, entropy_BxT
+  logits_BxTxV = model.apply({"params": params}, batch.input_ids, batch.positions,
+                             batch.segment_ids).astype(jnp.float32) / temperature
+  logp_BxT, log_z_BxT = token_logprobs(logits_BxTxV, batch.targets)
+  return logp_BxT, token_entropy(logits_BxTxV, log_z_BxT)
 
 
 def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainState,
-              batch: dict[str, jax.Array], *, loss_config: PolicyLossConfig,
+              batch: PolicyBatch, *, loss_config: PolicyLossConfig,
               micro_batches: int = 1, temperature: float = 1.0,
               schedule: optax.Schedule | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
   """Returns the state after one optimizer step on the mini-batch `batch`, and its metrics.
 
   The aggregation weights come from the whole mini-batch's masks before it is split into
   `micro_batches`, so the loss and its gradient do not depend on the split or the sharding.
-  `batch["old_logp"]` must hold the rollout policy's teacher-forced log-probs and
-  `batch["ref_logp"]` (only when loss_config.kl_coef > 0) the reference policy's. A
-  non-finite loss or gradient leaves the state unchanged and reports is_finite=False.
+  `batch.old_logp` must hold the rollout policy's teacher-forced log-probs and `batch.ref_logp`
+  (only when loss_config.kl_coef > 0) the reference policy's. A non-finite loss or gradient
+  leaves the state unchanged and reports is_finite=False.
   """
-  weights = aggregation_weights(batch["loss_mask"], batch["group"], loss_config.aggregation,
-                                loss_config.norm_tokens)
-  batch = dict(batch, weights=weights)
+  weights_BxT = aggregation_weights(batch.loss_mask, batch.group, loss_config.aggregation,
+                                    loss_config.norm_tokens)
 
   def objective(params, micro):
-    logp, entropy = token_logprobs(model, params, micro, temperature)
-    sums = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["loss_mask"],
-                       micro["weights"], loss_config, micro.get("ref_logp"), entropy)
+    micro, weights = micro
+    logp, entropy = policy_logprobs(model, params, micro, temperature)
+    sums = policy_loss(logp, micro.old_logp, micro.advantages, micro.loss_mask, weights,
+                       loss_config, micro.ref_logp, entropy)
     return sums.loss, sums
 
-  sums, grads = summed_grads(objective, state.params, batch, micro_batches)
+  sums, grads = summed_grads(objective, state.params, (batch, weights_BxT), micro_batches)
   new_state, grad_norm, finite = apply_if_finite(tx, state, grads, sums.loss)
   metrics = dict(sums.metrics(), grad_norm=grad_norm, is_finite=finite)
   if schedule is not None:
@@ -62,20 +60,18 @@ def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainSt
 
 
 def jit_dapo_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
-                  with_ref: bool = False, donate: bool = True, **step_options: Any) -> Callable:
+                  donate: bool = True, **step_options: Any) -> Callable:
   """Returns `dapo_step` jitted by `jit_state_step` (called as step(state, batch), with
   `.lower`); `step_options` go to `dapo_step`."""
-  keys = BATCH_KEYS + (("ref_logp",) if with_ref else ())
   return jit_state_step(lambda s, b: dapo_step(model, tx, s, b, **step_options), model, tx,
-                        mesh, keys, donate)
+                        mesh, donate)
 
 
-def jit_token_logprobs(model: nn.Module, mesh: Mesh, params_shardings: Any,
+def jit_policy_logprobs(model: nn.Module, mesh: Mesh, params_shardings: Any,
                        temperature: float = 1.0) -> Callable:
-  """Returns `token_logprobs` jitted on `mesh`: called as fn(params, batch) -> (logp, entropy),
-  both sharded like the batch."""
-  batch_sh = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
-  jitted = jax.jit(lambda p, b: token_logprobs(model, p, b, temperature),
-                   in_shardings=(params_shardings, batch_sh),
+  """Returns `policy_logprobs` jitted on `mesh`: called as fn(params, batch) -> (logp,
+  entropy), both sharded like the batch."""
+  jitted = jax.jit(lambda p, b: policy_logprobs(model, p, b, temperature),
+                   in_shardings=(params_shardings, sharding.batch_sharding(mesh)),
                    out_shardings=sharding.batch_sharding(mesh))
   return sharding.bind_mesh(jitted, mesh)

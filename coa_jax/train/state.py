@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from coa_jax import sharding
+from coa_jax.runtime import sharding
+from coa_jax.runtime.sharding import abstract_params, init_ids, param_shardings
 
 
 @flax.struct.dataclass
@@ -25,37 +26,15 @@ class TrainState:
   rng: jax.Array
 
 
-def _dummy_ids(batch_size: int = 1, seq_len: int = 8) -> jax.Array:
-  return jnp.zeros((batch_size, seq_len), jnp.int32)
-
-
-def abstract_params(model: nn.Module) -> Any:
-  """Returns the model's parameter shapes as boxed ShapeDtypeStructs (logical names attached)."""
-  return jax.eval_shape(lambda rng: model.init(rng, _dummy_ids())["params"],
-                        jax.random.key(0))
-
-
-def param_shardings(model: nn.Module, mesh: Mesh) -> Any:
-  """Returns the NamedSharding of every parameter, from the logical-axis rules table."""
-  return sharding.logical_shardings(abstract_params(model), mesh)
-
-
 def abstract_placed_params(model: nn.Module, mesh: Mesh) -> Any:
   """Returns the parameters as ShapeDtypeStructs carrying their shardings (for AOT lowering)."""
   return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 nn.unbox(abstract_params(model)), param_shardings(model, mesh))
 
 
-def init_params(model: nn.Module, mesh: Mesh, rng: jax.Array) -> Any:
-  """Returns freshly initialized parameters, created directly in their shardings."""
-  shardings = param_shardings(model, mesh)
-  init = lambda r: nn.unbox(model.init(jax.random.split(r)[0], _dummy_ids())["params"])
-  return sharding.bind_mesh(jax.jit(init, out_shardings=shardings), mesh)(rng)
-
-
 def _boxed_state(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array):
   init_rng, run_rng = jax.random.split(rng)
-  params = model.init(init_rng, _dummy_ids())["params"]
+  params = model.init(init_rng, init_ids())["params"]
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                     rng=jax.random.key_data(run_rng))
 

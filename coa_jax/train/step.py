@@ -11,26 +11,29 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from coa_jax import sharding
-from coa_jax.losses import LossSums, token_cross_entropy_and_z
+from coa_jax.losses import token_cross_entropy_and_z
+from coa_jax.runtime import sharding
+from coa_jax.train.batch import TokenBatch
 from coa_jax.train.state import TrainState, state_shardings
 
-BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids")
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss or gradient became NaN/inf; the last good checkpoint is left as it was."""
 
 
-def lm_loss(model: nn.Module, params: Any, batch: dict[str, jax.Array]):
+def lm_loss(model: nn.Module, params: Any, batch: TokenBatch):
   """Returns (token-mean loss, LossSums) of next-token prediction on `batch`."""
   sums, _ = _loss_sums(model, params, batch)
   return sums.mean(), sums
 
 
-def _loss_sums(model: nn.Module, params: Any, batch: dict[str, jax.Array]):
-  logits_BxTxV = model.apply({"params": params}, batch["input_ids"], batch["positions"],
-                             batch["segment_ids"])
-  return token_cross_entropy_and_z(logits_BxTxV, batch["targets"], batch["loss_mask"])
+def _loss_sums(model: nn.Module, params: Any, batch: TokenBatch):
+  logits_BxTxV = model.apply({"params": params}, batch.input_ids, batch.positions,
+                             batch.segment_ids)
+  return token_cross_entropy_and_z(logits_BxTxV, batch.targets, batch.loss_mask)
 
 
-def split_micro_batches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
+def split_micro_batches(batch: Any, count: int) -> Any:
   """Returns the batch as (count, B / count, ...): micro-batch m holds rows m, m+count, ...,
   so every micro-batch stays evenly split over the devices that hold the batch."""
   def split(x):
@@ -41,8 +44,8 @@ def split_micro_batches(batch: dict[str, jax.Array], count: int) -> dict[str, ja
   return jax.tree_util.tree_map(split, batch)
 
 
-def summed_grads(objective: Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, Any]],
-                 params: Any, batch: dict[str, jax.Array], micro_batches: int = 1):
+def summed_grads(objective: Callable[[Any, Any], tuple[jax.Array, Any]], params: Any,
+                 batch: Any, micro_batches: int = 1):
   """Returns (aux, grads) of `objective(params, micro) -> (value, aux)` summed over the
   micro-batches of `batch` (a scan): exact when value and aux are sums over tokens."""
   grad_fn = jax.grad(objective, has_aux=True)
@@ -77,7 +80,7 @@ def apply_if_finite(tx: optax.GradientTransformation, state: TrainState, grads: 
 
 
 def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainState,
-               batch: dict[str, jax.Array], *, micro_batches: int = 1, z_loss: float = 0.0,
+               batch: TokenBatch, *, micro_batches: int = 1, z_loss: float = 0.0,
                schedule: optax.Schedule | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
   """Returns the updated state and metrics of one optimizer step on `batch`.
 
@@ -95,7 +98,7 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
   grads = jax.tree_util.tree_map(lambda g: g / count, grad_sums)
   loss = ce.mean()
   new_state, grad_norm, finite = apply_if_finite(tx, state, grads, loss)
-  positions = jnp.maximum(jnp.sum(batch["segment_ids"] > 0), 1)
+  positions = jnp.maximum(jnp.sum(batch.segment_ids > 0), 1)
   metrics = dict(loss=loss, tokens=ce.count, unmasked_fraction=ce.count / positions,
                  grad_norm=grad_norm, is_finite=finite)
   if z_loss:  # the z term is reported only when it is part of the loss
@@ -106,13 +109,12 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
 
 
 def jit_state_step(step: Callable, model: nn.Module, tx: optax.GradientTransformation,
-                   mesh: Mesh, batch_keys: tuple[str, ...], donate: bool = True) -> Callable:
+                   mesh: Mesh, donate: bool = True) -> Callable:
   """Returns step(state, batch) -> (state, metrics) jitted on `mesh` with the train state's
-  shardings, the batch over the batch axes and replicated metrics; it also offers
+  shardings, every batch leaf over the batch axes and replicated metrics; it also offers
   `.lower(state, batch)` for ahead-of-time compiles. The state is donated unless donate=False."""
   state_sh = state_shardings(model, tx, mesh)
-  batch_sh = {k: sharding.batch_sharding(mesh) for k in batch_keys}
-  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
+  jitted = jax.jit(step, in_shardings=(state_sh, sharding.batch_sharding(mesh)),
                    out_shardings=(state_sh, sharding.replicated(mesh)),
                    donate_argnums=(0,) if donate else ())
   return sharding.bind_mesh(jitted, mesh)
@@ -123,14 +125,14 @@ def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mes
   """Returns `train_step` jitted by `jit_state_step`; `step_options` (micro_batches, z_loss,
   schedule) are passed to `train_step`."""
   return jit_state_step(lambda s, b: train_step(model, tx, s, b, **step_options), model, tx,
-                        mesh, BATCH_KEYS, donate)
+                        mesh, donate)
 
 
-def next_token_batch(tokens_BxT1: np.ndarray) -> dict[str, np.ndarray]:
+def next_token_batch(tokens_BxT1: np.ndarray) -> TokenBatch:
   """Returns an unpacked training batch from (B, T+1) token rows: inputs, shifted targets."""
   tokens = np.asarray(tokens_BxT1, np.int32)
   inputs = np.ascontiguousarray(tokens[:, :-1])
   positions = np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape)
-  return dict(input_ids=inputs, targets=np.ascontiguousarray(tokens[:, 1:]),
-              loss_mask=np.ones_like(inputs), positions=np.ascontiguousarray(positions),
-              segment_ids=np.ones_like(inputs))
+  return TokenBatch(input_ids=inputs, targets=np.ascontiguousarray(tokens[:, 1:]),
+                    loss_mask=np.ones_like(inputs), positions=np.ascontiguousarray(positions),
+                    segment_ids=np.ones_like(inputs))

@@ -1,0 +1,169 @@
+"""Reading trajectories: our JSONL and the reference release's LLaMA-Factory SFT data.
+
+Record layouts, detected per record:
+- ours: {"system", "question", "steps": [{"tag", "content"}, ...], "metadata"};
+- alpaca: {"instruction", "input", "output", "system"}, the output holding the whole
+  trajectory text with inline observation blocks;
+- sharegpt: {"conversations": [{"from", "value"}, ...]} or {"messages": [{"role",
+  "content"}, ...]}: a system turn (or a "system" field), one user turn, one assistant turn.
+
+Files are JSON arrays (`.json`) or one record per line (`.jsonl`). A record that does not
+parse or fails validation is dropped and counted by reason; `DropCounter.check` fails the
+run when too large a fraction was dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+from typing import Any, Iterable, Iterator
+
+from coa_jax.data import coa_format
+from coa_jax.data.coa_format import Step, Trajectory
+
+BAD_JSON = object()  # stands for a line that did not parse
+
+
+class DataError(ValueError):
+  """A data file is missing, empty or unreadable, or too many of its examples were dropped."""
+
+
+@dataclasses.dataclass
+class DropCounter:
+  """Counts kept examples and dropped ones by reason."""
+
+  kept: int = 0
+  dropped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+  def drop(self, reason: str) -> None:
+    self.dropped[reason] += 1
+
+  @property
+  def total(self) -> int:
+    return self.kept + sum(self.dropped.values())
+
+  def summary(self) -> str:
+    """Returns a one-line report: kept, dropped and the count of each reason."""
+    reasons = ", ".join(f"{r}: {n}" for r, n in self.dropped.most_common())
+    return (f"kept {self.kept} of {self.total} examples; dropped "
+            f"{sum(self.dropped.values())}" + (f" ({reasons})" if reasons else ""))
+
+  def check(self, max_drop_fraction: float) -> None:
+    """Raises DataError when nothing was kept or more than `max_drop_fraction` was dropped."""
+    if self.kept == 0:
+      raise DataError(f"no usable examples: {self.summary()}")
+    fraction = 1 - self.kept / self.total
+    if fraction > max_drop_fraction:
+      raise DataError(f"dropped {fraction:.1%} of examples, more than the allowed "
+                      f"{max_drop_fraction:.1%}: {self.summary()}")
+
+
+def _from_steps_record(record: dict[str, Any]) -> tuple[Trajectory, list]:
+  steps = []
+  for s in record["steps"]:
+    if not isinstance(s, dict) or s.get("tag") not in coa_format.ALL_TAGS:
+      raise ValueError("unknown_tag")
+    steps.append(Step(s["tag"], str(s.get("content", ""))))
+  trajectory = Trajectory(str(record.get("system", "")), str(record["question"]),
+                          tuple(steps), dict(record.get("metadata") or {}))
+  return trajectory, coa_format.validate(steps)
+
+
+def _from_text(system: str, question: str, response: str,
+               metadata: dict[str, Any]) -> tuple[Trajectory, list]:
+  steps, errors = coa_format.parse_and_validate(response)
+  return Trajectory(system, question, tuple(steps), metadata), errors
+
+
+_ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+               "system": "system", "observation": "observation", "function_call": "tool"}
+
+
+def _from_turns(record: dict[str, Any], turns: list[dict[str, Any]]) -> tuple[Trajectory, list]:
+  system = str(record.get("system", ""))
+  users, assistants = [], []
+  for turn in turns:
+    role = _ROLE_NAMES.get(str(turn.get("from", turn.get("role", ""))).lower(), "other")
+    text = str(turn.get("value", turn.get("content", "")))
+    if role == "system":
+      system = text
+    elif role == "user":
+      users.append(text)
+    elif role == "assistant":
+      assistants.append(text)
+    else:
+      raise ValueError("unsupported_turn")
+  if len(users) != 1 or len(assistants) != 1:
+    raise ValueError("not_single_turn")
+  return _from_text(system, users[0], assistants[0], {})
+
+
+def trajectory_from_record(record: Any) -> tuple[Trajectory, list]:
+  """Returns (trajectory, format errors) of one record in any supported layout.
+
+  Raises ValueError whose message is a drop reason when the record is not of a known layout.
+  """
+  if not isinstance(record, dict):
+    raise ValueError("not_an_object")
+  if "steps" in record and "question" in record:
+    return _from_steps_record(record)
+  if "output" in record and "instruction" in record:
+    question = str(record["instruction"])
+    if record.get("input"):
+      question += "\n" + str(record["input"])
+    return _from_text(str(record.get("system", "")), question, str(record["output"]), {})
+  for key in ("conversations", "messages"):
+    if isinstance(record.get(key), list):
+      return _from_turns(record, record[key])
+  raise ValueError("unknown_layout")
+
+
+def read_records(path: str) -> Iterator[Any]:
+  """Yields the records of a JSONL file (or a .json array), BAD_JSON for a line that does not
+  parse; raises DataError for a missing or empty file."""
+  if not os.path.isfile(path):
+    raise DataError(f"data file {path!r} does not exist")
+  if os.path.getsize(path) == 0:
+    raise DataError(f"data file {path!r} is empty")
+  with open(path, encoding="utf-8", errors="replace") as f:
+    head = f.read(4096).lstrip()[:1]
+    f.seek(0)
+    if path.endswith(".json") and head == "[":
+      try:
+        records = json.load(f)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+      yield from records
+      return
+    for line in f:
+      if line.strip():
+        try:
+          yield json.loads(line)
+        except json.JSONDecodeError:
+          yield BAD_JSON
+
+
+def valid_trajectories(records: Iterable[Any], counter: DropCounter) -> Iterator[Trajectory]:
+  """Yields the trajectories of records that parse and validate; counts the others by reason
+  (BAD_JSON stands for a line that did not parse)."""
+  for record in records:
+    if record is BAD_JSON:
+      counter.drop("bad_json")
+      continue
+    try:
+      trajectory, errors = trajectory_from_record(record)
+    except (ValueError, KeyError, TypeError) as e:
+      counter.drop(str(e) if isinstance(e, ValueError) else "missing_field")
+      continue
+    if errors:
+      counter.drop(errors[0].kind)
+      continue
+    counter.kept += 1
+    yield trajectory
+
+
+def read_trajectories(path: str, counter: DropCounter | None = None) -> Iterator[Trajectory]:
+  """Yields the valid trajectories of a file; invalid ones are counted in `counter`."""
+  return valid_trajectories(read_records(path), counter if counter is not None else DropCounter())

@@ -1,0 +1,134 @@
+"""Tasks: a question and its data (the ground truth, tests, ...), read from task files.
+
+Task files (local only), by extension and fields:
+- JSONL of {"question", ...} (ours; answers in `answer` / `metadata.ground_truth`), including
+  the reference release's plain QA JSONL ({"question", "answer": str | list, "data_source"});
+- parquet rows of the reference release's RL files ({"prompt": [messages],
+  "reward_model": {"ground_truth": '{"target": ...}'}, "data_source", "extra_info"});
+- benchmark files (AIME, MATH500, GAIA text, HLE, BrowseComp, WebWalker) as JSONL or parquet
+  whose question and answer sit under any of the usual names (`problem`, `Question`, ...);
+- LiveCodeBench rows ({"question_content", "public_test_cases": JSON of stdin tests}), scored
+  by the code reward;
+- prepared TFDS datasets (`tfds:trivia_qa/rc.nocontext:validation`,
+  `tfds:natural_questions_open:validation`), when the `tfds` extra is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterable
+
+from coa_jax.data import importers, rewards
+from coa_jax.model import ConfigError
+
+_QUESTION_KEYS = ("question", "Question", "problem", "Problem", "question_content", "prompt",
+                  "query", "input")
+_ANSWER_KEYS = ("answer", "Answer", "Final answer", "final_answer", "ground_truth", "solution",
+                "target", "gold")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A question to roll out; `data` (e.g. the ground truth) travels with its records."""
+
+  id: str
+  question: str
+  data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _rows(path: str) -> Iterable[Any]:
+  if path.endswith(".parquet"):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+  return importers.read_records(path)
+
+
+def task_from_row(row: dict[str, Any], number: int, require_answer: bool = True) -> Task:
+  """Returns the Task of one task-file row in any of the supported layouts; without
+  `require_answer`, a row may have no answer (tasks that are only rolled out)."""
+  data = {k: v for k, v in row.items() if k not in ("steps", "system")}
+  data.update(row.get("metadata") or {})
+  prompt = row.get("prompt")
+  if isinstance(prompt, (list, tuple)):  # the reference RL rows: chat messages
+    question = next((m.get("content") for m in reversed(prompt) if m.get("role") == "user"), None)
+    truth = (row.get("reward_model") or {}).get("ground_truth")
+    data["ground_truth"] = rewards.gold_answers(truth)
+  else:
+    question = next((row[k] for k in _QUESTION_KEYS if isinstance(row.get(k), str)), None)
+    if row.get("public_test_cases"):  # LiveCodeBench: stdin/stdout tests
+      cases = row["public_test_cases"]
+      cases = json.loads(cases) if isinstance(cases, str) else cases
+      data.update(domain="code", ground_truth="tests", tests=[
+          {"stdin": c["input"], "stdout": c["output"]} for c in cases
+          if c.get("testtype", "stdin") == "stdin"])
+      if not data["tests"]:
+        raise ConfigError(f"task {number}: no stdin test cases (functional tests are not run)")
+    if "ground_truth" not in data:
+      answer = next((row[k] for k in _ANSWER_KEYS if row.get(k) is not None), None)
+      data["ground_truth"] = answer
+  if not isinstance(question, str) or not question.strip():
+    raise ConfigError(f"task {number}: no question under any of {_QUESTION_KEYS} or prompt "
+                      f"messages")
+  if require_answer and data.get("ground_truth") in (None, [], ""):
+    raise ConfigError(f"task {number}: no answer under any of {_ANSWER_KEYS} or "
+                      f"reward_model.ground_truth")
+  if not question.lstrip().startswith("Question:"):
+    question = f"Question: {question.strip()}"
+  return Task(str(row.get("id", row.get("task_id", number))), question, data)
+
+
+def _text(value: Any) -> str:
+  return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def load_tfds_tasks(name: str, split: str, limit: int = 0,
+                    data_dir: str | None = None) -> list[Task]:
+  """Returns QA / math tasks from a prepared TFDS dataset read with `tfds.data_source` (no
+  TensorFlow needed): `question` plus an `answer` that is text (a `#### n` tail is the math
+  answer, as in GSM8K), a list of texts (natural_questions_open) or a dict of `aliases` /
+  `value` (trivia_qa)."""
+  import tensorflow_datasets as tfds
+
+  source = tfds.data_source(name, split=split, data_dir=data_dir)
+  tasks = []
+  for index in range(min(len(source), limit or len(source))):
+    example = source[index]
+    answer, domain = example["answer"], "qa"
+    if isinstance(answer, dict):
+      golds = [_text(a) for a in answer.get("aliases", [])] or [_text(answer.get("value", ""))]
+    elif isinstance(answer, (str, bytes)):
+      text = _text(answer)
+      golds, domain = ([text.rsplit("####", 1)[1].strip()], "math") if "####" in text else (
+          [text], "qa")
+    else:
+      golds = [_text(a) for a in answer]
+    tasks.append(Task(f"{name}:{split}:{index}", f"Question: {_text(example['question'])}",
+                      {"domain": domain, "ground_truth": golds, "data_source": name}))
+  if not tasks:
+    raise ConfigError(f"TFDS {name}:{split} has no examples")
+  return tasks
+
+
+def load_tasks(path: str, limit: int = 0, require_answer: bool = True) -> list[Task]:
+  """Returns the tasks of a local task file (JSONL or parquet, see the module docstring), or
+  of a prepared TFDS dataset named `tfds:<name>:<split>`. Raises ConfigError naming the first
+  bad row; every task must have an answer unless require_answer=False."""
+  if path.startswith("tfds:"):
+    _, name, split = path.split(":", 2)
+    return load_tfds_tasks(name, split, limit)
+  if not os.path.isfile(path):
+    raise ConfigError(f"task file {path!r} does not exist")
+  tasks = []
+  for number, row in enumerate(_rows(path) if os.path.getsize(path) else [], 1):
+    if not isinstance(row, dict):
+      raise ConfigError(f"{path}:{number}: not a JSON object"
+                        f"{' (not JSON)' if row is importers.BAD_JSON else ''}")
+    tasks.append(task_from_row(row, number, require_answer))
+    if limit and len(tasks) == limit:
+      break
+  if not tasks:
+    raise ConfigError(f"task file {path!r} has no tasks")
+  return tasks

@@ -1,0 +1,161 @@
+"""One tokenizer interface over HF `tokenizers`, with every CoA tag as a special token.
+
+Each `<tag>` and `</tag>` is one added special token, so stopping on a closing tool tag is a
+token-id comparison. Text is always encoded with special-token parsing off: a question, an
+observation or a page that contains `<think>` or `<|im_end|>` yields ordinary text tokens
+(docs/design.md, invariant 2). Special tokens enter sequences only as explicit ids.
+
+Two sources: `from_hf_folder` (any local HF tokenizer folder, e.g. a Qwen2.5 checkpoint's,
+with the chat template the reference release uses) and `default_tokenizer` (a byte-level BPE
+that the project trains itself, deterministically and offline, on its shipped sample and an
+embedded world's pages).
+
+The default tokenizer splits numbers into chunks of 1-2 digits, each one token, with the space
+before a number a token of its own: "709" is `70 9` wherever it stands (after a space, at the
+start of a line, after a bracket). A number then has the same tokens in a question, in code and
+in a tool's output, and a small model learns to copy it; with plain BPE merges the same number
+splits differently by context, and 3-digit chunks are tokens too rare to learn.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
+
+from coa_jax.data import coa_format, prompts, sample_data, world
+
+TAG_TOKENS = tuple(t for tag in coa_format.ALL_TAGS
+                   for t in (coa_format.opening(tag), coa_format.closing(tag)))
+CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TEMPLATES = ("chatml", "plain")
+
+
+class TokenizerError(ValueError):
+  """A tokenizer folder is missing or lacks a token the chosen template needs."""
+
+
+class CoATokenizer:
+  """Encodes text (special-token parsing off) and names the ids of tags and template tokens.
+
+  template: "chatml" (Qwen2.5: `<|im_start|>system ... <|im_end|>` turns, the whole
+  trajectory as one assistant message ended by `<|im_end|>`) or "plain" (system, question
+  and response separated by blank lines, ended by `<|endoftext|>`).
+  """
+
+  def __init__(self, backend: tokenizers.Tokenizer, template: str):
+    if template not in TEMPLATES:
+      raise TokenizerError(f"template={template!r}: expected one of {TEMPLATES}")
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in TAG_TOKENS])
+    self.backend = backend
+    self.template = template
+    self._text = tokenizers.Tokenizer.from_str(backend.to_str())
+    self._text.encode_special_tokens = True  # specials in text are plain text
+    needed = ("<|im_start|>", "<|im_end|>") if template == "chatml" else ("<|endoftext|>",)
+    self._ids = {}
+    for token in TAG_TOKENS + needed:
+      token_id = backend.token_to_id(token)
+      if token_id is None:
+        raise TokenizerError(f"the tokenizer has no {token!r} token, needed by the "
+                             f"{template!r} template")
+      self._ids[token] = token_id
+
+  @property
+  def vocab_size(self) -> int:
+    """Returns the vocabulary size including added tokens (the model needs at least this)."""
+    return self.backend.get_vocab_size(with_added_tokens=True)
+
+  def token_id(self, token: str) -> int:
+    """Returns the id of a special token (a CoA tag or a template token)."""
+    return self._ids[token]
+
+  def tag_id(self, tag: str, close: bool = False) -> int:
+    """Returns the id of `<tag>` or, with close=True, `</tag>`."""
+    return self._ids[coa_format.closing(tag) if close else coa_format.opening(tag)]
+
+  @property
+  def end_id(self) -> int:
+    """Returns the id that ends an assistant response in this template."""
+    return self._ids["<|im_end|>" if self.template == "chatml" else "<|endoftext|>"]
+
+  def encode(self, text: str) -> list[int]:
+    """Returns the ids of `text` with special-token parsing off (tags in text stay text)."""
+    return self._text.encode(text, add_special_tokens=False).ids if text else []
+
+  def decode(self, ids) -> str:
+    """Returns the text of `ids`, special tokens written out."""
+    return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+  def prompt_ids(self, system: str, question: str) -> list[int]:
+    """Returns the ids before the assistant response: system and user turns, assistant header."""
+    if self.template == "plain":
+      return self.encode(f"{system}\n\n{question}\n\n")
+    start, end = self._ids["<|im_start|>"], self._ids["<|im_end|>"]
+    return ([start] + self.encode(f"system\n{system}") + [end] + self.encode("\n") +
+            [start] + self.encode(f"user\n{question}") + [end] + self.encode("\n") +
+            [start] + self.encode("assistant\n"))
+
+
+def from_hf_folder(folder: str, template: str = "chatml") -> CoATokenizer:
+  """Returns the tokenizer of a local HF folder (tokenizer.json, or any format transformers
+  converts) with the CoA tags added."""
+  path = os.path.join(folder, "tokenizer.json")
+  if os.path.isfile(path):
+    backend = tokenizers.Tokenizer.from_file(path)
+  elif os.path.isdir(folder):
+    import transformers
+
+    try:
+      hf = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as e:
+      raise TokenizerError(f"{folder}: no loadable tokenizer ({e})") from None
+    backend = hf.backend_tokenizer
+  else:
+    raise TokenizerError(f"tokenizer folder {folder!r} does not exist")
+  return CoATokenizer(backend, template)
+
+
+def _corpus() -> list[str]:
+  """The shipped sample's text and an embedded world's pages, URLs and questions (a world of its
+  own seed: the name syllables become tokens, no pipeline world's names do)."""
+  texts = [prompts.AGENT]
+  for t in sample_data.make_trajectories(600, seed=1234):
+    texts.append(t.question)
+    texts.extend(step.content for step in t.steps)
+  kb = world.World(world.WorldConfig(seed=1234, train_tasks=400, heldout_tasks=0))
+  texts.extend(f"Page: {page['url']}\n{page['title']}\n\n{page['text']}" for page in kb.corpus())
+  texts.extend(task["question"] for task in kb.tasks["train"])
+  texts.extend([" ".join(str(i) for i in range(100))] * 100)  # every 1-2 digit chunk a token
+  return texts
+
+
+@functools.lru_cache(maxsize=None)
+def _default_backend_json(vocab_size: int) -> str:
+  backend = tokenizers.Tokenizer(models.BPE())
+  backend.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(r"\d{1,2}"), "isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False)])
+  backend.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size, show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      special_tokens=list(CHATML_SPECIALS) + list(TAG_TOKENS))
+  backend.train_from_iterator(_corpus(), trainer)
+  return backend.to_str()
+
+
+def default_tokenizer(template: str = "plain", vocab_size: int = 1024) -> CoATokenizer:
+  """Returns the project's own byte-level BPE tokenizer (built offline, deterministically)."""
+  return CoATokenizer(tokenizers.Tokenizer.from_str(_default_backend_json(vocab_size)),
+                      template)
+
+
+def load_tokenizer(config: Any) -> CoATokenizer:
+  """Returns the tokenizer named by config.tokenizer ('default' or a local HF folder)."""
+  if config.tokenizer.path == "default":
+    return default_tokenizer(config.tokenizer.template)
+  return from_hf_folder(config.tokenizer.path, config.tokenizer.template)

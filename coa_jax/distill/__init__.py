@@ -1,0 +1,4 @@
+"""Distillation: a teacher system solves the world's tasks; filters keep good trajectories."""
+
+from coa_jax.distill.job import FilterConfig, run, to_trajectory
+from coa_jax.distill.teacher import ChatTeacher, ScriptedTeacher, TeacherConfig, Trace

@@ -1,0 +1,196 @@
+"""Distillation: teacher traces -> CoA trajectories -> progressive filtering -> SFT data.
+
+Each agent activation of a trace becomes one step (a tool agent's also brings its
+observation). The filter stages run in order, each on what the previous kept, with counts:
+
+1. `correct`: the final answer is right (the task's reward checker);
+2. `format`: the response parses and follows the transition rules;
+3. `complexity`: the number of tool calls and of steps lies in the configured range;
+4. `quality`: no duplicated tool call, a reflection after every error the trace recovered
+   from (a failed tool call or a rejected double check), and no skipped verification (the
+   answer follows a double check).
+
+`run(config)` is the job behind `experiments/distill.py`: build the embedded world, run the
+scripted teacher on its training tasks, filter, and write the trajectory JSONL SFT reads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from coa_jax.data import coa_format, rewards
+from coa_jax.data.coa_format import OBSERVATION, Step, Trajectory
+from coa_jax.data.world import World, WorldConfig, load_tools_spec
+from coa_jax.distill.teacher import ScriptedTeacher, TeacherConfig, Trace
+from coa_jax.runtime.distributed import say
+from tools_env import registry as tools_registry
+
+STAGES = ("correct", "format", "complexity", "quality")
+DEFAULT_REWARDS = {"domains": {"math": {"kind": "math"}, "qa": {"kind": "qa"}},
+                   "default_domain": "qa"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterConfig:
+  """The complexity range a kept trajectory must lie in."""
+
+  min_tool_calls: int = 1
+  max_tool_calls: int = 12
+  max_steps: int = 48
+
+  def __post_init__(self):
+    if not 0 <= self.min_tool_calls <= self.max_tool_calls or self.max_steps < 1:
+      raise ValueError(f"filters: need 0 <= min_tool_calls <= max_tool_calls and "
+                       f"max_steps >= 1, got {self}")
+
+
+def to_trajectory(trace: Trace, system_prompt: str) -> Trajectory:
+  """Returns the CoA trajectory of a trace: one step per activation, plus observations."""
+  steps = []
+  for activation in trace.activations:
+    steps.append(Step(activation.step, activation.output.content))
+    if activation.tool_call is not None:
+      steps.append(Step(OBSERVATION, activation.tool_result or ""))
+  metadata = {"task_id": trace.task_id, "mistakes": list(trace.mistakes),
+              "teacher_tokens": trace.tokens, "agents": len(trace.activations),
+              **{k: v for k, v in trace.task_data.items() if k != "program"}}
+  return Trajectory(system_prompt, trace.question, tuple(steps), metadata)
+
+
+def _score(text: str) -> int | None:
+  found = re.search(r"Score:\s*([1-4])", text)
+  return int(found.group(1)) if found else None
+
+
+def quality_problem(trajectory: Trajectory) -> str | None:
+  """Returns why a trajectory fails the quality stage, or None."""
+  steps = trajectory.steps
+  calls = [(s.tag, " ".join(s.content.split()).lower()) for s in steps if s.is_tool]
+  if len(calls) != len(set(calls)):
+    return "duplicate_call"
+  for i, step in enumerate(steps):
+    failed_tool = step.tag == OBSERVATION and step.content.lstrip().startswith("Error")
+    rejected = step.tag == "double_check" and (_score(step.content) or 4) <= 2
+    if (failed_tool or rejected) and not any(s.tag == "reflection" for s in steps[i + 1:]):
+      return "no_reflection_after_error"
+  answers = [i for i, s in enumerate(steps) if s.tag == "answer"]
+  if not answers or answers[-1] == 0 or steps[answers[-1] - 1].tag != "double_check":
+    return "verification_skipped"
+  return None
+
+
+class Distiller:
+  """The four filter stages over trajectories; `filter` returns what survives and a report."""
+
+  def __init__(self, filters: FilterConfig = FilterConfig(),
+               rewarder: Callable[[str, dict], rewards.Reward] | None = None):
+    self.filters = filters
+    self.rewarder = rewarder or rewards.build_rewarder(DEFAULT_REWARDS)
+
+  def problem(self, stage: str, trajectory: Trajectory) -> str | None:
+    """Returns why `trajectory` fails `stage`, or None when it passes."""
+    text = trajectory.response_text()
+    if stage == "correct":
+      reward = self.rewarder(text, trajectory.metadata)
+      return None if reward.correct else "wrong_answer"
+    if stage == "format":
+      _, errors = coa_format.parse_and_validate(text)
+      return errors[0].kind if errors else None
+    if stage == "complexity":
+      calls = sum(s.is_tool for s in trajectory.steps)
+      if not self.filters.min_tool_calls <= calls <= self.filters.max_tool_calls:
+        return "tool_calls_out_of_range"
+      return "too_many_steps" if len(trajectory.steps) > self.filters.max_steps else None
+    return quality_problem(trajectory)
+
+  def filter(self, trajectories: Iterable[Trajectory]) -> tuple[list[Trajectory], dict]:
+    """Returns the trajectories that pass every stage, and per stage: kept, dropped, reasons."""
+    kept = list(trajectories)
+    report = {"input": len(kept), "stages": []}
+    for stage in STAGES:
+      survivors, reasons = [], {}
+      for trajectory in kept:
+        problem = self.problem(stage, trajectory)
+        if problem is None:
+          survivors.append(trajectory)
+        else:
+          reasons[problem] = reasons.get(problem, 0) + 1
+      report["stages"].append({"stage": stage, "in": len(kept), "kept": len(survivors),
+                               "dropped": len(kept) - len(survivors), "reasons": reasons})
+      kept = survivors
+    report["output"] = len(kept)
+    return kept, report
+
+
+def format_report(report: dict) -> str:
+  """Returns the stage-by-stage table of a filter report (counts and retention)."""
+  lines = [f"{'stage':<11} {'in':>6} {'kept':>6} {'dropped':>8} {'retention':>10}  reasons"]
+  for row in report["stages"]:
+    retention = row["kept"] / max(row["in"], 1)
+    lines.append(f"{row['stage']:<11} {row['in']:>6} {row['kept']:>6} {row['dropped']:>8} "
+                 f"{retention:>10.1%}  {row['reasons'] or ''}")
+  lines.append(f"overall: {report['output']} of {report['input']} "
+               f"({report['output'] / max(report['input'], 1):.1%})")
+  return "\n".join(lines)
+
+
+def solve(teacher: ScriptedTeacher, tasks: Sequence[dict[str, Any]],
+          workers: int) -> tuple[list[Trace], int]:
+  """Returns the teacher's traces of `tasks` (in task order) and the number it failed on."""
+  traces, failures, start = [], 0, time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    for done, future in enumerate([pool.submit(teacher.run, t) for t in tasks], 1):
+      try:
+        traces.append(future.result())
+      except Exception as e:  # noqa: BLE001 - a failed task is counted, not fatal
+        failures += 1
+        say(f"teacher failed on a task: {type(e).__name__}: {e}")
+      if done % 200 == 0 or done == len(tasks):
+        rate = done / (time.perf_counter() - start)
+        say(f"teacher: {done}/{len(tasks)} tasks  {rate:.1f} tasks/s  "
+            f"ETA {(len(tasks) - done) / rate:.0f}s")
+  return traces, failures
+
+
+def run(config: Any) -> dict[str, Any]:
+  """Builds the world, runs the teacher on its training tasks, filters, writes the data."""
+  world = World(WorldConfig(**config.world))
+  os.makedirs(config.output_dir, exist_ok=True)
+  paths = world.write(os.path.join(config.output_dir, "world"))
+  say(f"world: {len(world.by_name)} entities, {len(world.tasks['train'])} train / "
+      f"{len(world.tasks['heldout'])} held-out tasks -> {os.path.dirname(paths['corpus'])}")
+  tools = tools_registry.build_registry(load_tools_spec(os.path.dirname(paths["tools"])))
+  teacher_config = TeacherConfig(**config.teacher)
+  traces, failures = solve(ScriptedTeacher(tools, teacher_config), world.tasks["train"],
+                           config.workers)
+  trajectories = [to_trajectory(trace, config.system_prompt) for trace in traces]
+  kept, report = Distiller(FilterConfig(**config.filters)).filter(trajectories)
+  say(format_report(report))
+  out = {"traces": os.path.join(config.output_dir, "traces.jsonl"),
+         "trajectories": os.path.join(config.output_dir, "trajectories.jsonl"),
+         "heldout_trajectories": os.path.join(config.output_dir, "heldout_trajectories.jsonl"),
+         "report": os.path.join(config.output_dir, "distill_report.json")}
+  # The error-free teacher on the held-out tasks: the copy probe's data (coa_jax.copy_probe).
+  clean = dataclasses.replace(teacher_config, vague_query_rate=0.0, misread_rate=0.0,
+                              skip_verify_rate=0.0, mental_math_rate=0.0)
+  heldout, _ = solve(ScriptedTeacher(tools, clean), world.tasks["heldout"], config.workers)
+  with open(out["heldout_trajectories"], "w") as f:
+    f.writelines(json.dumps(to_trajectory(trace, config.system_prompt).to_json()) + "\n"
+                 for trace in heldout)
+  with open(out["traces"], "w") as f:
+    f.writelines(json.dumps(trace.to_json()) + "\n" for trace in traces)
+  with open(out["trajectories"], "w") as f:
+    f.writelines(json.dumps(t.to_json()) + "\n" for t in kept)
+  summary = {**report, "teacher_failures": failures, "world": paths, **out,
+             "teacher_accuracy": report["stages"][0]["kept"] / max(len(traces), 1),
+             "teacher_tokens_per_task": sum(t.tokens for t in traces) / max(len(traces), 1)}
+  with open(out["report"], "w") as f:
+    json.dump(summary, f, indent=1)
+  say(f"wrote {len(kept)} trajectories to {out['trajectories']}")
+  return summary

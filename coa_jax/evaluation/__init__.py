@@ -1,0 +1,5 @@
+"""Evaluation: pass@k, majority vote, tokens, tool calls and format errors of a policy or the
+teacher system on held-out tasks; the copy probe of an SFT model."""
+
+from coa_jax.evaluation.copy_probe import copy_accuracy, copy_examples
+from coa_jax.evaluation.job import Sample, pass_at_k, run, summarize

@@ -1,0 +1,117 @@
+"""The copy probe: does a model answer with the value a tool's observation gave it?
+
+An agent model is only as good as its reading: a look-up's answer is a value on a page, an
+arithmetic answer is the number the code printed. A model that writes the format but does not
+copy values scores near zero, however low its training loss. The probe measures exactly that,
+cheaply and without sampling: on held-out teacher trajectories, each `suggested_answer` whose
+value appears in an earlier observation is a copy step, and the probe counts the copy steps
+whose every token (content, newlines, closing tag) is the model's greedy next-token prediction
+given the trajectory up to it (teacher forcing). A model that cannot see observations scores
+what it can guess, about 0 on numbers it has never seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coa_jax.data import coa_format
+from coa_jax.data import tokenize as sft_tokenize
+from coa_jax.data.coa_format import Trajectory
+from coa_jax.data.tokenizer import CoATokenizer
+
+COPY_TAG = "suggested_answer"
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyExample:
+  """A tokenized trajectory, the token ranges [start, end) of its copy steps' bodies and of its
+  tool calls' bodies (the calls copy names and operands from the question and earlier steps)."""
+
+  input_ids: np.ndarray
+  spans: tuple[tuple[int, int], ...]
+  call_spans: tuple[tuple[int, int], ...] = ()
+
+
+def copy_example(trajectory: Trajectory, tokenizer: CoATokenizer,
+                 max_len: int) -> CopyExample | None:
+  """Returns the trajectory's copy steps within `max_len` tokens, or None when it has none."""
+  ids = tokenizer.prompt_ids(trajectory.system, trajectory.question)
+  seen, spans, calls = [], [], []
+  for i, step in enumerate(trajectory.steps):
+    span = sft_tokenize.step_ids(tokenizer, step, first=i == 0)
+    body_start = len(ids) + span.index(tokenizer.tag_id(step.tag)) + 1
+    ids.extend(span)
+    value = step.content.strip()
+    if step.tag == coa_format.OBSERVATION:
+      seen.append(step.content)
+    elif (step.tag == COPY_TAG and value and any(value in text for text in seen)
+          and len(ids) <= max_len):
+      spans.append((body_start, len(ids)))
+    elif step.is_tool and len(ids) <= max_len:
+      calls.append((body_start, len(ids)))
+  if not spans:
+    return None
+  return CopyExample(np.asarray(ids[:max_len], np.int32), tuple(spans), tuple(calls))
+
+
+def copy_examples(trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
+                  max_len: int) -> list[CopyExample]:
+  """Returns the copy examples of `trajectories` (those without a copy step are skipped)."""
+  examples = (copy_example(t, tokenizer, max_len) for t in trajectories)
+  return [e for e in examples if e is not None]
+
+
+def _score(predicted_T: np.ndarray, logp_T: np.ndarray, ids_T: np.ndarray,
+           spans: Sequence[tuple[int, int]]) -> np.ndarray:
+  """Returns [spans predicted exactly, tokens predicted, tokens, summed chance of sampling each
+  span exactly] of one row (the token at position t is predicted at position t - 1)."""
+  score = np.zeros(4)
+  for begin, end in spans:
+    hit = predicted_T[begin - 1:end - 1] == ids_T[begin:end]
+    score += (hit.all(), hit.sum(), len(hit), np.exp(logp_T[begin - 1:end - 1].sum()))
+  return score
+
+
+def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
+                  batch_size: int = 16, temperature: float = 0.6) -> dict[str, float]:
+  """Returns the fractions of copy steps predicted exactly (teacher-forced greedy), of their
+  tokens, and of tool calls predicted exactly, and the chance that sampling at `temperature`
+  (0: greedy) writes a copy step or a tool call exactly (`copy_sampled`, `call_sampled`: the
+  product of its tokens' probabilities, averaged). Rows are padded to the longest example, so
+  one shape is compiled per call."""
+  if not examples:
+    raise ValueError("no copy examples: the trajectories have no answer copied from an "
+                     "observation")
+  length = max(len(e.input_ids) for e in examples)
+
+  @jax.jit
+  def predict(p, ids_BxT):
+    logits_BxTxV = model.apply({"params": p}, ids_BxT)
+    predicted_BxT = jnp.argmax(logits_BxTxV, axis=-1)
+    targets_BxT = jnp.roll(ids_BxT, -1, axis=1)  # position t predicts token t + 1
+    if temperature == 0:
+      return predicted_BxT, jnp.where(predicted_BxT == targets_BxT, 0.0, -jnp.inf)
+    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV / temperature, axis=-1)
+    return predicted_BxT, jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+
+  copies, calls = np.zeros(4), np.zeros(4)
+  for start in range(0, len(examples), batch_size):
+    chunk = examples[start:start + batch_size]
+    ids_BxT = np.zeros((batch_size, length), np.int32)
+    for row, example in enumerate(chunk):
+      ids_BxT[row, :len(example.input_ids)] = example.input_ids
+    predicted_BxT, logp_BxT = map(np.asarray, predict(params, ids_BxT))
+    for row, example in enumerate(chunk):
+      copies += _score(predicted_BxT[row], logp_BxT[row], ids_BxT[row], example.spans)
+      calls += _score(predicted_BxT[row], logp_BxT[row], ids_BxT[row], example.call_spans)
+  steps = sum(len(e.spans) for e in examples)
+  n_calls = sum(len(e.call_spans) for e in examples)
+  return {"copy_exact": copies[0] / steps, "copy_token_accuracy": copies[1] / copies[2],
+          "copy_sampled": copies[3] / steps, "copy_steps": float(steps),
+          "call_exact": calls[0] / max(n_calls, 1), "call_sampled": calls[3] / max(n_calls, 1),
+          "calls": float(n_calls)}

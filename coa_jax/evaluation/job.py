@@ -1,0 +1,232 @@
+"""Evaluation: run a policy (a checkpoint with tools, or the teacher system) on tasks, k samples
+each, and report pass@1, avg@k, pass@k (unbiased), majority-vote best-of-k, tokens and tool
+calls per task, the format-error rate and finish reasons.
+
+Task files: `coa_jax.data.tasks`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Sequence
+
+import jax
+
+from coa_jax.data import coa_format, rewards
+from coa_jax.data.tasks import Task, load_tasks
+from coa_jax.data.tokenizer import load_tokenizer
+from coa_jax.model import ConfigError
+from coa_jax.rollout.tool_loop import check_prompt_lengths
+from coa_jax.runtime import distributed
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """One sampled solution's outcome."""
+
+  correct: bool
+  answer: str | None
+  tokens: int  # response tokens
+  tool_calls: dict[str, int]
+  format_errors: int
+  finish_reason: str = "answer"
+  text: str = ""  # the response, for reading failures in samples.jsonl
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Returns the unbiased estimate of pass@k from n samples of which c are correct:
+  1 - C(n - c, k) / C(n, k)."""
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(samples: Sequence[Sample]) -> bool:
+  """Returns whether the most frequent normalized answer (ties: the first seen) is correct."""
+  votes: dict[str, list[Sample]] = {}
+  for sample in samples:
+    if sample.answer is not None:
+      votes.setdefault(rewards.normalize_text(sample.answer), []).append(sample)
+  if not votes:
+    return False
+  best = max(votes.values(), key=len)  # max keeps the first of equal counts
+  return best[0].correct
+
+
+def summarize(outcomes: dict[str, Sequence[Sample]], k: int) -> dict[str, Any]:
+  """Returns the metrics of per-task samples (each task with the same n >= k samples)."""
+  if not outcomes:
+    raise ValueError("no tasks to summarize")
+  tasks = len(outcomes)
+  samples = [s for group in outcomes.values() for s in group]
+  calls: collections.Counter = collections.Counter()
+  for s in samples:
+    calls.update(s.tool_calls)
+  per_task = lambda values: sum(values) / tasks
+  return {
+      "tasks": tasks, "samples_per_task": len(samples) / tasks,
+      "pass@1": per_task(pass_at_k(len(g), sum(s.correct for s in g), 1)
+                         for g in outcomes.values()),
+      f"avg@{k}": per_task(sum(s.correct for s in g[:k]) / k for g in outcomes.values()),
+      f"pass@{k}": per_task(pass_at_k(len(g), sum(s.correct for s in g), k)
+                            for g in outcomes.values()),
+      f"maj@{k}": per_task(majority_correct(g[:k]) for g in outcomes.values()),
+      "tokens_per_task": sum(s.tokens for s in samples) / len(samples),
+      "tool_calls_per_task": sum(calls.values()) / len(samples),
+      "tool_calls_by_kind": {kind: n / len(samples) for kind, n in sorted(calls.items())},
+      "format_error_rate": sum(s.format_errors > 0 for s in samples) / len(samples),
+      "finish_reasons": dict(collections.Counter(s.finish_reason for s in samples)),
+  }
+
+
+def pass_at_1_by(outcomes: dict[str, Sequence[Sample]],
+                 group_of: dict[str, str]) -> dict[str, float]:
+  """Returns pass@1 over the tasks of each group (e.g. the embedded world's task families)."""
+  groups: dict[str, list[float]] = collections.defaultdict(list)
+  for task_id, samples in outcomes.items():
+    if task_id in group_of:
+      groups[group_of[task_id]].append(sum(s.correct for s in samples) / len(samples))
+  return {group: sum(values) / len(values) for group, values in sorted(groups.items())}
+
+
+def format_table(rows: dict[str, dict[str, Any]], k: int) -> str:
+  """Returns a text table of several systems' metrics (one row each)."""
+  columns = ["pass@1", f"avg@{k}", f"pass@{k}", f"maj@{k}", "tokens_per_task",
+             "tool_calls_per_task", "format_error_rate"]
+  width = max(len(name) for name in rows) + 2
+  lines = [f"{'system':<{width}}" + "".join(f"{c:>21}" for c in columns)]
+  for name, metrics in rows.items():
+    cells = [f"{metrics[c]:>21.3f}" if metrics[c] < 10 else f"{metrics[c]:>21,.0f}"
+             for c in columns]
+    lines.append(f"{name:<{width}}" + "".join(cells))
+  return "\n".join(lines)
+
+
+def sample_from_response(text: str, tokens: int, tool_calls: dict[str, int],
+                         finish_reason: str, reward: rewards.Reward) -> Sample:
+  """Returns the outcome of one response text scored by `reward`."""
+  _, errors = coa_format.parse_and_validate(text)
+  return Sample(reward.correct, reward.details.get("answer"), tokens, dict(tool_calls),
+                len(errors), finish_reason, text)
+
+
+# --- runners -------------------------------------------------------------------------------
+
+
+def evaluate_rollouts(engine: Any, tokenizer: Any, tasks: Sequence[Task],
+                      rewarder: rewards.Rewarder) -> dict[str, list[Sample]]:
+  """Returns each task's samples from a Rollout engine (its group size is k)."""
+  outcomes: dict[str, list[Sample]] = {}
+  for group in engine.run(tasks):
+    for record in group:
+      text = record.response_text(tokenizer)
+      reward = rewarder(text, record.task_data)
+      outcomes.setdefault(record.task_id, []).append(sample_from_response(
+          text, record.response_len, record.tool_calls, record.finish_reason, reward))
+  return outcomes
+
+
+def evaluate_teacher(teachers: Sequence[Any], tasks: Sequence[Task], system_prompt: str,
+                     rewarder: rewards.Rewarder, tokenizer: Any) -> dict[str, list[Sample]]:
+  """Returns each task's samples from teacher systems (one sample per teacher, e.g. seeds);
+  tokens are the multi-agent system's whole message traffic, in `tokenizer` tokens."""
+  from coa_jax.distill.job import to_trajectory
+
+  outcomes: dict[str, list[Sample]] = {}
+  for task in tasks:
+    record = {"id": task.id, "question": task.question, "metadata": task.data}
+    for teacher in teachers:
+      try:
+        trace = teacher.run(record)
+      except Exception:  # noqa: BLE001 - a task the teacher cannot solve is a failed sample
+        outcomes.setdefault(task.id, []).append(Sample(False, None, 0, {}, 1, "error"))
+        continue
+      text = to_trajectory(trace, system_prompt).response_text()
+      traffic = "\n".join(m.content for a in trace.activations
+                          for m in a.inputs + [a.output]) + "".join(
+                              a.tool_result or "" for a in trace.activations)
+      calls = collections.Counter(a.step for a in trace.activations if a.tool_call is not None)
+      outcomes.setdefault(task.id, []).append(sample_from_response(
+          text, len(tokenizer.encode(traffic)), calls, "answer", rewarder(text, task.data)))
+  return outcomes
+
+
+def _copy_probe(engine: Any, tokenizer: Any, path: str, max_len: int,
+                temperature: float) -> dict[str, float]:
+  """Returns the copy probe (coa_jax.copy_probe) of the engine's model on the trajectories in
+  `path`, its sampled rates at the evaluation's temperature."""
+  from coa_jax.data import packing
+  from coa_jax.data.importers import DropCounter
+  from coa_jax.evaluation import copy_probe
+
+  trajectories = packing.load_source(path, DropCounter())
+  examples = copy_probe.copy_examples(trajectories, tokenizer, max_len)
+  return copy_probe.copy_accuracy(engine.sampler.model, engine.params, examples,
+                                  temperature=temperature)
+
+
+def run(config: Any) -> dict[str, Any]:
+  """Evaluates config.system ("model": a checkpoint with tools, or "teacher") on config.tasks
+  with k samples per task; prints the table and writes metrics.json and samples.jsonl."""
+  from coa_jax.distill.teacher import ScriptedTeacher, TeacherConfig
+  from coa_jax.rollout import job as rollout_job
+  from coa_jax.runtime.distributed import say
+  from tools_env import registry as tools_registry
+
+  tasks = load_tasks(config.tasks, config.max_tasks)
+  rewarder = rewards.build_rewarder(config.rewards.to_dict())
+  k = config.k
+  say(f"evaluating {config.system} on {len(tasks)} tasks x {k} samples from {config.tasks}")
+  if config.system == "teacher":
+    tools = tools_registry.build_registry(config.tools.to_dict())
+    teachers = [ScriptedTeacher(tools, TeacherConfig(**{**config.teacher, "seed": seed}))
+                for seed in range(k)]
+    outcomes = evaluate_teacher(teachers, tasks, config.system_prompt, rewarder,
+                                load_tokenizer(config))
+  elif config.system == "model":
+    config.rollout.group_size = k
+    tokenizer = load_tokenizer(config)  # checked before the model loads
+    check_prompt_lengths(tokenizer, config.system_prompt, tasks,
+                         config.rollout.max_prompt_tokens)
+    engine, _ = rollout_job.build(config, tokenizer)
+    if config.get("copy_probe"):
+      probe = _copy_probe(engine, tokenizer, config.copy_probe,
+                          config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
+                          config.sampling.temperature)
+    mine = tasks[jax.process_index()::jax.process_count()]  # each host its share
+    outcomes = evaluate_rollouts(engine, tokenizer, mine, rewarder)
+    outcomes = {task_id: [Sample(**s) for s in samples]
+                for part in distributed.gather_json(
+                    {t: [dataclasses.asdict(s) for s in v] for t, v in outcomes.items()})
+                for task_id, samples in part.items()}
+  else:
+    raise ConfigError(f"evaluate system={config.system!r}: expected 'model' or 'teacher'")
+  metrics = summarize(outcomes, k)
+  families = {task.id: task.data["family"] for task in tasks if "family" in task.data}
+  if families:
+    metrics["pass@1_by_family"] = pass_at_1_by(outcomes, families)
+    say("pass@1 by task family: " + ", ".join(
+        f"{family} {value:.3f}" for family, value in metrics["pass@1_by_family"].items()))
+  if config.system == "model" and config.get("copy_probe"):
+    metrics.update(probe)
+    say(f"copy probe (teacher-forced, {probe['copy_steps']:.0f} held-out answers copied from an "
+        f"observation, {probe['calls']:.0f} tool calls): exact {probe['copy_exact']:.3f} / "
+        f"{probe['call_exact']:.3f}, sampled at T={config.sampling.temperature} "
+        f"{probe['copy_sampled']:.3f} / {probe['call_sampled']:.3f}")
+  say(format_table({config.system: metrics}, k))
+  if jax.process_index():  # process 0 writes
+    return metrics
+  os.makedirs(config.output_dir, exist_ok=True)
+  with open(os.path.join(config.output_dir, "metrics.json"), "w") as f:
+    json.dump(metrics, f, indent=1)
+  with open(os.path.join(config.output_dir, "samples.jsonl"), "w") as f:
+    for task_id, samples in outcomes.items():
+      f.write(json.dumps({"task_id": task_id, "samples": [dataclasses.asdict(s)
+                                                          for s in samples]}) + "\n")
+  return metrics

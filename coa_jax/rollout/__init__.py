@@ -1,0 +1,12 @@
+"""Rollouts: the sampler (chunked decoding with a KV cache) and the tool loop that runs tools
+between decoding chunks, token in, token out; the rollout job."""
+
+from coa_jax.rollout.job import build, interactive, run
+from coa_jax.rollout.sampler import Sampler, SamplingConfig
+from coa_jax.rollout.tool_loop import (
+                                       Rollout,
+                                       RolloutConfig,
+                                       RolloutRecord,
+                                       check_prompt_lengths,
+                                       stop_ids,
+)

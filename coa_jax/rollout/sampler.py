@@ -1,0 +1,298 @@
+"""Device-side decoding with a KV cache: prefill, chunked decode and extend, as jitted steps.
+
+A `DecodeState` holds B rows ("slots"). Row r has `cache.lengths_B[r]` tokens in its KV cache
+(slots 0.. of the row, right-padded: prompts start at slot 0 and position 0) and one
+`pending_B[r]` token not yet in the cache: the next decode step feeds it at position
+`lengths_B[r]`. So
+
+- `prefill` writes prompts minus their last token into the cache and makes the last one
+  pending. A prompt is encoded once and its cache copied into every row of its group (the
+  n samples of one prompt share one prefill).
+- `decode_chunk` runs up to K steps on device (`lax.while_loop`): feed the pending tokens,
+  sample the next ones (temperature, top-k, top-p, from an explicit key), record each sampled
+  token's log-probability, and freeze a row the moment it samples a stop token or reaches
+  its length budget.
+- `extend` appends given tokens (an observation) to chosen rows in one parallel call and
+  makes their last token pending.
+
+Randomness is per row: the token a row samples at cache position t is drawn with the key
+fold_in(fold_in(key, seed of the row), t). A row's samples therefore depend on the key, its seed
+and its own tokens only, not on which slot it holds, what else is in the batch, how the batch is
+split over devices and hosts, or where chunk boundaries fall.
+
+Shapes are static: B, the cache size S and K are fixed; the token and row counts of prefill
+and extend are padded up to power-of-two buckets (rows past the real ones point at index B
+and are dropped, as are padding tokens past slot S), so a rollout compiles each function once
+per bucket it uses.
+
+Log-probabilities are those of the policy at the sampling temperature,
+log_softmax(logits / temperature) (raw logits when greedy), before top-k/top-p truncation,
+which is what a policy-gradient update recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from coa_jax.model.config import ModelConfig
+from coa_jax.model.transformer import KVCache, Transformer, cache_axes
+from coa_jax.runtime import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How tokens are drawn: temperature 0 is greedy; top_k 0 and top_p 1.0 switch those off."""
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"invalid sampling settings {self}: need temperature >= 0, top_k >= 0, "
+                       f"0 < top_p <= 1")
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """The decoding state of B rows; see the module docstring for the invariants."""
+
+  cache: KVCache
+  pending_B: jax.Array  # int32: the next token to feed (not in the cache yet)
+  active_B: jax.Array  # bool: still decoding
+  budget_B: jax.Array  # int32: a row stops when lengths + 1 (its total tokens) reaches this
+  seed_B: jax.Array  # int32: the row's sampling seed (see the module docstring)
+
+
+@flax.struct.dataclass
+class Chunk:
+  """What one decode_chunk call sampled: K token slots per row, `counts_B` of them filled."""
+
+  tokens_BxK: jax.Array
+  logprobs_BxK: jax.Array
+  counts_B: jax.Array
+
+
+def sample_tokens(logits_BxV: jax.Array, keys_B: jax.Array,
+                  sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+  """Returns (token_B, logprob_B) drawn from `logits_BxV` under `sampling`, row b with keys_B[b]."""
+  logits_BxV = logits_BxV.astype(jnp.float32)
+  if sampling.temperature == 0:
+    token_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+  else:
+    scaled_BxV = logits_BxV / sampling.temperature
+    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
+    kept_BxV = scaled_BxV
+    if sampling.top_k:
+      kth_Bx1 = jax.lax.top_k(scaled_BxV, sampling.top_k)[0][:, -1:]
+      kept_BxV = jnp.where(scaled_BxV < kth_Bx1, -jnp.inf, kept_BxV)
+    if sampling.top_p < 1.0:
+      # Keep the smallest set of most likely tokens whose probability reaches top_p.
+      sorted_BxV = jnp.sort(kept_BxV, axis=-1)[:, ::-1]
+      probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+      before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+      cutoff_Bx1 = jnp.min(jnp.where(before_BxV < sampling.top_p, sorted_BxV, jnp.inf), axis=-1,
+                           keepdims=True)
+      kept_BxV = jnp.where(kept_BxV < cutoff_Bx1, -jnp.inf, kept_BxV)
+    token_B = jax.vmap(jax.random.categorical)(keys_B, kept_BxV).astype(jnp.int32)
+  logprob_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
+  return token_B, logprob_B
+
+
+def bucket(n: int, smallest: int = 8) -> int:
+  """Returns the power of two >= max(n, smallest) that pads a count of n."""
+  return max(smallest, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _gather_rows(cache: KVCache, rows_R: jax.Array) -> KVCache:
+  take = lambda a: jnp.take(a, rows_R, axis=1, mode="clip")
+  return cache.replace(k=take(cache.k), v=take(cache.v),
+                       lengths_B=jnp.take(cache.lengths_B, rows_R, mode="clip"))
+
+
+def _scatter_rows(cache: KVCache, rows_R: jax.Array, part: KVCache, slots: int) -> KVCache:
+  """Returns `cache` with part's rows written over rows_R (slots [0, slots)); rows >= B drop."""
+  heads = (slice(None),) * cache.heads_first
+  put = lambda a, p: a.at[(slice(None), rows_R, *heads, slice(slots))].set(
+      p[(slice(None), slice(None), *heads, slice(slots))].astype(a.dtype), mode="drop")
+  return cache.replace(k=put(cache.k, part.k), v=put(cache.v, part.v),
+                       lengths_B=cache.lengths_B.at[rows_R].set(part.lengths_B, mode="drop"))
+
+
+class Sampler:
+  """Jitted prefill / decode_chunk / extend for one model, batch size, cache size and chunk."""
+
+  def __init__(self, model_config: ModelConfig, mesh: Mesh, batch_size: int, cache_size: int,
+               chunk: int, stop_ids: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
+               cache_dtype: Any = None, cache_heads_first: bool | None = None):
+    """`cache_heads_first` picks the KV cache's layout (see KVCache). By default kv heads come
+    first on CPU devices when every query head has its own kv head: decoding then ran
+    1.1-1.5x faster in three such models, and 1.1-1.2x slower in one with two query heads
+    per kv head. Slots come first elsewhere."""
+    sharding.check_batch_fits_mesh(batch_size, 1, mesh)
+    if cache_heads_first is None:
+      cache_heads_first = (mesh.devices.flat[0].platform == "cpu"
+                           and model_config.num_heads == model_config.num_kv_heads)
+    self.cache_heads_first = cache_heads_first
+    self.config, self.mesh = model_config, mesh
+    self.model = Transformer(model_config)
+    self.batch_size, self.cache_size, self.chunk = batch_size, cache_size, chunk
+    self.stop_ids = tuple(int(i) for i in stop_ids)
+    self.sampling = sampling
+    self.cache_dtype = cache_dtype or model_config.compute_dtype
+    self.prefill = sharding.bind_mesh(jax.jit(self._prefill, donate_argnums=1), mesh)
+    self.extend = sharding.bind_mesh(jax.jit(self._extend, donate_argnums=1), mesh)
+    self.decode_chunk = sharding.bind_mesh(jax.jit(self._decode_chunk, donate_argnums=1), mesh)
+
+  # --- state -----------------------------------------------------------------------------
+
+  def state_shardings(self) -> DecodeState:
+    """Returns the NamedShardings of a DecodeState: batch over data x fsdp, kv heads over tensor."""
+    rules = sharding.AXIS_RULES
+    spec = lambda names: NamedSharding(self.mesh, nn.logical_to_mesh_axes(names, rules))
+    row = spec(("act_batch",))
+    kv = spec(cache_axes(self.cache_heads_first))
+    return DecodeState(KVCache(kv, kv, row, self.cache_heads_first), row, row, row, row)
+
+  def abstract_state(self) -> DecodeState:
+    """Returns the state's shapes, dtypes and shardings (ShapeDtypeStructs)."""
+    b = self.batch_size
+    cache = jax.eval_shape(lambda: self._empty_cache(b, self.cache_size))
+    row, flag = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_)
+    return jax.tree.map(lambda x, sharding: x.update(sharding=sharding),
+                        DecodeState(cache, row, flag, row, row), self.state_shardings())
+
+  def init_state(self) -> DecodeState:
+    """Returns an empty state (every row inactive), created in place on the mesh (a fresh
+    buffer per array: they are all donated)."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding),
+                        self.abstract_state())
+
+  def _empty_cache(self, rows: int, slots: int) -> KVCache:
+    """Returns a zero cache of `rows` rows and `slots` slots in this sampler's layout."""
+    cfg = self.config
+    middle = (cfg.num_kv_heads, slots) if self.cache_heads_first else (slots, cfg.num_kv_heads)
+    shape = (cfg.num_layers, rows, *middle, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype),
+                   jnp.zeros((rows,), jnp.int32), self.cache_heads_first)
+
+  # --- jitted steps ----------------------------------------------------------------------
+
+  def _run(self, params, cache: KVCache, tokens_BxT, positions_BxT):
+    return self.model.apply({"params": params}, tokens_BxT, positions_BxT, cache=cache)
+
+  def _prefill(self, params, state: DecodeState, rows_PxN, tokens_PxT, lengths_P, budgets_P,
+               seeds_PxN):
+    """Encodes P prompts once each and installs prompt p in rows rows_PxN[p] (all N), row
+    rows_PxN[p, i] with the sampling seed seeds_PxN[p, i]."""
+    p, t = tokens_PxT.shape
+    n = rows_PxN.shape[1]
+    fresh = self._empty_cache(p, t)
+    positions_PxT = jnp.broadcast_to(jnp.arange(t), (p, t))
+    _, fresh = self._run(params, fresh, tokens_PxT, positions_PxT)
+    last_P = jnp.maximum(lengths_P - 1, 0)
+    fresh = fresh.replace(lengths_B=last_P)
+    rows_R = rows_PxN.reshape(-1)
+    copies = jax.tree.map(lambda a: jnp.repeat(a, n, axis=1 if a.ndim == 5 else 0), fresh)
+    cache = _scatter_rows(state.cache, rows_R, copies, min(t, self.cache_size))
+    pending_P = jnp.take_along_axis(tokens_PxT, last_P[:, None], axis=1)[:, 0]
+    put = lambda a, v: a.at[rows_R].set(jnp.repeat(v, n).astype(a.dtype), mode="drop")
+    return DecodeState(cache, put(state.pending_B, pending_P),
+                       put(state.active_B, jnp.ones((p,), bool)),
+                       put(state.budget_B, budgets_P),
+                       state.seed_B.at[rows_R].set(seeds_PxN.reshape(-1), mode="drop"))
+
+  def _extend(self, params, state: DecodeState, rows_R, tokens_RxT, counts_R):
+    """Appends tokens_RxT[r, :counts_R[r]] to row rows_R[r] and resumes it (count >= 1)."""
+    r, t = tokens_RxT.shape
+    part = _gather_rows(state.cache, rows_R)
+    pending_R = jnp.take(state.pending_B, rows_R, mode="clip")
+    inputs_RxT = jnp.concatenate([pending_R[:, None], tokens_RxT[:, :-1]], axis=1)
+    positions_RxT = part.lengths_B[:, None] + jnp.arange(t)[None, :]
+    _, part = self._run(params, part, inputs_RxT, positions_RxT)
+    part = part.replace(lengths_B=part.lengths_B + counts_R)
+    cache = _scatter_rows(state.cache, rows_R, part, self.cache_size)
+    last_R = jnp.take_along_axis(tokens_RxT, jnp.maximum(counts_R - 1, 0)[:, None], axis=1)[:, 0]
+    return state.replace(cache=cache,
+                         pending_B=state.pending_B.at[rows_R].set(last_R, mode="drop"),
+                         active_B=state.active_B.at[rows_R].set(True, mode="drop"))
+
+  def _decode_chunk(self, params, state: DecodeState, key):
+    """Samples up to `chunk` tokens per active row; returns (state, Chunk)."""
+    b, k = self.batch_size, self.chunk
+    stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
+    out = Chunk(jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32),
+                jnp.zeros((b,), jnp.int32))
+
+    def step(carry):
+      i, state, out = carry
+      cache = state.cache
+      logits, cache = self._run(params, cache, state.pending_B[:, None], cache.lengths_B[:, None])
+      keys_B = jax.vmap(lambda seed, t: jax.random.fold_in(jax.random.fold_in(key, seed), t))(
+          state.seed_B, cache.lengths_B)
+      token_B, logprob_B = sample_tokens(logits[:, -1], keys_B, self.sampling)
+      active_B = state.active_B
+      out = Chunk(out.tokens_BxK.at[:, i].set(jnp.where(active_B, token_B, 0)),
+                  out.logprobs_BxK.at[:, i].set(jnp.where(active_B, logprob_B, 0.0)),
+                  out.counts_B + active_B)
+      lengths_B = cache.lengths_B + active_B
+      stopped_B = jnp.isin(token_B, stop_ids) | (lengths_B + 1 >= state.budget_B)
+      state = state.replace(cache=cache.replace(lengths_B=lengths_B),
+                            pending_B=jnp.where(active_B, token_B, state.pending_B),
+                            active_B=active_B & ~stopped_B)
+      return i + 1, state, out
+
+    def running(carry):
+      i, state, _ = carry
+      return (i < k) & jnp.any(state.active_B)
+
+    _, state, out = jax.lax.while_loop(running, step, (jnp.int32(0), state, out))
+    return state, out
+
+  # --- host-side helpers -----------------------------------------------------------------
+
+  def prefill_groups(self, params, state: DecodeState, groups: Sequence[tuple[Sequence[int],
+                                                                              Sequence[int]]],
+                     budgets: Sequence[int],
+                     seeds: Sequence[Sequence[int]] | None = None) -> DecodeState:
+    """Installs each (rows, prompt ids) group with its total-length budget and its rows'
+    sampling seeds (default: the row indices); pads to buckets."""
+    p = bucket(len(groups), 1)
+    n = len(groups[0][0])
+    t = bucket(max(len(ids) for _, ids in groups))
+    rows = np.full((p, n), self.batch_size, np.int32)
+    tokens = np.zeros((p, t), np.int32)
+    lengths = np.ones((p,), np.int32)
+    budget = np.zeros((p,), np.int32)
+    row_seeds = np.zeros((p, n), np.int32)
+    for g, ((group_rows, ids), limit) in enumerate(zip(groups, budgets)):
+      if len(group_rows) != n:
+        raise ValueError("every group in one prefill call must have the same number of rows")
+      rows[g], tokens[g, :len(ids)], lengths[g], budget[g] = group_rows, ids, len(ids), limit
+      row_seeds[g] = group_rows if seeds is None else seeds[g]
+    return self.prefill(params, state, rows, tokens, lengths, budget, row_seeds)
+
+  def extend_rows(self, params, state: DecodeState,
+                  appends: dict[int, Sequence[int]]) -> DecodeState:
+    """Appends the given ids to each row (at least one id each) and resumes those rows."""
+    r = bucket(len(appends), 1)
+    t = bucket(max(len(ids) for ids in appends.values()))
+    rows = np.full((r,), self.batch_size, np.int32)
+    tokens = np.zeros((r, t), np.int32)
+    counts = np.ones((r,), np.int32)
+    for i, (row, ids) in enumerate(appends.items()):
+      rows[i], tokens[i, :len(ids)], counts[i] = row, ids, len(ids)
+    return self.extend(params, state, rows, tokens, counts)
+
+  def compilations(self) -> int:
+    """Returns how many programs the three jitted steps have compiled so far."""
+    return sum(f.__wrapped__._cache_size() for f in (self.prefill, self.extend, self.decode_chunk))

@@ -1,0 +1,78 @@
+"""Multi-host start-up through JAX's own multi-controller runtime (`jax.distributed`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from coa_jax.model.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """How this process joins a multi-host run.
+
+  mode: "off" (single process, the default), "auto" (cluster auto-detection: TPU pod slices,
+  SLURM, ...), or "explicit" (the coordinator address, process count and id below).
+  """
+
+  mode: str = "off"
+  coordinator_address: str = ""
+  num_processes: int = 1
+  process_id: int = 0
+  cpu_collectives: str = "gloo"  # used when the platform is CPU (tests of multi-host code)
+
+
+def initialize(config: DistributedConfig = DistributedConfig()) -> bool:
+  """Joins the multi-host run described by `config`; returns False (a no-op) on one process."""
+  if config.mode == "off" or (config.mode == "explicit" and config.num_processes == 1):
+    return False
+  if config.mode not in ("auto", "explicit"):
+    raise ConfigError(f"distributed mode={config.mode!r}: expected 'off', 'auto' or 'explicit'")
+  if jax.config.jax_platforms and "cpu" in jax.config.jax_platforms.split(","):
+    jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
+  if config.mode == "auto":
+    jax.distributed.initialize()
+    return True
+  if not config.coordinator_address:
+    raise ConfigError("distributed mode='explicit' needs coordinator_address (host:port)")
+  if not 0 <= config.process_id < config.num_processes:
+    raise ConfigError(f"process_id={config.process_id} is outside [0, {config.num_processes})")
+  jax.distributed.initialize(coordinator_address=config.coordinator_address,
+                             num_processes=config.num_processes, process_id=config.process_id)
+  return True
+
+
+ENV = "COA_JAX_DISTRIBUTED"
+
+
+def initialize_from_env() -> bool:
+  """Joins a multi-host run when the environment asks for one: COA_JAX_DISTRIBUTED=auto (TPU
+  pod slices, SLURM: JAX finds the other processes itself). Unset or "off": one process.
+  Every experiment script calls this first; `experiments/launch_tpu.py` sets it."""
+  return initialize(DistributedConfig(mode=os.environ.get(ENV, "off")))
+
+
+def gather_json(value: Any) -> list[Any]:
+  """Returns every process's `value` (anything JSON can hold), in process order. Every process
+  must call it (a collective); on one process it is [value]."""
+  if jax.process_count() == 1:
+    return [value]
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  sizes = multihost_utils.process_allgather(np.array([data.size], np.int64)).reshape(-1)
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  rows = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(row[:int(size)])) for row, size in zip(rows, sizes)]
+
+
+def say(*args: Any, **kwargs: Any) -> None:
+  """Prints on process 0 only, so a multi-host run prints each line once."""
+  if jax.process_index() == 0:
+    print(*args, **kwargs, flush=True)

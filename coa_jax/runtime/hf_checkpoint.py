@@ -1,0 +1,320 @@
+"""Load local HF checkpoint folders into sharded params and export params back, without torch.
+
+Loading places every parameter with its target sharding through
+`jax.make_array_from_callback`: each addressable device shard is read from the memory-mapped
+safetensors files on its own, so a host only ever reads the slices its devices hold and no
+tensor (let alone a 32B checkpoint) is materialized whole on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from coa_jax.model.config import ModelConfig, build_config, from_hf_config, to_hf_config
+from coa_jax.model.transformer import Transformer
+from coa_jax.runtime import sharding as sharding_lib
+from coa_jax.runtime.safetensors_io import SafetensorsFile, write_safetensors
+from coa_jax.runtime.sharding import param_shardings
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint folder is missing files or tensors, or holds tensors of the wrong shape."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  """How one parameter maps to HF tensors: name template, HF shape, HF <-> ours layout."""
+
+  path: tuple[str, ...]
+  hf_name: str  # with "{layer}" for per-layer tensors
+  hf_shape: tuple[int, ...]
+  to_ours: Callable[[np.ndarray], np.ndarray]
+  to_hf: Callable[[np.ndarray], np.ndarray]
+  vocab_axis: int | None = None  # the vocabulary axis in our layout (embedding, lm_head)
+
+  @property
+  def stacked(self) -> bool:
+    return "{layer}" in self.hf_name
+
+
+def _identity(x):
+  return x
+
+
+def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
+  """Returns the mapping of every parameter of `cfg`'s model to HF tensor names and layouts."""
+  d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  n, k = cfg.num_heads, cfg.num_kv_heads
+  layer = "model.layers.{layer}."
+  out = [
+      _Tensor(("embedding",), "model.embed_tokens.weight", (cfg.vocab_size, d),
+              _identity, _identity, vocab_axis=0),
+      _Tensor(("final_norm", "scale"), "model.norm.weight", (d,), _identity, _identity),
+      _Tensor(("layers", "input_norm", "scale"), layer + "input_layernorm.weight", (d,),
+              _identity, _identity),
+      _Tensor(("layers", "post_attn_norm", "scale"), layer + "post_attention_layernorm.weight",
+              (d,), _identity, _identity),
+      _Tensor(("layers", "attn", "o_proj", "kernel"), layer + "self_attn.o_proj.weight",
+              (d, n * h), lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T),
+  ]
+  for name, heads in (("q_proj", n), ("k_proj", k), ("v_proj", k)):
+    hf = layer + f"self_attn.{name}."
+    out.append(_Tensor(("layers", "attn", name, "kernel"), hf + "weight", (heads * h, d),
+                       lambda w, heads=heads: w.T.reshape(d, heads, h),
+                       lambda w, heads=heads: w.reshape(d, heads * h).T))
+    if cfg.qkv_bias:
+      out.append(_Tensor(("layers", "attn", name, "bias"), hf + "bias", (heads * h,),
+                         lambda b, heads=heads: b.reshape(heads, h),
+                         lambda b, heads=heads: b.reshape(heads * h)))
+  for name, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+    out.append(_Tensor(("layers", "mlp", name, "kernel"), layer + f"mlp.{name}.weight", shape,
+                       lambda w: w.T, lambda w: w.T))
+  if not cfg.tie_embeddings:
+    out.append(_Tensor(("lm_head",), "lm_head.weight", (cfg.vocab_size, d),
+                       lambda w: w.T, lambda w: w.T, vocab_axis=1))
+  return out
+
+
+def _names(t: _Tensor, cfg: ModelConfig) -> list[str]:
+  if not t.stacked:
+    return [t.hf_name]
+  return [t.hf_name.format(layer=i) for i in range(cfg.num_layers)]
+
+
+def read_hf_config(folder: str) -> dict[str, Any]:
+  """Returns the parsed config.json of an HF checkpoint folder."""
+  path = os.path.join(folder, "config.json")
+  if not os.path.isfile(path):
+    raise CheckpointError(f"{folder}: no config.json (is this an HF checkpoint folder?)")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+
+
+class _TensorSource:
+  """Finds each HF tensor in a folder's safetensors files (single file or sharded with index)."""
+
+  def __init__(self, folder: str):
+    index_path = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index_path):
+      with open(index_path) as f:
+        weight_map: dict[str, str] = json.load(f)["weight_map"]
+      files = sorted(set(weight_map.values()))
+    else:
+      files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+      if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files and no {INDEX_FILE}")
+      weight_map = None
+    self._files: dict[str, SafetensorsFile] = {}
+    for name in files:
+      path = os.path.join(folder, name)
+      if not os.path.isfile(path):
+        raise CheckpointError(f"{folder}: {INDEX_FILE} lists {name}, which is missing")
+      self._files[name] = SafetensorsFile(path)
+    if weight_map is None:
+      weight_map = {t: name for name, file in self._files.items() for t in file.names()}
+    self._where = weight_map
+    self.folder = folder
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    if name not in self._where:
+      raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+    return self._files[self._where[name]].shape(name)
+
+  def check(self, name: str, shape: tuple[int, ...]) -> None:
+    found = self.shape(name)
+    if found != shape:
+      raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {found}, "
+                            f"expected {shape} from config.json")
+
+  def get(self, name: str) -> np.ndarray:
+    return self._files[self._where[name]].get(name)
+
+
+def load_params(folder: str, config: ModelConfig, shardings: Any,
+                mean_init_ids: Sequence[int] = ()) -> Any:
+  """Returns params read from `folder`, each placed with its sharding from `shardings`.
+
+  When `config.vocab_size` exceeds the checkpoint's (tokens were added, e.g. the CoA tags),
+  the new embedding and LM-head rows are the mean of the checkpoint's rows; rows listed in
+  `mean_init_ids` (new tokens that fall inside an already padded vocabulary) get the mean too.
+  """
+  source = _TensorSource(folder)
+  source_vocab = source.shape("model.embed_tokens.weight")[0]
+  if source_vocab > config.vocab_size:
+    raise CheckpointError(f"{folder}: the checkpoint has {source_vocab} vocabulary rows, more "
+                          f"than vocab_size={config.vocab_size}")
+  source_config = config.replace(vocab_size=source_vocab)
+  tensors = _tensor_map(source_config)
+  for t in tensors:  # validate every name and shape before reading any data
+    for name in _names(t, config):
+      source.check(name, t.hf_shape)
+  dtype = config.params_dtype
+  mean_ids = np.asarray(sorted(set(int(i) for i in mean_init_ids)), np.int64)
+  if mean_ids.size and (mean_ids.min() < 0 or mean_ids.max() >= config.vocab_size):
+    raise CheckpointError(f"mean_init_ids must lie in [0, {config.vocab_size})")
+  params: dict[str, Any] = {}
+  for t in tensors:
+    names = _names(t, config)
+    ours_shape = list(jax.eval_shape(t.to_ours, jax.ShapeDtypeStruct(t.hf_shape, dtype)).shape)
+    if t.vocab_axis is not None:
+      ours_shape[t.vocab_axis] = config.vocab_size
+      read = _vocab_reader(t.to_ours(source.get(names[0])), t.vocab_axis, source_vocab,
+                           config.vocab_size, mean_ids, dtype)
+    elif t.stacked:
+      read = lambda index, t=t, names=names: np.stack(
+          [np.asarray(t.to_ours(source.get(names[i]))[index[1:]], dtype=dtype)
+           for i in range(len(names))[index[0]]])
+    else:
+      read = lambda index, t=t, names=names: np.asarray(
+          t.to_ours(source.get(names[0]))[index], dtype=dtype)
+    shape = ((config.num_layers,) if t.stacked else ()) + tuple(ours_shape)
+    node = params
+    for key in t.path[:-1]:
+      node = node.setdefault(key, {})
+    sharding = _lookup(shardings, t.path)
+    node[t.path[-1]] = jax.make_array_from_callback(shape, sharding, read, dtype=dtype)
+  return params
+
+
+def _vocab_reader(array: np.ndarray, axis: int, source_vocab: int, target_vocab: int,
+                  mean_ids: np.ndarray, dtype) -> Callable:
+  """Returns a shard reader over a vocabulary-indexed array (our layout) whose rows past
+  `source_vocab`, and rows in `mean_ids`, read as the mean of the other checkpoint rows."""
+  cache = []
+
+  def mean_row() -> np.ndarray:
+    if not cache:
+      keep = np.setdiff1d(np.arange(source_vocab), mean_ids)
+      cache.append(np.take(array, keep, axis=axis).astype(np.float64).mean(axis=axis,
+                                                                            keepdims=True))
+    return cache[0]
+
+  def read(index):
+    rows = np.arange(target_vocab)[index[axis]]
+    rest = tuple(slice(None) if a == axis else index[a] for a in range(array.ndim))
+    base = array[rest]
+    out = np.broadcast_to(mean_row()[rest], _with_axis(base.shape, axis, len(rows)))
+    out = out.astype(dtype)
+    from_file = (rows < source_vocab) & ~np.isin(rows, mean_ids)
+    if from_file.any():
+      selector = [slice(None)] * array.ndim
+      selector[axis] = np.flatnonzero(from_file)
+      out[tuple(selector)] = np.take(base, rows[from_file], axis=axis)
+    return out
+
+  return read
+
+
+def _with_axis(shape: tuple[int, ...], axis: int, size: int) -> tuple[int, ...]:
+  return tuple(size if a == axis else s for a, s in enumerate(shape))
+
+
+def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def load_checkpoint(folder: str, mesh: Mesh | None = None, vocab_size: int | None = None,
+                    mean_init_ids: Sequence[int] = (),
+                    **config_overrides: Any) -> tuple[ModelConfig, Any]:
+  """Returns (config, params) of an HF folder, params sharded over `mesh` (default: 1 device).
+
+  `vocab_size` grows the vocabulary to fit added tokens (e.g. `CoATokenizer.vocab_size`);
+  new rows, and rows listed in `mean_init_ids`, start as the mean embedding. Other
+  `config_overrides` set numerics such as dtype, param_dtype, remat or attention_impl.
+  """
+  config = from_hf_config(read_hf_config(folder), **config_overrides)
+  if vocab_size is not None and vocab_size > config.vocab_size:
+    config = config.replace(vocab_size=vocab_size)
+  if mesh is None:
+    mesh = sharding_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  sharding_lib.check_model_fits_mesh(config, mesh)
+  shardings = param_shardings(Transformer(config), mesh)
+  return config, load_params(folder, config, shardings, mean_init_ids)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  """Returns the full value of a (possibly multi-host) global array on every host."""
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_checkpoint(folder: str, config: ModelConfig, params: Any, dtype: str = "bfloat16",
+                    max_shard_bytes: int = 4 << 30) -> list[str]:
+  """Writes params as an HF folder (config.json + safetensors, sharded with an index if large).
+
+  Arrays are fetched one layer slice at a time; every process takes part in the gathers,
+  process 0 writes. Returns the written safetensors file names.
+  """
+  np_dtype = np.dtype(jax.numpy.dtype(dtype))
+  items = []
+  for t in _tensor_map(config):
+    array = _lookup(params, t.path)
+    for i, name in enumerate(_names(t, config)):
+      piece = (lambda a=array, i=i: a[i]) if t.stacked else (lambda a=array: a)
+      items.append((name, t.hf_shape, np_dtype,
+                    lambda piece=piece, t=t: t.to_hf(_to_host(piece()))))
+  shards: list[list] = [[]]
+  size = 0
+  for item in items:
+    nbytes = int(np.prod(item[1])) * np_dtype.itemsize
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(item)
+    size += nbytes
+  files = ([SINGLE_FILE] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  writer = jax.process_index() == 0
+  if writer:
+    os.makedirs(folder, exist_ok=True)
+  total = 0
+  for file, shard in zip(files, shards):
+    if writer:
+      total += write_safetensors(os.path.join(folder, file), shard, {"format": "pt"})
+    else:  # take part in the collective gathers without writing
+      for *_, produce in shard:
+        produce()
+  if writer:
+    with open(os.path.join(folder, "config.json"), "w") as f:
+      json.dump(to_hf_config(config, torch_dtype=dtype), f, indent=2)
+    if len(files) > 1:
+      weight_map = {item[0]: file for file, shard in zip(files, shards) for item in shard}
+      with open(os.path.join(folder, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  if jax.process_count() > 1:  # no process reads the folder before process 0 has written it
+    multihost_utils.sync_global_devices(f"hf export {folder}")
+  return files
+
+
+def load_model(config: Any, tokenizer, mesh) -> tuple[ModelConfig, Any]:
+  """Returns (model config, params) from the HF folder config.model.checkpoint, or (model
+  config, None) for a fresh model built from config.model; the vocabulary covers the
+  tokenizer's."""
+  sharding_lib.check_attention(config.model.get("attention_impl", "xla"), mesh)
+  if config.model.get("checkpoint"):
+    overrides = {k: v for k, v in config.model.items() if k not in ("preset", "checkpoint")}
+    return load_checkpoint(config.model.checkpoint, mesh,
+                           vocab_size=tokenizer.vocab_size, **overrides)
+  model_config = build_config(config.model)
+  if model_config.vocab_size < tokenizer.vocab_size:
+    model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
+  sharding_lib.check_model_fits_mesh(model_config, mesh)
+  return model_config, None

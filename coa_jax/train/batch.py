@@ -1,0 +1,65 @@
+"""The typed batches that jitted steps take: pytrees of (B, T) arrays, sharded over rows.
+
+`TokenBatch` is next-token training data (SFT's packed rows, the LM demo); `PolicyBatch` adds
+what a policy-gradient update needs. Leaves are numpy arrays on the host and global jax
+Arrays once sharded (`runtime.sharding.shard_batch`); a field left None is absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any  # np.ndarray on the host, jax.Array on devices
+
+
+@flax.struct.dataclass
+class TokenBatch:
+  """Row b predicts targets[b, t] from input_ids[b, :t + 1]; loss_mask marks the tokens that
+  count; positions restart and segment_ids change at each packed sequence (0: padding)."""
+
+  input_ids: Array  # (B, T) int32
+  targets: Array  # (B, T) int32
+  loss_mask: Array  # (B, T) int32
+  positions: Array  # (B, T) int32
+  segment_ids: Array  # (B, T) int32
+
+  @classmethod
+  def concatenate(cls, parts: list[Any]) -> Any:
+    """Returns the batches in `parts` stacked row-wise (host arrays)."""
+    return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *parts)
+
+
+@flax.struct.dataclass
+class PolicyBatch(TokenBatch):
+  """A rollout mini-batch: sampled tokens (loss_mask) with their advantages.
+
+  sampler_logp: the log-probs the sampler drew each token with; old_logp: the rollout policy's
+  teacher-forced log-probs, recomputed before the update (the ratio's denominator); ref_logp:
+  the reference policy's (only with a KL term); group: each row's prompt-group id.
+  """
+
+  sampler_logp: Array = None  # (B, T) float32
+  advantages: Array = None  # (B, T) float32
+  group: Array = None  # (B,) int32
+  old_logp: Array = None  # (B, T) float32
+  ref_logp: Array = None  # (B, T) float32
+
+
+def abstract_batch(cls: type, batch_size: int, seq_len: int, sharding: Any) -> Any:
+  """Returns a batch of `cls` as ShapeDtypeStructs in `sharding` (for ahead-of-time lowering);
+  a PolicyBatch gets every field but ref_logp."""
+  def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+  tokens = {name: spec((batch_size, seq_len), jnp.int32)
+            for name in ("input_ids", "targets", "loss_mask", "positions", "segment_ids")}
+  if cls is TokenBatch:
+    return TokenBatch(**tokens)
+  floats = {name: spec((batch_size, seq_len), jnp.float32)
+            for name in ("sampler_logp", "advantages", "old_logp")}
+  return PolicyBatch(**tokens, **floats, group=spec((batch_size,), jnp.int32))

@@ -1,0 +1,207 @@
+"""The job scaffold: resume, preemption save, progress, metrics, checkpoints and HF export.
+
+A training job (SFT, DAPO) is a `Job` (its state, a step function that draws its own batches,
+and what a checkpoint keeps beside the state) and a `LoopConfig`; `run_loop` does the rest:
+
+- resumes from the newest checkpoint in `checkpoint.directory` (train state and job data);
+- runs steps until `steps`, or `stop_after` more of them (a time-limited invocation), or the
+  job's data run out;
+- prints a progress line every `log_every` steps with its rate and ETA, and writes every
+  step's metrics to workdir/metrics.jsonl and TensorBoard events (clu metric writers);
+- saves a checkpoint every `checkpoint.every` steps, at the last step, and on SIGTERM (then
+  stops cleanly); a non-finite loss stops with NonFiniteLossError, leaving the last good
+  checkpoint as it was;
+- plots the metrics (PNG) and, once all `steps` are done, exports an HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Protocol, Sequence
+
+import jax
+
+from coa_jax.model import ModelConfig
+from coa_jax.runtime import hf_checkpoint
+from coa_jax.runtime.checkpointing import Checkpointer, PreemptionFlag
+from coa_jax.runtime.distributed import say
+from coa_jax.train.state import TrainState
+from coa_jax.train.step import NonFiniteLossError
+
+
+class Job(Protocol):
+  """What `run_loop` drives: the train state, one step and the data a checkpoint keeps."""
+
+  state: TrainState
+
+  def step(self, step: int) -> dict[str, float]:
+    """Runs step `step` (1-based) and returns its metrics; raises StopIteration when the data
+    are exhausted and NonFiniteLossError when the update was not applied."""
+
+  def data_state(self, step: int) -> dict[str, Any]:
+    """Returns what a checkpoint keeps beside the train state (may be a collective)."""
+
+  def restore(self, state: TrainState, data_state: dict[str, Any]) -> int:
+    """Takes a restored checkpoint; returns the last step it completed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """The loop's settings; `checkpoint` holds directory, every, max_to_keep and async_save (None:
+  no checkpoints, no resume)."""
+
+  steps: int
+  workdir: str
+  checkpoint: Any
+  log_every: int = 10
+  stop_after: int = 0  # end this invocation after this many steps (0: run to `steps`)
+  export_dir: str = ""
+  export_dtype: str = "bfloat16"
+  unit: str = "tokens"  # what `units_per_step` counts, for the rate
+  units_per_step: float = 0.0
+  shown: Sequence[str] = ()  # the metrics in progress lines (all when empty)
+  plot_keys: Sequence[str] = ("loss",)
+  plot_file: str = "metrics.png"  # in workdir
+  title: str = ""
+
+
+@dataclasses.dataclass
+class LoopResult:
+  """What a run did: steps (the last one completed), the metrics of this invocation's steps,
+  and the paths it wrote."""
+
+  steps: int
+  resumed_from: int
+  stopped_by_signal: bool
+  train_seconds: float
+  rows: list[dict[str, float]]
+  metrics: str
+  plot: str | None = None
+  export_dir: str | None = None
+
+  def summary(self) -> dict[str, Any]:
+    """Returns what a job's summary reports of the run (the paths it wrote, when it did)."""
+    out = dict(steps=self.steps, resumed_from=self.resumed_from,
+               stopped_by_signal=self.stopped_by_signal, train_seconds=self.train_seconds,
+               metrics=self.metrics)
+    out.update({k: v for k, v in (("plot", self.plot), ("export_dir", self.export_dir)) if v})
+    return out
+
+
+class _Progress:
+  """Prints `step i/n  metrics  rate  ETA` every `every` steps (and at the last one)."""
+
+  def __init__(self, total: int, every: int, unit: str, shown: Sequence[str]):
+    self.total, self.every, self.unit, self.shown = total, max(every, 1), unit, tuple(shown)
+    self.start = self.last = time.perf_counter()
+    self.first: int | None = None
+    self.units = 0.0
+
+  def update(self, step: int, metrics: dict[str, float], units: float) -> None:
+    now = time.perf_counter()
+    self.first = step if self.first is None else self.first
+    self.units += units
+    if step % self.every and step != self.total:
+      return
+    rate = self.units / max(now - self.last, 1e-9)
+    eta = (now - self.start) / (step - self.first + 1) * (self.total - step)
+    shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()
+                      if not self.shown or k in self.shown)
+    say(f"step {step}/{self.total}  {shown}  {rate:,.0f} {self.unit}/s  ETA {eta:.0f}s")
+    self.last, self.units = now, 0.0
+
+
+def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
+             model_config: ModelConfig) -> LoopResult:
+  """Runs `job` per `config` (see the module docstring); `abstract_state` is the train state's
+  shapes and shardings, which a restore reads into."""
+  from coa_jax.train import writers  # TensorFlow (TensorBoard events) loads with the first job
+
+  ckpt = config.checkpoint
+  checkpointer = ckpt and Checkpointer(ckpt.directory, ckpt.max_to_keep, ckpt.async_save)
+  start = 0
+  restored = checkpointer and checkpointer.restore_latest(abstract_state)
+  if restored is not None:
+    start = job.restore(*restored)
+    say(f"resumed from step {start} in {checkpointer.directory}")
+  last = min(config.steps, start + config.stop_after) if config.stop_after else config.steps
+  os.makedirs(config.workdir, exist_ok=True)
+  active = jax.process_index() == 0
+  writer = writers.open_writer(config.workdir, append=restored is not None, active=active)
+  progress = _Progress(config.steps, config.log_every, config.unit, config.shown)
+  rows: list[dict[str, float]] = []
+  completed, stopped_by_signal = start, False
+  t0 = previous = time.perf_counter()
+  try:
+    with PreemptionFlag() as preempted:
+      for step in range(start + 1, last + 1):
+        try:
+          metrics = job.step(step)
+        except StopIteration:
+          say(f"data exhausted at step {step - 1}")
+          break
+        except NonFiniteLossError as e:
+          if checkpointer:
+            raise NonFiniteLossError(f"{e}; the last good checkpoint in "
+                                     f"{checkpointer.directory} is intact") from None
+          raise
+        now = time.perf_counter()
+        row = {**metrics, "time": round(now - t0, 4)}
+        if config.units_per_step:
+          row[f"{config.unit}_per_s"] = round(config.units_per_step / max(now - previous, 1e-9),
+                                             2)
+        previous = now
+        rows.append(row)
+        writer.write_scalars(step, row)
+        progress.update(step, metrics, config.units_per_step)
+        if checkpointer and (step % ckpt.every == 0 or step == last or preempted.requested):
+          checkpointer.save(step, job.state, job.data_state(step), force=preempted.requested)
+        completed = step
+        if preempted.requested:
+          stopped_by_signal = True
+          break
+  finally:
+    writer.close()
+    if checkpointer:
+      checkpointer.close()
+  result = LoopResult(steps=completed, resumed_from=start, stopped_by_signal=stopped_by_signal,
+                      train_seconds=round(time.perf_counter() - t0, 2), rows=rows,
+                      metrics=os.path.join(config.workdir, "metrics.jsonl"))
+  if rows and active:
+    result.plot = plot_metrics(result.metrics, os.path.join(config.workdir, config.plot_file),
+                               config.plot_keys, config.title)
+  if config.export_dir and completed == config.steps:
+    hf_checkpoint.save_checkpoint(config.export_dir, model_config, job.state.params,
+                                  dtype=config.export_dtype)
+    result.export_dir = config.export_dir
+    say(f"exported HF checkpoint to {config.export_dir}")
+  return result
+
+
+def plot_metrics(path: str, png_path: str, keys: Sequence[str], title: str = "") -> str | None:
+  """Writes a PNG of `keys` against step from the JSONL metrics at `path` (every invocation of a
+  resumed job); returns its path, or None without matplotlib."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    say("matplotlib is not installed (pip install 'coa-jax[plots]'): no plot written")
+    return None
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
+  for ax, key in zip(axes[0], keys):
+    ax.plot([r["step"] for r in rows], [r.get(key, float("nan")) for r in rows])
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.grid(alpha=0.3)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=100)
+  plt.close(fig)
+  return png_path
