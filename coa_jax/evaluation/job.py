@@ -207,6 +207,9 @@ def run(config: Any) -> dict[str, Any]:
                 for task_id, samples in part.items()}
   else:
     raise ConfigError(f"evaluate system={config.system!r}: expected 'model' or 'teacher'")
+  # In task-file order: groups finish in an order that tool and thread timing move, and the
+  # metrics' float sums (and samples.jsonl) must not depend on it.
+  outcomes = {task.id: outcomes[task.id] for task in tasks if task.id in outcomes}
   metrics = summarize(outcomes, k)
   families = {task.id: task.data["family"] for task in tasks if "family" in task.data}
   if families:
