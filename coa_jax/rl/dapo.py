@@ -52,6 +52,7 @@ from coa_jax.runtime.distributed import say
 from coa_jax.train import LoopConfig, NonFiniteLossError, optimizer, run_loop
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
+from coa_jax.train.step import run_step
 from tools_env import build_registry
 
 PLOT_KEYS = ("reward", "accuracy", "response_len", "entropy", "clip_high", "clip_low")
@@ -234,11 +235,7 @@ class Trainer:
     mini_batches, health = self._with_old_logprobs(mini_batches)
     update_metrics = []
     for batch in mini_batches:
-      self.state, metrics = self.update(self.state, batch)
-      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      if not metrics.pop("is_finite"):
-        raise NonFiniteLossError(f"non-finite DAPO loss or gradient at step {step} ({metrics}); "
-                                 f"the update was not applied")
+      self.state, metrics = run_step(self.update, self.state, batch, step)
       update_metrics.append(metrics)
     if rl.track_prompts:
       for group in generated:

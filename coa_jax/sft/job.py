@@ -21,7 +21,6 @@ from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
 from coa_jax.train.loop import LoopConfig, run_loop
-from coa_jax.train.step import NonFiniteLossError
 
 
 def _model_and_params(config: Any, tokenizer, mesh, tx, rng):
@@ -42,11 +41,8 @@ class SFTJob:
 
   def step(self, step: int) -> dict[str, float]:
     batch = next(self.batches)  # StopIteration ends the run: the data are exhausted
-    self.state, metrics = self.step_fn(self.state, sharding.shard_batch(batch, self.mesh))
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    if not metrics.pop("is_finite"):
-      raise NonFiniteLossError(f"non-finite loss or gradient at step {step} ({metrics}); the "
-                               f"update was not applied")
+    self.state, metrics = step_lib.run_step(self.step_fn, self.state,
+                                            sharding.shard_batch(batch, self.mesh), step)
     return metrics
 
   def data_state(self, step: int) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
 from coa_jax.train.loop import LoopConfig, run_loop
-from coa_jax.train.step import NonFiniteLossError
 
 
 def counting_sequences(rng: np.random.Generator, rows: int, length: int,
@@ -43,10 +42,7 @@ class _CountingJob:
   def step(self, step: int) -> dict[str, float]:
     rows = counting_sequences(self.rng, *self.shape)
     batch = sharding.shard_batch(step_lib.next_token_batch(rows), self.mesh)
-    self.state, metrics = self.step_fn(self.state, batch)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    if not metrics.pop("is_finite"):
-      raise NonFiniteLossError(f"non-finite loss or gradient at step {step}: {metrics}")
+    self.state, metrics = step_lib.run_step(self.step_fn, self.state, batch, step)
     return metrics
 
   def data_state(self, step: int) -> dict[str, Any]:
