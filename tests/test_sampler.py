@@ -210,3 +210,15 @@ def test_the_cache_puts_kv_heads_first_on_cpu_only_without_query_groups(mesh1):
   ungrouped = build_config({"preset": "tiny", "num_kv_heads": 4})
   assert Sampler(ungrouped, mesh1, batch_size=4, cache_size=64, chunk=6,
                  stop_ids=()).cache_heads_first
+
+
+def test_sampling_params_in_the_compute_dtype_sample_exactly_as_the_master_weights(mesh1):
+  config = CONFIG.replace(dtype="bfloat16", param_dtype="float32")
+  master = init_params(Transformer(config), mesh1, jax.random.key(0))
+  s = Sampler(config, mesh1, batch_size=4, cache_size=64, chunk=6, stop_ids=(),
+              sampling=SamplingConfig(temperature=1.0))
+  cast = s.sampling_params(master)
+  assert {x.dtype for x in jax.tree_util.tree_leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+  # the same tokens with the same log-probs
+  jax.tree_util.tree_map(np.testing.assert_array_equal, run_episode(s, cast),
+                         run_episode(s, master))

@@ -241,7 +241,9 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
   mesh = sharding.make_mesh((1, len(local) // tensor, tensor), devices=local)
   sampler = Sampler(config, mesh, batch_size=rows, cache_size=cache_size, chunk=chunk,
                     stop_ids=(0,), sampling=SamplingConfig(temperature=1.0))
-  params = state_lib.abstract_placed_params(Transformer(config), mesh)
+  # The sampler holds its weights in the compute dtype (Sampler.sampling_params).
+  params = state_lib.abstract_placed_params(Transformer(config.replace(param_dtype=config.dtype)),
+                                            mesh)
   state = sampler.abstract_state()
   key = jax.eval_shape(lambda: jax.random.key(0))
   nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))

@@ -159,8 +159,8 @@ class Trainer:
   def _rollouts(self, tasks: list[Task], key: jax.Array) -> list[ScoredGroup]:
     """Returns the scored groups of this host's share of `tasks` (in task order), rolled out
     with the current params from `key`."""
-    self.engine.params = sharding.to_host_mesh(self.state.params, self.mesh, self.host,
-                                               self.host_shardings)
+    self.engine.params = self.engine.sampler.sampling_params(sharding.to_host_mesh(
+        self.state.params, self.mesh, self.host, self.host_shardings))
     self.engine.key = key
     mine = tasks[self.host_index::self.hosts]
     order = {task.id: i for i, task in enumerate(mine)}

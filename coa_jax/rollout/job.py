@@ -55,8 +55,8 @@ def build(config: Any, tokenizer: Any = None) -> tuple[Rollout, Any]:
                     chunk=config.chunk, stop_ids=rollout.stop_ids(tokenizer),
                     sampling=SamplingConfig(**config.sampling))
   tools = tools_registry.build_registry(config.tools.to_dict())
-  engine = Rollout(sampler, params, tokenizer, tools, rollout_config, config.system_prompt,
-                   seed=config.seed)
+  engine = Rollout(sampler, sampler.sampling_params(params), tokenizer, tools, rollout_config,
+                   config.system_prompt, seed=config.seed)
   return engine, tokenizer
 
 
