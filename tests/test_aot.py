@@ -101,3 +101,17 @@ def test_the_32b_dapo_decode_step_compiles_scaled_down_on_one_host():
   assert report.cache_bytes == kv // 4
   assert report.argument_bytes >= report.param_bytes + report.cache_bytes and report.fits
   assert report.step_seconds > 0 and "KV cache 256 tokens" in report.format()
+
+
+def test_the_decode_chunk_updates_the_kv_cache_in_place():
+  """A guard: a decode call that copies the donated cache (a layout change on entry, a write
+  that is not in place) needs temporaries of at least the cache's size."""
+  from coa_jax.model import build_config
+  from configs import dapo_qwen2_5_32b
+
+  config = dapo_qwen2_5_32b.get_config()
+  model = build_config(config.model).replace(num_layers=4)  # the 32B's widths, 4 layers
+  report = aot.decode_report("32b-4-layers", model, "v5p:4x4x4", tensor=4, rows=32,
+                             cache_size=16384, chunk=64)
+  assert report.cache_bytes == 2 * hardware.GIB  # K and V: 4 x 32 x 16384 x 8 x 128 bf16 / 4
+  assert report.temp_bytes < report.cache_bytes / 2, report.format()
