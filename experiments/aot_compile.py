@@ -19,6 +19,7 @@ from ml_collections import config_flags
 from coa_jax.model import build_config
 from coa_jax.perf import aot
 from coa_jax.rl import dapo
+from coa_jax.rollout.sampler import bucket
 from coa_jax.rollout.tool_loop import RolloutConfig
 from coa_jax.runtime import sharding
 from configs import aot_train
@@ -49,12 +50,17 @@ def main(argv):
                           loss_config)
   print(report.format())
   out = {"train": dict(dataclasses.asdict(report), peak_bytes=report.peak_bytes,
-                       fits=report.fits, implied_mfu=report.implied_mfu)}
+                       fits=report.fits, implied_mfu=report.implied_mfu,
+                       roofline_seconds=report.roofline.seconds,
+                       projected_mfu=report.projected_mfu)}
   if "rl" in config:
     hosts = len({d.process_index for d in aot.topology_devices(config.topology)})
-    decode = aot.decode_report(config.model.preset, model, config.topology, config.mesh.tensor,
-                               config.batch_size // hosts,
-                               RolloutConfig(**config.rollout).cache_size, config.chunk)
+    rollout, rows = RolloutConfig(**config.rollout), config.batch_size // hosts
+    decode = aot.decode_report(
+        config.model.preset, model, config.topology, config.mesh.tensor, rows,
+        rollout.cache_size, config.chunk,
+        prefill=(bucket(rows // rollout.group_size, 1), bucket(rollout.max_prompt_tokens)),
+        extend=(bucket(rows, 1), rollout.observation_bucket))
     print(decode.format())
     out["decode"] = dict(dataclasses.asdict(decode), peak_bytes=decode.peak_bytes,
                          fits=decode.fits, step_seconds=decode.step_seconds)

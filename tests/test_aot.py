@@ -94,24 +94,30 @@ def test_the_32b_dapo_decode_step_compiles_scaled_down_on_one_host():
   model = build_config(config.model).replace(num_layers=2, hidden_size=512,
                                              intermediate_size=1024, vocab_size=4096)
   report = aot.decode_report("32b-scaled", model, "v5e:4x4", tensor=2, rows=8, cache_size=256,
-                             chunk=8)
-  assert report.host_devices == 4 and report.mesh == {"data": 1, "fsdp": 2, "tensor": 2}
+                             chunk=8, prefill=(1, 64), extend=(8, 32))
+  assert report.host_devices == 4 and report.mesh == {"data": 2, "fsdp": 1, "tensor": 2}
   # K and V: layers x rows x cache x kv heads x head dim, bf16, split over the host's 4 devices
   kv = 2 * 2 * 8 * 256 * model.num_kv_heads * model.head_dim * 2
   assert report.cache_bytes == kv // 4
   assert report.argument_bytes >= report.param_bytes + report.cache_bytes and report.fits
+  assert set(report.temp_bytes) == {"decode", "prefill", "extend"}
   assert report.step_seconds > 0 and "KV cache 256 tokens" in report.format()
 
 
-def test_the_decode_chunk_updates_the_kv_cache_in_place():
-  """A guard: a decode call that copies the donated cache (a layout change on entry, a write
-  that is not in place) needs temporaries of at least the cache's size."""
+def test_the_32b_rollout_programs_fit_one_v5p_host_and_update_the_kv_cache_in_place():
+  """The pod-fit row of dapo_qwen2_5_32b's rollout, compiled at full size, and a guard: a
+  program that copies the cache (a layout change at the call or for the attention at every
+  token, a write not in place, an extend gathering rows) shows a copy of a layer's cache or
+  temporaries of the cache's size."""
   from coa_jax.model import build_config
   from configs import dapo_qwen2_5_32b
 
   config = dapo_qwen2_5_32b.get_config()
-  model = build_config(config.model).replace(num_layers=4)  # the 32B's widths, 4 layers
-  report = aot.decode_report("32b-4-layers", model, "v5p:4x4x4", tensor=4, rows=32,
-                             cache_size=16384, chunk=64)
-  assert report.cache_bytes == 2 * hardware.GIB  # K and V: 4 x 32 x 16384 x 8 x 128 bf16 / 4
-  assert report.temp_bytes < report.cache_bytes / 2, report.format()
+  report = aot.decode_report("qwen2_5_32b", build_config(config.model), "v5p:4x4x4", tensor=4,
+                             rows=32, cache_size=16384, chunk=64, prefill=(2, 2048),
+                             extend=(32, 4096))
+  assert report.cache_bytes == 32 * hardware.GIB  # K and V: 64 x 32 x 16384 x 8 x 128 bf16 / 4
+  assert report.cache_copies == 0, report.format()
+  assert max(report.temp_bytes.values()) < report.cache_bytes, report.format()
+  assert report.peak_bytes <= 80 * hardware.GIB, report.format()
+  assert report.compiler_seconds > report.step_seconds  # the roofline is a lower bound

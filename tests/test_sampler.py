@@ -33,9 +33,11 @@ def full_logits(params):
   return lambda seq: np.asarray(apply(jnp.asarray([seq]))[0])
 
 
-def sampler(mesh, sampling=GREEDY, batch_size=4, chunk=6, stop_ids=(), cache_heads_first=None):
+def sampler(mesh, sampling=GREEDY, batch_size=4, chunk=6, stop_ids=(), cache_heads_first=None,
+            extend_tokens=2048):
   return Sampler(CONFIG, mesh, batch_size=batch_size, cache_size=64, chunk=chunk,
-                 stop_ids=stop_ids, sampling=sampling, cache_heads_first=cache_heads_first)
+                 stop_ids=stop_ids, sampling=sampling, cache_heads_first=cache_heads_first,
+                 extend_tokens=extend_tokens)
 
 
 def run_episode(s, params, key=0):
@@ -68,10 +70,13 @@ def run_episode(s, params, key=0):
   return seqs, sampled, state
 
 
-@pytest.mark.parametrize("cache_heads_first", [True, False])  # the CPU and TPU layouts
+# Both cache layouts; and the extend fed one token per call (2 rows, 2 (row, token) pairs).
+@pytest.mark.parametrize("cache_heads_first, extend_tokens", [(True, 2048), (False, 2048),
+                                                              (False, 2)])
 def test_greedy_cached_decoding_equals_full_forward_argmax_across_an_extend(
-    mesh1, params, full_logits, cache_heads_first):
-  seqs, sampled, _ = run_episode(sampler(mesh1, cache_heads_first=cache_heads_first), params)
+    mesh1, params, full_logits, cache_heads_first, extend_tokens):
+  seqs, sampled, _ = run_episode(sampler(mesh1, cache_heads_first=cache_heads_first,
+                                         extend_tokens=extend_tokens), params)
   for row, seq in enumerate(seqs):
     assert len(sampled[row]) == 12 if row in (0, 2) else 6 + 6
     for position, _ in sampled[row]:

@@ -71,24 +71,24 @@ def cache_axes(heads_first: bool) -> tuple[str, ...]:
   return CACHE_LBKSH if heads_first else CACHE_LBSKH
 
 
-def _write(cache, new_LxBxTxKxH, positions_BxT, heads_first: bool):
-  """Returns the cache with new[l, b, t] written at slot positions[b, t] of layer l; writes
-  past the last slot (the padding of a bucketed extend) are dropped.
+def _write(cache, new_LxBxTxKxH, rows_B, positions_BxT, heads_first: bool):
+  """Returns the cache with new[l, b, t, k] written at row rows[b], slot positions[b, t] of
+  layer l, kv head k; writes past the last row or slot (the padding of a bucketed extend) are
+  dropped.
 
-  Every (layer, row, slot) is indexed, so each written window is one slot's (kv head, head
-  dim) block, the minor dims of the cache. Left to index rows and slots only, the window
-  spans the layers too, and the TPU compiler lays the cache out with layers minor to match:
-  a whole copy of the donated cache at every decode call (32 GiB per chip in the 32B decode).
+  Every (layer, row, slot, kv head) is indexed, so each written window is one head-dim vector,
+  the cache's minor dim, in either layout. With wider windows (all layers, say) the TPU
+  compiler lays the cache out to suit the write rather than the attention, and copies the
+  whole donated cache at every decode call or every token.
   """
-  layers = cache.shape[0]
+  layers, kv_heads = cache.shape[0], new_LxBxTxKxH.shape[3]
   batch, seq = positions_BxT.shape
-  index = lambda a: jnp.broadcast_to(a, (layers, batch, seq))
-  layer_LxBxT = index(jnp.arange(layers)[:, None, None])
-  row_LxBxT = index(jnp.arange(batch)[None, :, None])
-  slot_LxBxT = index(positions_BxT[None])
-  # Index arrays apart (heads first) still put their dims first: the update is (L, B, T, K, H).
-  where = ((layer_LxBxT, row_LxBxT, slice(None), slot_LxBxT) if heads_first
-           else (layer_LxBxT, row_LxBxT, slot_LxBxT))
+  index = lambda a: jnp.broadcast_to(a, (layers, batch, seq, kv_heads))
+  layer = index(jnp.arange(layers)[:, None, None, None])
+  row = index(rows_B[None, :, None, None])
+  slot = index(positions_BxT[None, :, :, None])
+  head = index(jnp.arange(kv_heads)[None, None, None, :])
+  where = (layer, row, head, slot) if heads_first else (layer, row, slot, head)
   return cache.at[where].set(new_LxBxTxKxH.astype(cache.dtype), unique_indices=True,
                              mode="drop")
 
@@ -215,9 +215,9 @@ class Mlp(nn.Module):
 class DecoderLayer(nn.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); scan-compatible.
 
-  With a KV cache the scan carry is (x, k_all, v_all, layer): the layer reads its slice of
-  the whole cache, passes the cache on unchanged and returns x's new keys and values as the
-  scan output. (Carrying the cache, rather than scanning over it, lets XLA update it in place
+  With a KV cache the scan carry is (x, k_all, v_all, layer, rows): the layer reads its
+  slice of the whole cache (the cache rows `rows` of x's rows, or all of them when None),
+  passes the cache on unchanged and returns x's new keys and values as the scan output. (Carrying the cache, rather than scanning over it, lets XLA update it in place
   after the loop instead of copying it to keep the loop's input alive.)
   """
 
@@ -232,8 +232,9 @@ class DecoderLayer(nn.Module):
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
     cache = None
     if cached:
-      _, k_all, v_all, layer = carry
-      cache = (k_all[layer], v_all[layer])
+      _, k_all, v_all, layer, rows = carry
+      read = lambda a: a[layer] if rows is None else jnp.take(a[layer], rows, 0, mode="clip")
+      cache = (read(k_all), read(v_all))
     attended = Attention(cfg, name="attn")(norm("input_norm")(x_BxTxD), positions_BxT,
                                            segment_ids_BxT, cache, self.cache_heads_first)
     new_kv = None
@@ -242,7 +243,7 @@ class DecoderLayer(nn.Module):
     x_BxTxD = x_BxTxD + attended
     x_BxTxD = x_BxTxD + Mlp(cfg, name="mlp")(norm("post_attn_norm")(x_BxTxD))
     x_BxTxD = nn.with_logical_constraint(x_BxTxD, ACT_BTD)
-    return ((x_BxTxD, k_all, v_all, layer + 1) if cached else x_BxTxD), new_kv
+    return ((x_BxTxD, k_all, v_all, layer + 1, rows) if cached else x_BxTxD), new_kv
 
 
 class Transformer(nn.Module):
@@ -252,7 +253,7 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids_BxT, positions_BxT=None, segment_ids_BxT=None,
-               cache: KVCache | None = None):
+               cache: KVCache | None = None, cache_rows_B: jax.Array | None = None):
     """Returns next-token logits; positions default to 0..T-1, segment ids to one segment.
 
     With `segment_ids_BxT` (packed rows; 0 may mark padding) a token attends only to earlier
@@ -260,7 +261,9 @@ class Transformer(nn.Module):
 
     With `cache` (decoding), row b's tokens sit at consecutive positions starting anywhere;
     their keys and values are written into the cache at those slots, each token attends to
-    the slots up to its own position, and (logits, updated cache) is returned.
+    the slots up to its own position, and (logits, updated cache) is returned. Row b uses
+    cache row `cache_rows_B[b]` (default: row b), so a few rows extend a large cache in place;
+    rows past the cache's last one read its last row and write nothing.
     """
     cfg = self.config
     if cfg.attention_impl == "cudnn" and jax.default_backend() != "gpu":
@@ -290,10 +293,11 @@ class Transformer(nn.Module):
       # so the cache is updated in place rather than copied through the layer loop.
       k_all = nn.with_logical_constraint(cache.k, cache.axes)
       v_all = nn.with_logical_constraint(cache.v, cache.axes)
-      (x_BxTxD, k_all, v_all, _), (k_new, v_new) = layers(
-          (x_BxTxD, k_all, v_all, jnp.int32(0)), positions_BxT, segment_ids_BxT)
-      cache = cache.replace(k=_write(k_all, k_new, positions_BxT, cache.heads_first),
-                            v=_write(v_all, v_new, positions_BxT, cache.heads_first))
+      (x_BxTxD, k_all, v_all, *_), (k_new, v_new) = layers(
+          (x_BxTxD, k_all, v_all, jnp.int32(0), cache_rows_B), positions_BxT, segment_ids_BxT)
+      rows_B = jnp.arange(x_BxTxD.shape[0]) if cache_rows_B is None else cache_rows_B
+      cache = cache.replace(k=_write(k_all, k_new, rows_B, positions_BxT, cache.heads_first),
+                            v=_write(v_all, v_new, rows_B, positions_BxT, cache.heads_first))
     x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype,
                       name="final_norm")(x_BxTxD)
 
