@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+GPU_AOT_STAMP := $(VENV)/.installed-gpu-aot
 # JAX picks the accelerator when there is one; on a machine without, say so up front (libtpu,
 # installed for ahead-of-time TPU compiles, would otherwise probe for a TPU at start-up).
 ACCELERATOR := $(wildcard /dev/accel0 /dev/vfio/0 /dev/nvidia0)
@@ -13,8 +14,11 @@ export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 # main job (docs/pipeline.md).
 LOCK := requirements.lock
 EXTRAS := test,tpu,plots,tfds
+# `make pod-fit` adds gpu-aot (XLA:GPU and cuDNN for ahead-of-time GPU compiles, 2 GB) to the
+# same locked environment; `make lock` resolves it too.
+LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline distill evaluate bench bench-tools bench-rollout aot clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline distill evaluate bench bench-tools bench-rollout aot pod-fit clean
 
 $(STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it (or as non-root)
@@ -31,7 +35,7 @@ $(STAMP): setup.py $(LOCK)
 lock:
 	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
 	.lock-venv/bin/pip install --quiet --upgrade pip
-	.lock-venv/bin/pip install --quiet -e ".[$(EXTRAS)]"
+	.lock-venv/bin/pip install --quiet -e ".[$(LOCK_EXTRAS)]"
 	{ echo "# pip constraints: the exact versions 'make install' installs; regenerate with 'make lock'."; \
 	  echo "# Resolved $$(date -u +%Y-%m-%d) with $$(.lock-venv/bin/python --version) on $$(uname -m)."; \
 	  .lock-venv/bin/pip freeze --exclude-editable; } > $(LOCK)
@@ -84,6 +88,15 @@ bench-tools: $(STAMP)
 
 aot: $(STAMP)
 	$(BIN)/python experiments/aot_compile.py $(ARGS)
+
+$(GPU_AOT_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -c $(LOCK) -e ".[$(LOCK_EXTRAS)]"
+	touch $(GPU_AOT_STAMP)
+
+# The pod-fit table: every shipped TPU and GPU config compiled ahead of time for its slice, on
+# this CPU (docs/tpu.md); writes runs/pod_fit/pod_fit.json and pod_fit.md.
+pod-fit: $(GPU_AOT_STAMP)
+	$(BIN)/python experiments/pod_fit.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.10",
     # configs: the shipped experiment configs that the entry points in experiments/ load.
     packages=find_packages(include=["coa_jax", "coa_jax.*", "tools_env", "tools_env.*", "configs"]),
-    package_data={"coa_jax": ["assets/*.jsonl"], "tools_env": ["data/*.jsonl"]},
+    package_data={"coa_jax": ["assets/*.jsonl", "perf/gpu_targets/*.txtpb"], "tools_env": ["data/*.jsonl"]},
     install_requires=[
         "jax>=0.10.2",
         "flax>=0.12",
@@ -37,5 +37,9 @@ setup(
         "tpu": ["jax[tpu]>=0.10.2"],
         "tfds": ["tensorflow-datasets>=4.9", "array_record"],
         "plots": ["matplotlib"],
+        # Ahead-of-time compiles for NVIDIA GPUs on a machine without one (`make pod-fit`):
+        # XLA:GPU as a PJRT plugin, and cuDNN, which JAX asks for before it lowers cuDNN
+        # attention. Not for running on GPUs: install jax[cuda12] there (docs/gpus.md).
+        "gpu-aot": ["jax-cuda12-plugin>=0.10.2", "nvidia-cudnn-cu12>=9.8"],
     },
 )

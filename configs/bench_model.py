@@ -1,4 +1,5 @@
-"""Train-step benchmark: coa-jax vs HF transformers (PyTorch) on the same shapes (CPU)."""
+"""Train-step and decode benchmarks: coa-jax vs HF transformers (PyTorch) on the same shapes,
+on the CPU (make bench, make bench-rollout). configs/bench_model_gpu.py is the GPU variant."""
 
 import ml_collections
 
@@ -20,6 +21,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.warmup_steps = 2
   config.steps = {"tiny": 20, "qwen2_100m": 4}
   config.optimizer = common.optimizer(learning_rate=1e-4, schedule="constant")
+  # Decoding (experiments/bench_rollout.py): greedy, for each batch size a prompt, then rounds
+  # of new tokens with an observation appended between rounds (a tool's answer).
+  config.decode = ml_collections.ConfigDict(dict(
+      batches=[1, 8, 64], prompt_len=64, new_tokens=64, rounds=2, observation_len=32))
   config.torch_threads = 0  # 0: all cores
   config.output = "runs/bench/bench_model.json"
   return config

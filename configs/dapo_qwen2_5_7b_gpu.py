@@ -13,9 +13,12 @@ def get_config() -> ml_collections.ConfigDict:
                               remat="full", attention_impl="cudnn")
   config.model.checkpoint = "/ckpt/afm-sft-qwen2.5-7b"
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=2)
+  config.topology = "h100:8"  # one node of 8 H100s (experiments/aot_compile.py)
   config.batch_size = 128  # decode rows per node
+  # 16 micro-batches of 16 rows: 4 rows of 16k tokens per data x fsdp shard (8 did not fit
+  # an 80 GB H100: 115 GiB per GPU by an ahead-of-time compile).
   config.rl.update(batch_groups=128, prompts_per_round=128, mini_batch_groups=16,
-                   micro_batches=8)
+                   micro_batches=16)
   config.checkpoint.directory = "runs/dapo_qwen2_5_7b_gpu/checkpoints"
   config.workdir = "runs/dapo_qwen2_5_7b_gpu"
   config.export_dir = "runs/dapo_qwen2_5_7b_gpu/hf_export"

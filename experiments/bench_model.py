@@ -1,14 +1,18 @@
-"""Train-step throughput and MFU: coa-jax vs HF transformers (PyTorch) in the same run.
+"""Train-step throughput and MFU: coa-jax vs HF transformers (PyTorch) in the same run, on the
+device JAX runs on (PyTorch on the same kind: the GPU when JAX has one).
 
   python experiments/bench_model.py [--config.batch_size=8 --config.seq_len=512 ...]
+  python experiments/bench_model.py --config=configs/bench_model_gpu.py   # on a GPU
 
-MFU is analytic model FLOPs per second over this CPU's measured float32 matmul peak (the
-faster of JAX's and PyTorch's 2048^3 matmul). Writes a JSON file of the figures.
+MFU is analytic model FLOPs per second over the device's peak: an accelerator's published
+dense bf16 figure, or on a CPU its measured float32 matmul rate (the faster of JAX's and
+PyTorch's 2048^3 matmul). Writes a JSON file of the figures.
 """
 
 import json
 import os
 
+import jax
 from absl import app
 from ml_collections import config_flags
 
@@ -27,10 +31,10 @@ def main(argv):
 
   if config.torch_threads:
     torch.set_num_threads(config.torch_threads)
-  peaks = bench.matmul_peak_flops()
-  peak = max(peaks.values())
-  print(f"matmul peak (float32, 2048^3): JAX {peaks['jax'] / 1e9:.1f} GFLOP/s, "
-        f"PyTorch {peaks['torch'] / 1e9:.1f} GFLOP/s; torch threads {torch.get_num_threads()}")
+  peak, source = bench.peak_flops()
+  device = jax.devices()[0]
+  print(f"device {device.device_kind} (PyTorch on {bench.torch_device()}); peak "
+        f"{peak / 1e12:.3g} TFLOP/s ({source}); torch threads {torch.get_num_threads()}")
   b, t = config.batch_size, config.seq_len
   rows = []
   for name, spec in config.models.items():
@@ -42,16 +46,19 @@ def main(argv):
                                             config.warmup_steps, steps)
     step_flops = flops.train_flops(model_config, b, t)
     row = dict(model=name, params=model_config.num_params(), batch=b, seq_len=t,
+               dtype=model_config.dtype, attention=model_config.attention_impl,
                jax_tokens_per_s=b * t / ours, torch_tokens_per_s=b * t / theirs,
                ratio=theirs / ours, jax_mfu=step_flops / ours / peak,
                torch_mfu=step_flops / theirs / peak)
     rows.append(row)
-    print(f"{name:>11} {row['params'] / 1e6:7.1f}M params  coa-jax {row['jax_tokens_per_s']:9,.0f} "
-          f"tok/s (MFU {row['jax_mfu']:.1%})  HF/PyTorch {row['torch_tokens_per_s']:9,.0f} tok/s "
-          f"(MFU {row['torch_mfu']:.1%})  ratio {row['ratio']:.2f}x", flush=True)
+    print(f"{name:>12} {row['params'] / 1e6:7.1f}M params  coa-jax "
+          f"{row['jax_tokens_per_s']:9,.0f} tok/s (MFU {row['jax_mfu']:.1%})  HF/PyTorch "
+          f"{row['torch_tokens_per_s']:9,.0f} tok/s (MFU {row['torch_mfu']:.1%})  ratio "
+          f"{row['ratio']:.2f}x", flush=True)
   os.makedirs(os.path.dirname(config.output) or ".", exist_ok=True)
   with open(config.output, "w") as f:
-    json.dump(dict(peak_flops=peaks, rows=rows), f, indent=2)
+    json.dump(dict(device=device.device_kind, peak_flops=peak, peak_source=source, rows=rows),
+              f, indent=2)
   print(f"wrote {config.output}")
 
 

@@ -1,13 +1,17 @@
-"""Decode throughput vs HF transformers `generate`, and how much tool latency rollouts hide.
+"""Decode throughput vs HF transformers `generate` with tool-style extends, and how much tool
+latency rollouts hide.
 
-  python experiments/bench_rollout.py [--batches=1,8,64 --prompt_len=64 --new_tokens=128]
+  python experiments/bench_rollout.py [--config=configs/bench_model.py] [--skip_tools]
+  python experiments/bench_rollout.py --config=configs/bench_model_gpu.py --skip_tools  # GPU
 
-1. Greedy decoding of random 64-token prompts for 128 new tokens, prefill included, for the
-   tiny and a ~100M Qwen2-shaped model: coa-jax's Sampler (one prefill + one on-device chunk
-   of 128 steps) against HF transformers `generate` (PyTorch, KV cache on) with the same
-   weights (exported by coa-jax, loaded by transformers), in the same run. Each is also given
-   as a fraction of the matmul-bound ceiling: this CPU's measured matmul FLOP/s over
-   2 x parameters FLOPs per generated token.
+1. Greedy decoding of the config's models (`config.decode`): random prompts, then rounds of
+   new tokens with an observation appended between rounds, prefill and extends included.
+   coa-jax's Sampler (prefill, one on-device chunk per round, an extend between rounds)
+   against HF transformers `generate` (PyTorch, SDPA attention, its static KV cache kept
+   across rounds) with the same weights (exported by coa-jax, loaded by transformers), on the
+   same device kind, in the same run; also how many generated tokens agree. Each is given as
+   a fraction of the matmul-bound ceiling: the device's peak over 2 x parameters FLOPs per
+   generated token.
 2. Rollouts of the SFT demo's model (trained here first if `make demo` has not been run) on
    the shipped tasks, greedy, with the embedded tools answering at once and then after a
    200 ms delay: the extra wall time against the tool latency the samples incurred shows how
@@ -22,87 +26,53 @@ import time
 import jax
 import numpy as np
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from coa_jax.data.tasks import load_tasks
 from coa_jax.model import Transformer, build_config
 from coa_jax.perf import bench
 from coa_jax.rollout import job as rollout_job
-from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket
 from coa_jax.runtime import hf_checkpoint, sharding
 from coa_jax.runtime.sharding import init_params
 from coa_jax.sft import job as sft
 from configs import bench_model, rollout_tiny_cpu, sft_tiny_cpu
 from tools_env import Tool, ToolRegistry
 
-_BATCHES = flags.DEFINE_list("batches", ["1", "8", "64"], "decode batch sizes")
-_PROMPT = flags.DEFINE_integer("prompt_len", 64, "prompt tokens")
-_NEW = flags.DEFINE_integer("new_tokens", 128, "generated tokens per row")
+_CONFIG = config_flags.DEFINE_config_file("config", bench_model.__file__)
+_SKIP_TOOLS = flags.DEFINE_bool("skip_tools", False, "skip the tool-latency rollouts (part 2)")
 _TOOL_DELAY = flags.DEFINE_float("tool_delay_s", 0.2, "latency added to every tool call")
 _TASKS = flags.DEFINE_integer("tasks", 32, "rollout tasks for the tool-latency run")
-_OUTPUT = flags.DEFINE_string("output", "runs/bench/bench_rollout.json", "figures (JSON)")
+_OUTPUT = flags.DEFINE_string("output", "", "figures (JSON); default: next to the config's")
 
 
-def ours_seconds(model_config, params, mesh, prompts):
-  """Returns median seconds of prefill + greedy decoding of new_tokens for `prompts`."""
-  batch, length = prompts.shape
-  sampler = Sampler(model_config, mesh, batch_size=batch,
-                    cache_size=bucket(length) + _NEW.value + 1, chunk=_NEW.value, stop_ids=(),
-                    sampling=SamplingConfig(temperature=0.0))
-  groups = [([row], list(prompt)) for row, prompt in enumerate(prompts)]
-  budgets = [length + _NEW.value] * batch
-
-  def run():
-    state = sampler.prefill_groups(params, sampler.init_state(), groups, budgets)
-    _, chunk = sampler.decode_chunk(params, state, jax.random.key(0))
-    counts = np.asarray(chunk.counts_B)
-    assert (counts == _NEW.value).all(), counts
-
-  return bench.time_calls(run, 1, 3)
-
-
-def hf_seconds(folder, prompts):
-  """Returns median seconds of HF `generate` (greedy, KV cache) for the same work."""
-  import torch
-  import transformers
-
-  model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-  model.eval()
-  inputs = torch.as_tensor(prompts, dtype=torch.long)
-  mask = torch.ones_like(inputs)
-
-  def run():
-    with torch.no_grad():
-      out = model.generate(inputs, attention_mask=mask, max_new_tokens=_NEW.value,
-                           min_new_tokens=_NEW.value, do_sample=False, use_cache=True,
-                           pad_token_id=0)
-    assert out.shape[1] == prompts.shape[1] + _NEW.value
-
-  return bench.time_calls(run, 1, 3)
-
-
-def bench_decode(peak):
-  models = bench_model.get_config().models
+def bench_decode(config, peak):
+  work = bench.AgentDecode(**{k: v for k, v in config.decode.items() if k != "batches"})
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   rows = []
-  for name, spec in models.items():
-    model_config = build_config(dict(spec, attention_impl="xla"))
+  for name, spec in config.models.items():
+    model_config = build_config(dict(spec, attention_impl="xla"))  # cached attention decodes
     params = init_params(Transformer(model_config), mesh, jax.random.key(0))
     ceiling = peak / (2 * model_config.num_params())  # tokens/s if matmul-bound
     with tempfile.TemporaryDirectory() as folder:
-      hf_checkpoint.save_checkpoint(folder, model_config, params, dtype="float32")
-      for batch in map(int, _BATCHES.value):
-        prompts = np.random.default_rng(batch).integers(
-            0, model_config.vocab_size, (batch, _PROMPT.value)).astype(np.int32)
-        tokens = batch * _NEW.value
-        ours = tokens / ours_seconds(model_config, params, mesh, prompts)
-        theirs = tokens / hf_seconds(folder, prompts)
+      hf_checkpoint.save_checkpoint(folder, model_config, params, dtype=model_config.dtype)
+      for batch in config.decode.batches:
+        prompts, observations = work.inputs(batch, model_config.vocab_size, seed=batch)
+        ours_s, ours_ids = bench.jax_agent_decode(model_config, params, mesh, work, prompts,
+                                                  observations)
+        hf_s, hf_ids = bench.hf_agent_decode(folder, model_config.dtype, work, prompts,
+                                             observations)
+        tokens = batch * work.generated
+        ours, theirs = tokens / ours_s, tokens / hf_s
         row = dict(model=name, params=model_config.num_params(), batch=batch,
+                   dtype=model_config.dtype, **config.decode.to_dict(),
                    ours_tokens_per_s=ours, hf_tokens_per_s=theirs, ratio=ours / theirs,
-                   ours_of_ceiling=ours / ceiling, hf_of_ceiling=theirs / ceiling)
+                   ours_of_ceiling=ours / ceiling, hf_of_ceiling=theirs / ceiling,
+                   same_tokens=float((ours_ids == hf_ids).mean()))
+        row.pop("batches")
         rows.append(row)
-        print(f"{name:>11} batch {batch:3d}: coa-jax {ours:8,.0f} tok/s ({ours / ceiling:6.1%} "
-              f"of ceiling)  HF generate {theirs:8,.0f} tok/s ({theirs / ceiling:6.1%})  "
-              f"ratio {ours / theirs:.2f}x", flush=True)
+        print(f"{name:>12} batch {batch:3d}: coa-jax {ours:9,.0f} tok/s ({ours / ceiling:6.1%} "
+              f"of ceiling)  HF generate {theirs:9,.0f} tok/s ({theirs / ceiling:6.1%})  "
+              f"ratio {ours / theirs:.2f}x  same tokens {row['same_tokens']:.0%}", flush=True)
   return rows
 
 
@@ -180,17 +150,24 @@ def bench_decode_gemms():
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  peaks = bench.matmul_peak_flops()
-  peak = max(peaks.values())
-  print(f"matmul peak (float32, 2048^3): JAX {peaks['jax'] / 1e9:.1f} GFLOP/s, "
-        f"PyTorch {peaks['torch'] / 1e9:.1f} GFLOP/s; prompts {_PROMPT.value} tokens, "
-        f"{_NEW.value} new tokens, greedy")
-  figures = dict(peak_flops=peaks, decode_gemms=bench_decode_gemms(),
-                 decode=bench_decode(peak), tools=bench_tool_latency())
-  os.makedirs(os.path.dirname(_OUTPUT.value) or ".", exist_ok=True)
-  with open(_OUTPUT.value, "w") as f:
+  config = _CONFIG.value
+  peak, source = bench.peak_flops()
+  d = config.decode
+  print(f"device {jax.devices()[0].device_kind} (PyTorch on {bench.torch_device()}); peak "
+        f"{peak / 1e12:.3g} TFLOP/s ({source}); prompts {d.prompt_len} tokens, {d.rounds} "
+        f"rounds of {d.new_tokens} new tokens with {d.observation_len}-token observations "
+        f"between them, greedy")
+  figures = dict(device=jax.devices()[0].device_kind, peak_flops=peak, peak_source=source,
+                 decode=bench_decode(config, peak))
+  if jax.devices()[0].platform == "cpu":
+    figures["decode_gemms"] = bench_decode_gemms()
+  if not _SKIP_TOOLS.value:
+    figures["tools"] = bench_tool_latency()
+  output = _OUTPUT.value or config.output.replace(".json", "_rollout.json")
+  os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+  with open(output, "w") as f:
     json.dump(figures, f, indent=2)
-  print(f"wrote {_OUTPUT.value}")
+  print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -99,6 +99,8 @@ def test_the_32b_dapo_decode_step_compiles_scaled_down_on_one_host():
   # K and V: layers x rows x cache x kv heads x head dim, bf16, split over the host's 4 devices
   kv = 2 * 2 * 8 * 256 * model.num_kv_heads * model.head_dim * 2
   assert report.cache_bytes == kv // 4
+  # bf16 weights split over tensor only (rows over data): half of them on each device
+  assert report.param_bytes == pytest.approx(model.num_params() * 2 / 2, rel=0.01)
   assert report.argument_bytes >= report.param_bytes + report.cache_bytes and report.fits
   assert set(report.temp_bytes) == {"decode", "prefill", "extend"}
   assert report.step_seconds > 0 and "KV cache 256 tokens" in report.format()
@@ -121,3 +123,21 @@ def test_the_32b_rollout_programs_fit_one_v5p_host_and_update_the_kv_cache_in_pl
   assert max(report.temp_bytes.values()) < report.cache_bytes, report.format()
   assert report.peak_bytes <= 80 * hardware.GIB, report.format()
   assert report.compiler_seconds > report.step_seconds  # the roofline is a lower bound
+
+
+def test_a_malformed_gpu_topology_is_named():
+  with pytest.raises(ValueError, match="GPU topology h100:8x is not of the form 'h100:GPUS' or "
+                                       "'h100:NODESxGPUS'"):
+    aot.topology_devices("h100:8x")
+
+
+def test_pod_fit_row_and_json_of_a_report(report):
+  import json
+
+  (row,) = aot.pod_fit_rows("tiny_config", {"train": report})
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert len(cells) == aot.POD_FIT_HEADER.splitlines()[0].count("|") - 1
+  assert cells[:3] == ["`tiny_config`", "SFT step", "v5e:2x2 (4 chips)"] and cells[6] == "yes"
+  assert cells[10] == f"{report.projected_mfu:.0%}"
+  out = json.loads(json.dumps(aot.report_json(report)))
+  assert out["fits"] and out["roofline"]["seconds"] == report.roofline.seconds

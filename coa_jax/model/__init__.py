@@ -10,4 +10,5 @@ from coa_jax.model.config import (
                                   get_preset,
                                   to_hf_config,
 )
+from coa_jax.model.attention import compiling_for
 from coa_jax.model.transformer import Transformer

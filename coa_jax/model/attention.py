@@ -6,12 +6,31 @@ segment ids (B, T) / (B, S) let a query see only keys of its own segment (packed
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 
 _NEG = -1e30  # additive mask value: exp() of it underflows to exactly 0
+_TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+  """Within it, models are traced for `platform` ("gpu", "tpu", ...): an ahead-of-time compile
+  for devices this process does not run on, rather than for JAX's default backend."""
+  token = _TARGET_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET_PLATFORM.reset(token)
+
+
+def target_platform() -> str:
+  """Returns the platform programs are being traced for (see `compiling_for`)."""
+  return _TARGET_PLATFORM.get() or jax.default_backend()
 
 
 def segment_mask(q_segment_ids_BxT: jax.Array, kv_segment_ids_BxS: jax.Array) -> jax.Array:

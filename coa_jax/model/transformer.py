@@ -26,7 +26,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from coa_jax.model.attention import attend, cached_attention
+from coa_jax.model.attention import attend, cached_attention, target_platform
 from coa_jax.model.config import ConfigError, ModelConfig
 from coa_jax.model.rope import apply_rope, inverse_frequencies
 
@@ -266,9 +266,9 @@ class Transformer(nn.Module):
     rows past the cache's last one read its last row and write nothing.
     """
     cfg = self.config
-    if cfg.attention_impl == "cudnn" and jax.default_backend() != "gpu":
+    if cfg.attention_impl == "cudnn" and target_platform() != "gpu":
       raise ConfigError(f"attention_impl='cudnn' needs a GPU backend, but JAX runs on "
-                        f"{jax.default_backend()!r}; use attention_impl='xla'")
+                        f"{target_platform()!r}; use attention_impl='xla'")
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(jnp.arange(input_ids_BxT.shape[1]), input_ids_BxT.shape)
     embedding_VxD = self.param("embedding", _init(0.02, ("vocab", "embed")),

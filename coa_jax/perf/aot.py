@@ -1,7 +1,9 @@
 """Ahead-of-time compilation of a training step (SFT, or a DAPO update when given a policy-loss
-config) and of the rollout's decode step for a TPU topology, on any host (CPU too).
+config) and of the rollout's programs for a TPU topology or NVIDIA GPUs, on any host (CPU too).
 
-Needs libtpu (the `tpu` extra). The report combines four sources, each labelled:
+Needs libtpu (the `tpu` extra) for TPUs; XLA:GPU's plugin and cuDNN (the `gpu-aot` extra) for
+GPUs, described to the compiler by `gpu_targets/` (XLA:GPU gives no cost analysis there, so
+GPU reports have no compiler estimate). The report combines four sources, each labelled:
 - memory per device: the compiler's `memory_analysis()` of the real (scanned) step;
 - model FLOPs: analytic (`perf.flops`), the MFU convention;
 - the roofline: executed FLOPs and HBM bytes per device, analytic (`perf.roofline`), against
@@ -15,6 +17,7 @@ Needs libtpu (the `tpu` extra). The report combines four sources, each labelled:
 from __future__ import annotations
 
 import dataclasses
+from importlib import resources
 import math
 import re
 import time
@@ -24,10 +27,12 @@ import jax
 import jax.numpy as jnp
 
 from coa_jax.losses.dapo import PolicyLossConfig
-from coa_jax.model import ModelConfig, Transformer
+from coa_jax.model import ModelConfig, Transformer, build_config, compiling_for
 from coa_jax.perf import flops, roofline
+from coa_jax.rl import dapo
 from coa_jax.rl import update as rl_update
-from coa_jax.rollout.sampler import Sampler, SamplingConfig
+from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket
+from coa_jax.rollout.tool_loop import RolloutConfig
 from coa_jax.runtime import hardware, sharding
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
@@ -100,19 +105,33 @@ class AotReport:
         f"roofline per device: {self.roofline.flops:.3e} FLOPs executed, "
         f"{self.roofline.hbm_bytes:.3e} HBM bytes -> {self.roofline.seconds * 1e3:.1f} ms "
         f"({self.roofline.bound}-bound) -> projected MFU {self.projected_mfu:.1%}",
-        f"compiler's FLOPs per device (XLA cost analysis, extrapolated from 1/2-layer compiles): "
-        f"{self.compiler_flops:.3e}",
-        f"compiler's estimated step time: {self.compiler_seconds * 1e3:.1f} ms -> implied MFU "
-        f"{self.implied_mfu:.1%} (peak {self.peak_flops / 1e12:.0f} TFLOP/s per device), "
-        f"{tokens / max(self.compiler_seconds, 1e-12):,.0f} tokens/s",
     ]
+    if math.isnan(self.compiler_seconds):
+      lines.append(f"compiler's estimate: none (XLA:GPU has no cost analysis without a device); "
+                   f"peak {self.peak_flops / 1e12:.0f} TFLOP/s per device")
+    else:
+      lines += [
+          f"compiler's FLOPs per device (XLA cost analysis, extrapolated from 1/2-layer "
+          f"compiles): {self.compiler_flops:.3e}",
+          f"compiler's estimated step time: {self.compiler_seconds * 1e3:.1f} ms -> implied MFU "
+          f"{self.implied_mfu:.1%} (peak {self.peak_flops / 1e12:.0f} TFLOP/s per device), "
+          f"{tokens / self.compiler_seconds:,.0f} tokens/s"]
     return "\n".join(lines)
 
 
+# NVIDIA GPUs that ahead-of-time compiles can target without one: XLA:GPU's target description
+# of each (gpu_targets/, hardware facts), by the name a topology starts with.
+GPU_TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+
+
 def topology_devices(topology: str) -> list[Any]:
-  """Returns the (abstract) devices of a TPU topology such as 'v5p:2x2x1'."""
+  """Returns the (abstract) devices of a TPU topology such as 'v5p:2x2x1', or of NVIDIA GPUs
+  as 'h100:8' (one node of 8) or 'h100:2x8' (2 nodes of 8: a process each)."""
   from jax.experimental import topologies
 
+  kind, _, shape = topology.partition(":")
+  if kind in GPU_TARGETS:
+    return _gpu_devices(kind, shape)
   try:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
   except Exception as e:  # libtpu missing, a name it rejects, or its lock held
@@ -124,6 +143,24 @@ def topology_devices(topology: str) -> list[Any]:
                      f"libtpu, installed?): {e}") from None
 
 
+def _gpu_devices(kind: str, shape: str) -> list[Any]:
+  from jax.experimental import topologies
+
+  dims = shape.split("x")
+  if not 1 <= len(dims) <= 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
+    raise ValueError(f"GPU topology {kind}:{shape} is not of the form '{kind}:GPUS' or "
+                     f"'{kind}:NODESxGPUS'")
+  nodes, gpus = (1, dims[0]) if len(dims) == 1 else dims
+  target = (resources.files("coa_jax.perf") / "gpu_targets" / GPU_TARGETS[kind]).read_text()
+  try:
+    return list(topologies.get_topology_desc(platform="cuda", target_config=target,
+                                             topology=f"1x{nodes}x{gpus}").devices)
+  except Exception as e:  # no XLA:GPU plugin, or it did not register (a CUDA check failed)
+    raise ValueError(f"cannot describe GPU topology {kind}:{shape}: {e}. Ahead-of-time GPU "
+                     f"compiles need the `gpu-aot` extra (`make pod-fit` installs it) and, on a "
+                     f"machine without a GPU, JAX_PLATFORMS=cpu") from None
+
+
 def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list[Any],
                        mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int,
                        micro_batches: int = 1, loss_config: PolicyLossConfig | None = None):
@@ -133,27 +170,30 @@ def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list
   sharding.check_model_fits_mesh(config, mesh)
   sharding.check_batch_fits_mesh(batch_size, micro_batches, mesh)
   model, tx = Transformer(config), optimizer.make_optimizer(optimizer_config)
-  state = state_lib.abstract_state(model, tx, mesh)
-  batch = abstract_batch(TokenBatch if loss_config is None else PolicyBatch, batch_size, seq_len,
-                         sharding.batch_sharding(mesh))
-  start = time.perf_counter()
-  if loss_config is None:
-    step = step_lib.jit_train_step(model, tx, mesh, micro_batches=micro_batches)
-  else:
-    step = rl_update.jit_dapo_step(model, tx, mesh, loss_config=loss_config,
-                                   micro_batches=micro_batches)
-  compiled = step.lower(state, batch).compile()
+  with compiling_for(devices[0].platform):
+    state = state_lib.abstract_state(model, tx, mesh)
+    batch = abstract_batch(TokenBatch if loss_config is None else PolicyBatch, batch_size,
+                           seq_len, sharding.batch_sharding(mesh))
+    start = time.perf_counter()
+    if loss_config is None:
+      step = step_lib.jit_train_step(model, tx, mesh, micro_batches=micro_batches)
+    else:
+      step = rl_update.jit_dapo_step(model, tx, mesh, loss_config=loss_config,
+                                     micro_batches=micro_batches)
+    compiled = step.lower(state, batch).compile()
   return compiled, mesh, time.perf_counter() - start
 
 
 def _cost(compiled) -> tuple[float, float]:
-  """Returns the compiler's (FLOPs, estimated seconds); seconds are NaN where it has none
-  (it answers -1 for some small programs)."""
+  """Returns the compiler's (FLOPs, estimated seconds); NaN where it has none (XLA:GPU gives
+  no cost analysis to a compile without a device; XLA:TPU answers -1 seconds for some small
+  programs)."""
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):
-    cost = cost[0]
+    cost = cost[0] if cost else None
+  cost = cost or {}
   seconds = float(cost.get("optimal_seconds", -1.0))
-  return float(cost.get("flops", 0.0)), seconds if seconds > 0 else float("nan")
+  return float(cost.get("flops", "nan")), seconds if seconds > 0 else float("nan")
 
 
 def _to_depth(one: float, two: float, layers: int) -> float:
@@ -258,9 +298,17 @@ class DecodeReport:
         f"roofline of a decode step at a full cache, per device: {self.roofline.flops:.3e} "
         f"FLOPs, {self.roofline.hbm_bytes:.3e} HBM bytes -> {self.step_seconds * 1e3:.1f} ms "
         f"({self.roofline.bound}-bound), {self.rows / self.step_seconds:,.0f} tokens/s per host",
+        "compiler's estimated decode step: none (XLA:GPU has no cost analysis without a "
+        "device)" if math.isnan(self.compiler_seconds) else
         f"compiler's estimated decode step (extrapolated from 1/2-layer compiles): "
         f"{self.compiler_seconds * 1e3:.1f} ms, {self.rows / self.compiler_seconds:,.0f} "
         f"tokens/s per host"])
+
+
+def _bytes_per_device(tree: Any) -> int:
+  """Returns the bytes one device holds of a tree of sharded ShapeDtypeStructs."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree_util.tree_leaves(tree))
 
 
 def _cache_copies(compiled, slots: int, nbytes: int) -> int:
@@ -276,6 +324,31 @@ def _cache_copies(compiled, slots: int, nbytes: int) -> int:
   return count
 
 
+def _compile_rollout_program(config: ModelConfig, mesh, rows: int, cache_size: int, chunk: int,
+                             prefill: tuple[int, int], extend: tuple[int, int], program: str):
+  """Returns (compiled program, its sampler, abstract sampling params) of one rollout program
+  ("decode", "prefill" or "extend") on `mesh`."""
+  sampler = Sampler(config, mesh, batch_size=rows, cache_size=cache_size, chunk=chunk,
+                    stop_ids=(0,), sampling=SamplingConfig(temperature=1.0))
+  # The sampler holds its weights in the compute dtype (Sampler.sampling_params).
+  params = state_lib.abstract_placed_params(
+      Transformer(config.replace(param_dtype=config.dtype)), mesh)
+  ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  (p, t), (r, e) = prefill, extend
+  args = {"decode": (sampler.decode_chunk, jax.eval_shape(lambda: jax.random.key(0))),
+          "prefill": (sampler.prefill, ints(p, rows // p), ints(p, t), ints(p), ints(p),
+                      ints(p, rows // p)),
+          "extend": (sampler.extend, ints(r), ints(r, e), ints(r))}[program]
+  try:
+    compiled = args[0].lower(params, sampler.abstract_state(), *args[1:]).compile()
+  except jax.errors.JaxRuntimeError as e:  # the compiler refuses a program that cannot fit
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise ValueError(f"the rollout's {program} program does not fit one device's HBM: "
+                     f"{str(e).splitlines()[0]}") from None
+  return compiled, sampler, params
+
+
 def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, rows: int,
                   cache_size: int, chunk: int, prefill: tuple[int, int],
                   extend: tuple[int, int]) -> DecodeReport:
@@ -287,33 +360,16 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
   mesh = sharding.decode_mesh(local, tensor)
 
   def compile_(model_config, program):
-    sampler = Sampler(model_config, mesh, batch_size=rows, cache_size=cache_size, chunk=chunk,
-                      stop_ids=(0,), sampling=SamplingConfig(temperature=1.0))
-    # The sampler holds its weights in the compute dtype (Sampler.sampling_params).
-    params = state_lib.abstract_placed_params(
-        Transformer(model_config.replace(param_dtype=model_config.dtype)), mesh)
-    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    (p, t), (r, e) = prefill, extend
-    args = {"decode": (sampler.decode_chunk, jax.eval_shape(lambda: jax.random.key(0))),
-            "prefill": (sampler.prefill, ints(p, rows // p), ints(p, t), ints(p), ints(p),
-                        ints(p, rows // p)),
-            "extend": (sampler.extend, ints(r), ints(r, e), ints(r))}[program]
-    try:
-      compiled = args[0].lower(params, sampler.abstract_state(), *args[1:]).compile()
-    except jax.errors.JaxRuntimeError as e:  # the compiler refuses a program that cannot fit
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      raise ValueError(f"the rollout's {program} program does not fit one device's HBM: "
-                       f"{str(e).splitlines()[0]}") from None
-    return compiled, sampler, params
+    with compiling_for(mesh.devices.flat[0].platform):
+      return _compile_rollout_program(model_config, mesh, rows, cache_size, chunk, prefill,
+                                      extend, program)
 
   start = time.perf_counter()
   compiled = {program: compile_(config, program) for program in ("decode", "prefill", "extend")}
   seconds = time.perf_counter() - start
   _, sampler, params = compiled["decode"]
   state = sampler.abstract_state()
-  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
-  cache_bytes = nbytes((state.cache.k, state.cache.v)) // len(local)
+  cache_bytes = _bytes_per_device((state.cache.k, state.cache.v))
   layer_kv = cache_bytes // (2 * config.num_layers)
   costs = [_cost(compile_(config.replace(num_layers=n, scan_unroll=n), "decode")[0])[1]
            for n in (1, 2)]
@@ -327,10 +383,82 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
       temp_bytes={program: c.memory_analysis().temp_size_in_bytes
                   for program, (c, *_) in compiled.items()},
       cache_copies=sum(_cache_copies(c, cache_size, layer_kv) for c, *_ in compiled.values()),
-      hbm_bytes=int(chip.hbm_bytes / per_chip), param_bytes=nbytes(params) // len(local),
+      hbm_bytes=int(chip.hbm_bytes / per_chip), param_bytes=_bytes_per_device(params),
       cache_bytes=cache_bytes, step_flops=flops.decode_flops(config, rows, cache_size),
       roofline=roofline.decode_roofline(config, rows, cache_size, dict(mesh.shape),
                                         chip.peak_bf16_flops / per_chip,
                                         chip.hbm_bytes_per_s / per_chip,
                                         state.cache.k.dtype.itemsize),
       compiler_seconds=_to_depth(*costs, config.num_layers))
+
+
+def config_reports(config: Any) -> dict[str, Any]:
+  """Compiles a shipped SFT or DAPO config (its `topology`, mesh and shapes) and returns
+  {"train": AotReport} plus, for DAPO, "decode": the DecodeReport of one host's rollout."""
+  micro_batches = config.train.micro_batches if "train" in config else 1
+  batch_size, seq_len, loss_config = config.get("batch_size"), config.get("seq_len"), None
+  if "rl" in config:  # a DAPO config: one mini-batch of whole prompt groups
+    batch_size = config.rl.mini_batch_groups * config.rollout.group_size
+    seq_len = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
+    micro_batches, loss_config = config.rl.micro_batches, dapo.loss_config(config.rl)
+  model = build_config(config.model)
+  reports = {"train": aot_report(config.model.preset, model, config.optimizer, config.topology,
+                                 sharding.MeshConfig(**config.mesh), batch_size, seq_len,
+                                 micro_batches, loss_config)}
+  if "rl" in config:
+    hosts = len({d.process_index for d in topology_devices(config.topology)})
+    rollout, rows = RolloutConfig(**config.rollout), config.batch_size // hosts
+    reports["decode"] = decode_report(
+        config.model.preset, model, config.topology, config.mesh.tensor, rows,
+        rollout.cache_size, config.chunk,
+        prefill=(bucket(rows // rollout.group_size, 1), bucket(rollout.max_prompt_tokens)),
+        extend=(bucket(rows, 1), rollout.observation_bucket))
+  return reports
+
+
+def report_json(report: AotReport | DecodeReport) -> dict[str, Any]:
+  """Returns a report's fields and derived figures as JSON-ready values."""
+  derived = ["peak_bytes", "fits"] + (["implied_mfu", "projected_mfu"]
+                                      if isinstance(report, AotReport) else ["step_seconds"])
+  out = dataclasses.asdict(report)
+  out.update({name: getattr(report, name) for name in derived})
+  out["roofline"].update(seconds=report.roofline.seconds, bound=report.roofline.bound)
+  return out
+
+
+POD_FIT_HEADER = (
+    "| config | program | topology | mesh (data x fsdp x tensor) | shape | per-chip memory "
+    "(compiler) | fits | FLOPs per chip (executed) | HBM bytes per chip | roofline time "
+    "| projected MFU / throughput | compiler's estimate |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def pod_fit_rows(config_name: str, reports: dict[str, Any]) -> list[str]:
+  """Returns the pod-fit table's markdown rows of one config's reports (`config_reports`)."""
+  gib = lambda b: f"{b / hardware.GIB:.1f}"
+  mesh = lambda m: f"{m['data']}x{m['fsdp']}x{m['tensor']}"
+  maybe = lambda x, text: "none (XLA:GPU without a device)" if math.isnan(x) else text
+  train, rows = reports["train"], []
+  chips = hardware.chips_in_topology(train.topology)
+  program = "DAPO update (one mini-batch)" if "decode" in reports else "SFT step"
+  rows.append(
+      f"| `{config_name}` | {program} | {train.topology} ({chips} chips) | {mesh(train.mesh)} | "
+      f"{train.batch_size} x {train.seq_len:,} | {gib(train.peak_bytes)} of "
+      f"{gib(train.hbm_bytes)} GiB | {'yes' if train.fits else 'NO'} | "
+      f"{train.roofline.flops:.2e} | {train.roofline.hbm_bytes:.2e} | "
+      f"{train.roofline.seconds:.2f} s ({train.roofline.bound}) | {train.projected_mfu:.0%} | "
+      + maybe(train.compiler_seconds,
+              f"{train.compiler_seconds:.2f} s (MFU {train.implied_mfu:.0%})") + " |")
+  if "decode" in reports:
+    d = reports["decode"]
+    temps = max(d.temp_bytes.values())
+    rows.append(
+        f"| `{config_name}` | rollout decode, one host | {d.topology} ({d.host_devices} "
+        f"devices) | {mesh(d.mesh)} | {d.rows} rows x {d.cache_size:,} slots | "
+        f"{gib(d.peak_bytes)} of {gib(d.hbm_bytes)} GiB (params {gib(d.param_bytes)}, KV "
+        f"{gib(d.cache_bytes)}, temporaries {gib(temps)}) | {'yes' if d.fits else 'NO'} | "
+        f"{d.roofline.flops:.2e} per token step | {d.roofline.hbm_bytes:.2e} | "
+        f"{d.step_seconds * 1e3:.1f} ms ({d.roofline.bound}) | "
+        f"{d.rows / d.step_seconds:,.0f} tokens/s per host | "
+        + maybe(d.compiler_seconds, f"{d.compiler_seconds * 1e3:.1f} ms") + " |")
+  return rows

@@ -1,7 +1,9 @@
-"""Benchmark helpers: the CPU's measured matmul peak and timed train steps (ours and HF's)."""
+"""Benchmark helpers: the peak a step is measured against, timed train steps and decoding
+with tool-style extends, ours and HF transformers' (PyTorch) on the same device kind."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -10,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coa_jax.model import ModelConfig, Transformer, to_hf_config
-from coa_jax.runtime import sharding
+from coa_jax.runtime import hardware, sharding
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
@@ -63,30 +65,158 @@ def jax_train_step_seconds(config: ModelConfig, optimizer_config: Any, batch_siz
   return time_calls(run, warmup, steps)
 
 
+def peak_flops() -> tuple[float, str]:
+  """Returns the FLOP/s MFU is measured against on JAX's first device and where it comes
+  from: an accelerator's published dense bf16 peak, or on a CPU the faster of JAX's and
+  PyTorch's measured float32 2048^3 matmul."""
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    peaks = matmul_peak_flops()
+    return max(peaks.values()), (f"measured float32 matmul: JAX {peaks['jax'] / 1e9:.0f}, "
+                                 f"PyTorch {peaks['torch'] / 1e9:.0f} GFLOP/s")
+  chip = hardware.chip_for(device.device_kind)
+  return chip.peak_bf16_flops, f"{chip.name} dense bf16 peak (spec sheet)"
+
+
+def torch_device() -> str:
+  """Returns the PyTorch device matching JAX's: "cuda" when JAX runs on a GPU, else "cpu"."""
+  return "cuda" if jax.devices()[0].platform == "gpu" else "cpu"
+
+
+def _synchronize(device: str) -> None:
+  import torch
+
+  if device == "cuda":
+    torch.cuda.synchronize()
+
+
 def torch_train_step_seconds(config: ModelConfig, optimizer_config: Any, batch_size: int,
                              seq_len: int, warmup: int, steps: int) -> float:
-  """Returns median seconds of the same step in HF transformers (PyTorch, float32, AdamW)."""
+  """Returns median seconds of the same step in HF transformers (PyTorch, AdamW): float32
+  parameters, computing in the model config's dtype (bf16 autocast when it is bfloat16),
+  with SDPA attention (flash kernels on a GPU), on `torch_device()`."""
   import torch
   import transformers
 
-  hf = to_hf_config(config)
-  hf_config = transformers.AutoConfig.for_model(**hf)
-  model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+  device = torch_device()
+  hf_config = transformers.AutoConfig.for_model(**to_hf_config(config))
+  model = transformers.AutoModelForCausalLM.from_config(
+      hf_config, dtype=torch.float32, attn_implementation="sdpa").to(device)
   model.train()
   opt = torch.optim.AdamW(model.parameters(), lr=optimizer_config.learning_rate,
                           betas=(optimizer_config.b1, optimizer_config.b2),
-                          eps=optimizer_config.eps, weight_decay=optimizer_config.weight_decay)
+                          eps=optimizer_config.eps, weight_decay=optimizer_config.weight_decay,
+                          fused=device == "cuda")
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch_size, seq_len + 1))
-  inputs = torch.as_tensor(tokens[:, :-1], dtype=torch.long)
-  targets = torch.as_tensor(tokens[:, 1:], dtype=torch.long)
+  inputs = torch.as_tensor(tokens[:, :-1], dtype=torch.long, device=device)
+  targets = torch.as_tensor(tokens[:, 1:], dtype=torch.long, device=device)
+  bf16 = jnp.dtype(config.dtype) == jnp.bfloat16
 
   def run():
-    logits = model(input_ids=inputs).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+      logits = model(input_ids=inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                              targets.reshape(-1))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), optimizer_config.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    _synchronize(device)
 
   return time_calls(run, warmup, steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentDecode:
+  """A tool-using decode: a prompt, then `rounds` of `new_tokens` generated tokens per row,
+  with `observation_len` observation tokens appended (a tool's answer) between rounds."""
+
+  prompt_len: int
+  new_tokens: int
+  rounds: int
+  observation_len: int
+
+  @property
+  def generated(self) -> int:
+    """Tokens generated per row."""
+    return self.rounds * self.new_tokens
+
+  @property
+  def length(self) -> int:
+    """Tokens of a row at the end: prompt, generations and observations."""
+    return self.prompt_len + self.generated + (self.rounds - 1) * self.observation_len
+
+  def inputs(self, batch: int, vocab_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Returns random (prompts BxP, observations Bx(rounds-1)xO) token ids."""
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, vocab_size, (batch, self.prompt_len)).astype(np.int32),
+            rng.integers(0, vocab_size, (batch, max(self.rounds - 1, 0),
+                                         self.observation_len)).astype(np.int32))
+
+
+def jax_agent_decode(config: ModelConfig, params: Any, mesh, work: AgentDecode,
+                     prompts_BxP: np.ndarray, observations_BxRxO: np.ndarray,
+                     warmup: int = 1, steps: int = 3) -> tuple[float, np.ndarray]:
+  """Returns (median seconds, generated ids B x rounds*new_tokens) of greedy decoding of
+  `work` with our Sampler: one prefill, a decode chunk per round, an extend between rounds."""
+  from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket
+
+  batch = prompts_BxP.shape[0]
+  sampler = Sampler(config, mesh, batch_size=batch, cache_size=bucket(work.length + 1),
+                    chunk=work.new_tokens, stop_ids=(), sampling=SamplingConfig(temperature=0.0))
+  params = sampler.sampling_params(params)
+  groups = [([row], list(prompt)) for row, prompt in enumerate(prompts_BxP)]
+  out = []
+
+  def run():
+    state = sampler.prefill_groups(params, sampler.init_state(), groups, [work.length] * batch)
+    generated = []
+    for r in range(work.rounds):
+      if r:
+        state = sampler.extend_rows(params, state, {row: list(observations_BxRxO[row, r - 1])
+                                                    for row in range(batch)})
+      state, chunk = sampler.decode_chunk(params, state, jax.random.key(0))
+      generated.append(np.asarray(chunk.tokens_BxK))
+      assert (np.asarray(chunk.counts_B) == work.new_tokens).all(), chunk.counts_B
+    out[:] = [np.concatenate(generated, axis=1)]
+
+  return time_calls(run, warmup, steps), out[0]
+
+
+def hf_agent_decode(folder: str, dtype: str, work: AgentDecode, prompts_BxP: np.ndarray,
+                    observations_BxRxO: np.ndarray, warmup: int = 1,
+                    steps: int = 3) -> tuple[float, np.ndarray]:
+  """Returns (median seconds, generated ids) of the same work with HF transformers `generate`
+  (greedy, SDPA attention, its static KV cache kept across rounds: each round's call feeds
+  only the last sampled token and the observation) on `torch_device()`."""
+  import torch
+  import transformers
+
+  device = torch_device()
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      folder, dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device)
+  model.eval()
+  batch = prompts_BxP.shape[0]
+  cache = transformers.StaticCache(config=model.config, max_cache_len=work.length + 1)
+  prompts = torch.as_tensor(prompts_BxP, dtype=torch.long, device=device)
+  observations = torch.as_tensor(observations_BxRxO, dtype=torch.long, device=device)
+  out = []
+
+  def run():
+    cache.reset()
+    ids = prompts
+    generated = []
+    with torch.no_grad():
+      for r in range(work.rounds):
+        if r:
+          ids = torch.cat([ids, observations[:, r - 1]], dim=1)
+        start = ids.shape[1]
+        ids = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             max_new_tokens=work.new_tokens, min_new_tokens=work.new_tokens,
+                             do_sample=False, use_cache=True, pad_token_id=0)
+        generated.append(ids[:, start:])
+    _synchronize(device)
+    out[:] = [torch.cat(generated, dim=1).cpu().numpy()]
+    assert out[0].shape == (batch, work.generated), out[0].shape
+
+  return time_calls(run, warmup, steps), out[0]

@@ -21,10 +21,11 @@ def decode_flops(config: ModelConfig, rows: int, context: int) -> float:
 
 
 def train_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
-  """Returns model FLOPs of one forward + backward pass: 6 x matmul params x tokens plus
-  attention scores and values (12 x layers x heads x head_dim x T^2 per row, full square as
-  computed by dense attention). Rematerialization is not counted (model, not hardware, FLOPs).
-  """
+  """Returns model FLOPs of one forward + backward pass: 6 x matmul params x tokens plus the
+  causal attention's scores and values (12 x layers x heads x head_dim per (query, key) pair,
+  T (T + 1) / 2 pairs per row: what a causal model needs, however much of the square a kernel
+  computes). Rematerialization is not counted (model, not hardware, FLOPs)."""
   tokens = batch_size * seq_len
-  attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len * seq_len
+  pairs = seq_len * (seq_len + 1) / 2
+  attention = 12 * config.num_layers * config.num_heads * config.head_dim * pairs
   return 6.0 * matmul_params(config) * tokens + float(attention) * batch_size
