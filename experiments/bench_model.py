@@ -26,6 +26,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
+  bench.share_gpu_with_torch()
   config = _CONFIG.value
   import torch
 
@@ -40,10 +41,11 @@ def main(argv):
   for name, spec in config.models.items():
     model_config = build_config(spec)
     steps = config.steps[name]
-    ours = bench.jax_train_step_seconds(model_config, config.optimizer, b, t,
-                                        config.warmup_steps, steps)
+    # PyTorch first: it returns its GPU memory when done, JAX keeps what it allocated.
     theirs = bench.torch_train_step_seconds(model_config, config.optimizer, b, t,
                                             config.warmup_steps, steps)
+    ours = bench.jax_train_step_seconds(model_config, config.optimizer, b, t,
+                                        config.warmup_steps, steps)
     step_flops = flops.train_flops(model_config, b, t)
     row = dict(model=name, params=model_config.num_params(), batch=b, seq_len=t,
                dtype=model_config.dtype, attention=model_config.attention_impl,

@@ -149,6 +149,7 @@ def bench_decode_gemms():
 
 def main(argv):
   del argv
+  bench.share_gpu_with_torch()
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   peak, source = bench.peak_flops()

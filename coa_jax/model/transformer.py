@@ -217,8 +217,9 @@ class DecoderLayer(nn.Module):
 
   With a KV cache the scan carry is (x, k_all, v_all, layer, rows): the layer reads its
   slice of the whole cache (the cache rows `rows` of x's rows, or all of them when None),
-  passes the cache on unchanged and returns x's new keys and values as the scan output. (Carrying the cache, rather than scanning over it, lets XLA update it in place
-  after the loop instead of copying it to keep the loop's input alive.)
+  passes the cache on unchanged and returns x's new keys and values as the scan output.
+  (Carrying the cache, rather than scanning over it, lets XLA update it in place after the
+  loop instead of copying it to keep the loop's input alive.)
   """
 
   config: ModelConfig

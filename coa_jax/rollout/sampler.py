@@ -205,8 +205,8 @@ class Sampler:
   # --- jitted steps ----------------------------------------------------------------------
 
   def _run(self, params, cache: KVCache, tokens_BxT, positions_BxT, rows_B=None, model=None):
-    return (model or self.model).apply({"params": params}, tokens_BxT, positions_BxT, cache=cache,
-                            cache_rows_B=rows_B)
+    return (model or self.model).apply({"params": params}, tokens_BxT, positions_BxT,
+                                       cache=cache, cache_rows_B=rows_B)
 
   def _prefill(self, params, state: DecodeState, rows_PxN, tokens_PxT, lengths_P, budgets_P,
                seeds_PxN):
