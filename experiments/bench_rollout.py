@@ -18,6 +18,7 @@ latency rollouts hide.
    much of it decoding hides.
 """
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -46,7 +47,9 @@ _OUTPUT = flags.DEFINE_string("output", "", "figures (JSON); default: next to th
 
 
 def bench_decode(config, peak):
-  work = bench.AgentDecode(**{k: v for k, v in config.decode.items() if k != "batches"})
+  settings = config.decode.to_dict()
+  batches = settings.pop("batches")
+  work = bench.AgentDecode(**settings)
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   rows = []
   for name, spec in config.models.items():
@@ -55,7 +58,7 @@ def bench_decode(config, peak):
     ceiling = peak / (2 * model_config.num_params())  # tokens/s if matmul-bound
     with tempfile.TemporaryDirectory() as folder:
       hf_checkpoint.save_checkpoint(folder, model_config, params, dtype=model_config.dtype)
-      for batch in config.decode.batches:
+      for batch in batches:
         prompts, observations = work.inputs(batch, model_config.vocab_size, seed=batch)
         ours_s, ours_ids = bench.jax_agent_decode(model_config, params, mesh, work, prompts,
                                                   observations)
@@ -64,11 +67,10 @@ def bench_decode(config, peak):
         tokens = batch * work.generated
         ours, theirs = tokens / ours_s, tokens / hf_s
         row = dict(model=name, params=model_config.num_params(), batch=batch,
-                   dtype=model_config.dtype, **config.decode.to_dict(),
+                   dtype=model_config.dtype, **dataclasses.asdict(work),
                    ours_tokens_per_s=ours, hf_tokens_per_s=theirs, ratio=ours / theirs,
                    ours_of_ceiling=ours / ceiling, hf_of_ceiling=theirs / ceiling,
                    same_tokens=float((ours_ids == hf_ids).mean()))
-        row.pop("batches")
         rows.append(row)
         print(f"{name:>12} batch {batch:3d}: coa-jax {ours:9,.0f} tok/s ({ours / ceiling:6.1%} "
               f"of ceiling)  HF generate {theirs:9,.0f} tok/s ({theirs / ceiling:6.1%})  "

@@ -17,6 +17,7 @@ GPU reports have no compiler estimate). The report combines four sources, each l
 from __future__ import annotations
 
 import dataclasses
+import functools
 from importlib import resources
 import math
 import re
@@ -61,8 +62,7 @@ class AotReport:
   model_flops: float  # analytic, whole step, all devices
   compiler_flops: float  # per device, extrapolated from 1- and 2-layer compiles
   compiler_seconds: float  # the compiler's estimated step time, extrapolated likewise
-  peak_flops: float  # per device
-  roofline: roofline.Roofline
+  roofline: roofline.Roofline  # per device, with the chip's peaks
   step: str = "train step (fwd + bwd + AdamW)"
 
   @property
@@ -73,6 +73,11 @@ class AotReport:
   @property
   def fits(self) -> bool:
     return self.peak_bytes <= self.hbm_bytes
+
+  @property
+  def peak_flops(self) -> float:
+    """The device's dense bf16 peak FLOP/s."""
+    return self.roofline.peak_flops
 
   @property
   def implied_mfu(self) -> float:
@@ -233,7 +238,6 @@ def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: 
       model_flops=flops.train_flops(config, batch_size, seq_len),
       compiler_flops=_to_depth(f1, f2, config.num_layers),
       compiler_seconds=_to_depth(t1, t2, config.num_layers),
-      peak_flops=peak_flops,
       roofline=roofline.train_roofline(config, batch_size, seq_len, dict(mesh.shape),
                                        micro_batches, peak_flops,
                                        chip.hbm_bytes_per_s / devices_per_chip),
@@ -262,7 +266,6 @@ class DecodeReport:
   hbm_bytes: int
   param_bytes: int  # per device
   cache_bytes: int  # per device
-  step_flops: float  # analytic, one token for every row, all host devices, full cache
   roofline: roofline.Roofline  # one decode step, at a full cache
   compiler_seconds: float  # the compiler's estimate of one decode step (1/2-layer compiles)
 
@@ -359,20 +362,21 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
   local = [d for d in devices if d.process_index == devices[0].process_index]
   mesh = sharding.decode_mesh(local, tensor)
 
-  def compile_(model_config, program):
-    with compiling_for(mesh.devices.flat[0].platform):
-      return _compile_rollout_program(model_config, mesh, rows, cache_size, chunk, prefill,
-                                      extend, program)
+  compile_ = functools.partial(_compile_rollout_program, mesh=mesh, rows=rows,
+                               cache_size=cache_size, chunk=chunk, prefill=prefill,
+                               extend=extend)
 
-  start = time.perf_counter()
-  compiled = {program: compile_(config, program) for program in ("decode", "prefill", "extend")}
-  seconds = time.perf_counter() - start
+  with compiling_for(mesh.devices.flat[0].platform):
+    start = time.perf_counter()
+    compiled = {program: compile_(config, program=program)
+                for program in ("decode", "prefill", "extend")}
+    seconds = time.perf_counter() - start
+    costs = [_cost(compile_(config.replace(num_layers=n, scan_unroll=n), program="decode")[0])[1]
+             for n in (1, 2)]
   _, sampler, params = compiled["decode"]
   state = sampler.abstract_state()
   cache_bytes = _bytes_per_device((state.cache.k, state.cache.v))
   layer_kv = cache_bytes // (2 * config.num_layers)
-  costs = [_cost(compile_(config.replace(num_layers=n, scan_unroll=n), "decode")[0])[1]
-           for n in (1, 2)]
   chip = hardware.chip_for(local[0].device_kind)
   per_chip = len(devices) / hardware.chips_in_topology(topology)
   return DecodeReport(
@@ -384,7 +388,7 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
                   for program, (c, *_) in compiled.items()},
       cache_copies=sum(_cache_copies(c, cache_size, layer_kv) for c, *_ in compiled.values()),
       hbm_bytes=int(chip.hbm_bytes / per_chip), param_bytes=_bytes_per_device(params),
-      cache_bytes=cache_bytes, step_flops=flops.decode_flops(config, rows, cache_size),
+      cache_bytes=cache_bytes,
       roofline=roofline.decode_roofline(config, rows, cache_size, dict(mesh.shape),
                                         chip.peak_bf16_flops / per_chip,
                                         chip.hbm_bytes_per_s / per_chip,
