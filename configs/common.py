@@ -79,5 +79,10 @@ def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
       log_ratio_clamp=20.0, kl_coef=0.0, entropy_coef=0.0,
       eval_every=10, log_every=1, stop_after=0,
       track_prompts=True)  # write the tasks always / never solved to workdir/prompts.json
+  # Asynchronous RL (coa_jax.rl.async_trainer): rollouts on their own devices overlap the
+  # updates; a group is trained on only while its oldest token's policy is within `staleness`
+  # updates of the trainer's. rollout_devices: devices (per host) given to rollouts, 0: half.
+  # weight_cap truncates the importance weight of tokens an older policy sampled.
+  values["async"] = dict(enabled=False, staleness=1, rollout_devices=0, weight_cap=2.0)
   values.update(overrides)
   return ml_collections.ConfigDict(values)

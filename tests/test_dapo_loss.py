@@ -101,6 +101,45 @@ def test_reference_kl_and_entropy_terms_are_added_per_token():
   np.testing.assert_allclose(sums.metrics()["ref_kl"], k3.mean(), rtol=1e-5)
 
 
+def _decoupled(stale, sampler, cfg=CONFIG):
+  """Returns (loss, d loss / d logp) of the decoupled objective on _inputs()."""
+  logp, old, adv, mask, groups = _inputs()
+  weights = aggregation_weights(jnp.asarray(mask), jnp.asarray(groups), "token-mean")
+  a = jnp.broadcast_to(jnp.asarray(adv, jnp.float32)[:, None], logp.shape)
+
+  def loss(lp):
+    return policy_loss(lp, jnp.asarray(old, jnp.float32), a, jnp.asarray(mask), weights, cfg,
+                       sampler_logp_BxT=None if sampler is None else jnp.asarray(sampler),
+                       stale_BxT=None if stale is None else jnp.asarray(stale)).loss
+
+  return jax.value_and_grad(loss)(jnp.asarray(logp, jnp.float32))
+
+
+def test_stale_tokens_are_weighted_by_the_truncated_behaviour_ratio():
+  logp, old, adv, mask, groups = _inputs()
+  rng = np.random.default_rng(1)
+  sampler = old + rng.normal(0.0, 0.8, old.shape)  # the behaviour policy's log-probs
+  stale = (rng.random(old.shape) < 0.5).astype(np.float32)
+  cfg = PolicyLossConfig(eps_low=0.2, eps_high=0.28, dual_clip=3.0, behaviour_weight_cap=1.5)
+  per_token_loss, per_token_grad = _numpy_loss_and_grad(logp, old, adv, mask, groups,
+                                                        "token-mean", cfg)
+  w = np.where(stale > 0, np.minimum(np.exp(old - sampler), 1.5), 1.0)
+  loss, grad = _decoupled(stale, sampler, cfg)
+  np.testing.assert_allclose(grad, per_token_grad * w, rtol=1e-5, atol=1e-7)
+  _, unweighted = _decoupled(None, None, cfg)
+  np.testing.assert_allclose(grad, np.asarray(unweighted) * w, rtol=1e-5, atol=1e-7)
+  assert np.any((stale > 0) & (np.exp(old - sampler) > 1.5))  # the cap was exercised
+
+
+def test_without_stale_tokens_the_loss_is_the_synchronous_one_bit_for_bit():
+  logp, old, *_ = _inputs()
+  sampler = old + 0.3  # the sampler's numerics differ: not off-policyness
+  loss, grad = _decoupled(np.zeros_like(old, np.float32), sampler)
+  sync_loss, sync_grad = _decoupled(None, None)
+  assert float(loss) == float(sync_loss)
+  np.testing.assert_array_equal(grad, sync_grad)
+
+
 @pytest.mark.parametrize("aggregation", AGGREGATIONS.names())
 def test_sums_of_halves_equal_the_whole(aggregation):
   """Weights from the whole mini-batch make any split (micro-batches, devices) exact."""
@@ -121,6 +160,7 @@ def test_sums_of_halves_equal_the_whole(aggregation):
     (dict(aggregation="mean"), "aggregation='mean'"),
     (dict(eps_low=1.0), "eps_low"),
     (dict(dual_clip=1.1), "dual_clip=1.1"),
+    (dict(behaviour_weight_cap=0.5), "behaviour_weight_cap=0.5"),
 ])
 def test_bad_loss_settings_are_named(overrides, message):
   with pytest.raises(ValueError, match=message):

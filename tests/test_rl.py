@@ -102,7 +102,8 @@ def test_dynamic_sampling_off_keeps_uniform_groups():
 
 
 def _record(ids, mask, logprobs, prompt_len=2):
-  return RolloutRecord("t", 0, list(ids), list(mask), list(logprobs), prompt_len)
+  return RolloutRecord("t", 0, list(ids), list(mask), list(logprobs), prompt_len,
+                       [0] * len(ids))
 
 
 def test_rollout_batch_shifts_ids_masks_and_logprobs():
@@ -115,6 +116,18 @@ def test_rollout_batch_shifts_ids_masks_and_logprobs():
   np.testing.assert_array_equal(batch.sampler_logp[0], [0, -0.5, 0, -0.25, 0, 0])
   np.testing.assert_array_equal(batch.segment_ids[0], [1, 1, 1, 1, 0, 0])
   np.testing.assert_array_equal(batch.advantages[1, :4], [-1.5] * 4)
+
+
+def test_rollout_batch_marks_tokens_an_older_policy_sampled_as_stale():
+  # Prompt (version 0), tokens sampled by versions 0 and 1, an observation, one by version 2.
+  record = RolloutRecord("t", 0, [5, 6, 7, 8, 9, 10], [0, 1, 1, 0, 1, 0],
+                         [0, -0.1, -0.2, 0, -0.3, 0], 1, [0, 0, 1, 1, 2, 2])
+  stale = lambda version: rollout_batch([record], [1.0], [0], seq_len=6,
+                                        proximal_version=version).stale_mask[0]
+  np.testing.assert_array_equal(stale(2), [1, 1, 0, 0, 0, 0])  # only sampled tokens
+  np.testing.assert_array_equal(stale(1), [1, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(stale(0), [0] * 6)
+  np.testing.assert_array_equal(stale(None), [0] * 6)  # synchronous: all on-policy
 
 
 def test_rollout_batch_rejects_records_longer_than_the_update():

@@ -298,3 +298,64 @@ def test_real_rollout_records_are_token_exact_and_do_not_recompile(real):
     for position in np.flatnonzero(record.loss_mask):
       np.testing.assert_allclose(record.logprobs[position],
                                  logp[position - 1, record.ids[position]], atol=1e-4)
+
+
+class RecordingSampler(ScriptedSampler):
+  """A ScriptedSampler that records the params of every decode chunk and the seeds of every
+  prefill."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.decoded_with, self.seeds = [], []
+
+  def prefill_groups(self, params, state, groups, budgets, seeds=None):
+    self.seeds += [list(s) for s in seeds]
+    return super().prefill_groups(params, state, groups, budgets, seeds)
+
+  def decode_chunk(self, params, state, key):
+    self.decoded_with.append(params)
+    return super().decode_chunk(params, state, key)
+
+
+def _recording_rollout(scripts, batch_size=1):
+  sampler = RecordingSampler(scripts, batch_size, stop_ids=stop_ids(TOKENIZER))
+  tools = ToolRegistry({"code": Echo("code")})
+  return Rollout(sampler, "v0", TOKENIZER, tools, CONFIG, SYSTEM), sampler
+
+
+def test_weights_swapped_between_chunks_continue_the_sample_and_tag_its_tokens():
+  think = steps(("think", "a long enough thought to span chunks"))  # > 7 tokens: two chunks
+  call = steps(("code", "```python\nprint(1)\n```"), first=False)
+  answer = steps(("answer", "1"), first=False)
+  engine, sampler = _recording_rollout({"q": think + call + answer})
+  calls = []
+
+  def swap():  # new weights arrive after the first chunk
+    calls.append(1)
+    if len(calls) == 2:
+      engine.params, engine.version = "v1", 1
+
+  engine.before_chunk = swap
+  (record,), = list(engine.run([Task("q", "q")]))
+  prompt_len, chunk = record.prompt_len, sampler.chunk
+  assert sampler.decoded_with[0] == "v0" and set(sampler.decoded_with[1:]) == {"v1"}
+  assert record.versions == [0] * (prompt_len + chunk) + [1] * (len(record.ids) - prompt_len -
+                                                                 chunk)
+  assert record.first_version == 0
+  assert record.ids == TOKENIZER.prompt_ids(SYSTEM, "q") + think + call + observation(
+      "code says: ```python\nprint(1)\n```") + answer  # the sample went on where it was
+
+
+def test_a_source_may_have_no_task_for_now():
+  scripts = {q: steps(("answer", q)) for q in ("q1", "q2")}
+  engine, _ = _recording_rollout(scripts)
+  groups = list(engine.run(iter([Task("q1", "q1"), None, None, Task("q2", "q2")])))
+  assert [g[0].task_id for g in groups] == ["q1", "q2"]
+  assert all(g[0].finish_reason == "answer" for g in groups)
+
+
+def test_a_task_drawn_again_in_one_run_gets_fresh_sampling_seeds():
+  engine, sampler = _recording_rollout({"q": steps(("answer", "q"))})
+  list(engine.run([Task("q", "q"), Task("q", "q")]))
+  first, second = sampler.seeds
+  assert first != second

@@ -5,6 +5,14 @@ max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)) with decoupled clip rat
 ("clip-higher"); for negative advantages a dual clip caps it at -A c. Optional terms: a k3
 KL to a reference policy and an entropy bonus (both off by default, as in the reference).
 
+Off-policy tokens (asynchronous RL) use the decoupled objective: old_logp is the proximal
+policy (the trainer's weights when the batch is formed), which the ratio is clipped against,
+and a token that an older policy sampled (stale mask 1) has its surrogate weighted by the
+behaviour importance weight min(p_proximal / p_sampler, cap), a constant to the gradient. Every
+other token gets weight exactly 1, so with no stale token the loss and its gradient are the
+synchronous ones bit for bit: the sampler's and the teacher-forced log-probs of one policy
+differ only by rounding, which is not off-policyness.
+
 How per-token losses combine is the aggregation, expressed as a weight per token that
 `aggregation_weights` computes from the masks of the whole (global) mini-batch before it is
 split into micro-batches or over devices. The loss is then the plain sum of weight x loss, so
@@ -53,6 +61,7 @@ class PolicyLossConfig:
   log_ratio_clamp: float = 20.0  # |logp - old_logp| is clamped before exp
   kl_coef: float = 0.0  # k3 KL to the reference policy
   entropy_coef: float = 0.0  # entropy bonus
+  behaviour_weight_cap: float = 2.0  # truncates the importance weight of stale tokens
 
   def __post_init__(self):
     AGGREGATIONS.get(self.aggregation)  # an unknown name raises, listing the registered ones
@@ -64,6 +73,9 @@ class PolicyLossConfig:
     if self.norm_tokens < 0 or self.log_ratio_clamp <= 0:
       raise ValueError(f"norm_tokens must be >= 0 and log_ratio_clamp > 0, got "
                        f"{self.norm_tokens}, {self.log_ratio_clamp}")
+    if self.behaviour_weight_cap < 1:
+      raise ValueError(f"behaviour_weight_cap={self.behaviour_weight_cap} must be >= 1 (fresh "
+                       f"tokens have weight 1)")
     if self.kl_coef < 0 or self.entropy_coef < 0:
       raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, "
                        f"{self.entropy_coef}")
@@ -86,6 +98,9 @@ class PolicyLossSums:
   ratio: jax.Array
   entropy: jax.Array
   ref_kl: jax.Array
+  stale: jax.Array  # tokens sampled by an older policy than the proximal one
+  behaviour_weight: jax.Array  # the importance weight (1 on fresh tokens)
+  truncated: jax.Array  # stale tokens whose weight the cap cut
 
   def __add__(self, other: "PolicyLossSums") -> "PolicyLossSums":
     return jax.tree_util.tree_map(jnp.add, self, other)
@@ -94,7 +109,8 @@ class PolicyLossSums:
     """Returns the loss and every metric as a mean over unmasked tokens."""
     count = jnp.maximum(self.tokens, 1.0)
     means = {name: getattr(self, name) / count for name in
-             ("clip_high", "clip_low", "dual_clip", "approx_kl", "ratio", "entropy", "ref_kl")}
+             ("clip_high", "clip_low", "dual_clip", "approx_kl", "ratio", "entropy", "ref_kl",
+              "stale", "behaviour_weight", "truncated")}
     return dict(pg_loss=self.loss, tokens=self.tokens, **means)
 
 
@@ -150,11 +166,22 @@ def group_token_mean(mask_BxT: jax.Array, group_B: jax.Array, norm_tokens: int) 
   return mask_BxT / jnp.maximum(group_tokens_G[group_B], 1.0)[:, None] / groups_with_tokens
 
 
+def behaviour_weights(old_logp_BxT: jax.Array, sampler_logp_BxT: jax.Array,
+                      stale_BxT: jax.Array, config: PolicyLossConfig) -> jax.Array:
+  """Returns min(p_proximal / p_sampler, cap) on stale tokens and exactly 1 elsewhere."""
+  log_w = jnp.clip(old_logp_BxT - sampler_logp_BxT, -config.log_ratio_clamp,
+                   config.log_ratio_clamp)
+  return jnp.where(stale_BxT > 0, jnp.minimum(jnp.exp(log_w), config.behaviour_weight_cap), 1.0)
+
+
 def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array,
                 mask_BxT: jax.Array, weights_BxT: jax.Array, config: PolicyLossConfig,
                 ref_logp_BxT: jax.Array | None = None,
-                entropy_BxT: jax.Array | None = None) -> PolicyLossSums:
-  """Returns the weighted clipped-surrogate loss and metric sums over unmasked tokens."""
+                entropy_BxT: jax.Array | None = None,
+                sampler_logp_BxT: jax.Array | None = None,
+                stale_BxT: jax.Array | None = None) -> PolicyLossSums:
+  """Returns the weighted clipped-surrogate loss and metric sums over unmasked tokens; with
+  `stale_BxT` (and `sampler_logp_BxT`), the decoupled objective's behaviour weights."""
   mask = mask_BxT.astype(jnp.float32)
   adv = advantages_BxT.astype(jnp.float32)
   log_ratio = jnp.clip(logp_BxT - old_logp_BxT, -config.log_ratio_clamp, config.log_ratio_clamp)
@@ -166,6 +193,11 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: ja
   if config.dual_clip:
     per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * config.dual_clip), per_token)
     dual = ((adv < 0) & (ratio > config.dual_clip)).astype(jnp.float32)
+  stale = jnp.zeros_like(mask) if stale_BxT is None else stale_BxT.astype(jnp.float32)
+  behaviour = jnp.ones_like(mask)
+  if stale_BxT is not None:
+    behaviour = behaviour_weights(old_logp_BxT, sampler_logp_BxT, stale, config)
+    per_token = per_token * jax.lax.stop_gradient(behaviour)
   ref_kl = jnp.zeros_like(mask)
   if ref_logp_BxT is not None:
     ref_kl = _k3(ref_logp_BxT - logp_BxT)
@@ -183,7 +215,10 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: ja
       approx_kl=masked_sum(_k3(-log_ratio)),
       ratio=masked_sum(ratio),
       entropy=masked_sum(entropy),
-      ref_kl=masked_sum(ref_kl))
+      ref_kl=masked_sum(ref_kl),
+      stale=masked_sum(stale),
+      behaviour_weight=masked_sum(behaviour),
+      truncated=masked_sum((stale > 0) & (behaviour >= config.behaviour_weight_cap)))
 
 
 def _k3(log_q_over_p: jax.Array) -> jax.Array:

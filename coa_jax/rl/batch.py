@@ -12,29 +12,33 @@ from coa_jax.train.batch import PolicyBatch
 
 def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
                   groups: Sequence[int], seq_len: int,
-                  drop_mask: Sequence[bool] | None = None) -> PolicyBatch:
+                  drop_mask: Sequence[bool] | None = None,
+                  proximal_version: int | None = None) -> PolicyBatch:
   """Returns the (B, seq_len) next-token arrays of `records`, right-padded.
 
   Row b predicts ids[1:] from ids[:-1]; its loss mask is the record's mask on the predicted
   tokens (sampled tokens only) and 0 where `drop_mask[b]` (e.g. overlong filtering);
   sampler_logp holds the sampler's log-probs there; every token gets the row's advantage;
-  `group` is the row's prompt-group id. old_logp is left for the update to recompute.
+  `group` is the row's prompt-group id. stale_mask is 1 on the predicted sampled tokens that a
+  policy older than `proximal_version` sampled (None: every token is on-policy, the synchronous
+  case). old_logp is left for the update to recompute.
   """
   rows = len(records)
   if not rows == len(advantages) == len(groups):
     raise ValueError(f"{rows} records, {len(advantages)} advantages, {len(groups)} groups")
   arrays = {k: np.zeros((rows, seq_len), np.int32) for k in
             ("input_ids", "targets", "loss_mask", "positions", "segment_ids")}
-  arrays["sampler_logp"] = np.zeros((rows, seq_len), np.float32)
-  arrays["advantages"] = np.zeros((rows, seq_len), np.float32)
+  for name in ("sampler_logp", "advantages", "stale_mask"):
+    arrays[name] = np.zeros((rows, seq_len), np.float32)
   for b, record in enumerate(records):
     n = len(record.ids) - 1
     if n > seq_len:
       raise ValueError(f"task {record.task_id} sample {record.sample}: {len(record.ids)} tokens "
                        f"exceed the update's seq_len + 1 = {seq_len + 1}")
-    if not len(record.ids) == len(record.loss_mask) == len(record.logprobs):
-      raise ValueError(f"task {record.task_id} sample {record.sample}: ids, loss_mask and "
-                       f"logprobs differ in length")
+    if not (len(record.ids) == len(record.loss_mask) == len(record.logprobs) ==
+            len(record.versions)):
+      raise ValueError(f"task {record.task_id} sample {record.sample}: ids, loss_mask, "
+                       f"logprobs and versions differ in length")
     ids = np.asarray(record.ids, np.int32)
     arrays["input_ids"][b, :n] = ids[:-1]
     arrays["targets"][b, :n] = ids[1:]
@@ -44,4 +48,7 @@ def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
     arrays["segment_ids"][b, :n] = 1
     arrays["sampler_logp"][b, :n] = record.logprobs[1:]
     arrays["advantages"][b, :n] = advantages[b]
+    if proximal_version is not None:
+      arrays["stale_mask"][b, :n] = (np.asarray(record.versions[1:]) < proximal_version) & (
+          arrays["loss_mask"][b, :n] > 0)
   return PolicyBatch(**arrays, group=np.asarray(groups, np.int32))

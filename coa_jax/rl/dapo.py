@@ -26,11 +26,12 @@ import concurrent.futures
 import json
 import os
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from coa_jax.data import Task, build_rewarder, load_tasks, load_tokenizer
 from coa_jax.losses.dapo import PolicyLossConfig
@@ -42,6 +43,7 @@ from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup, fill_
 from coa_jax.rollout import (
   Rollout,
   RolloutConfig,
+  RolloutRecord,
   Sampler,
   SamplingConfig,
   check_prompt_lengths,
@@ -65,7 +67,8 @@ def loss_config(rl: Any) -> PolicyLossConfig:
   return PolicyLossConfig(eps_low=rl.eps_low, eps_high=rl.eps_high, dual_clip=rl.dual_clip,
                           aggregation=rl.aggregation, norm_tokens=rl.norm_tokens,
                           log_ratio_clamp=rl.log_ratio_clamp, kl_coef=rl.kl_coef,
-                          entropy_coef=rl.entropy_coef)
+                          entropy_coef=rl.entropy_coef,
+                          behaviour_weight_cap=rl["async"].weight_cap)
 
 
 class TaskStream:
@@ -92,7 +95,7 @@ class Trainer:
   def __init__(self, config: Any):
     self.config, rl = config, config.rl
     self.tokenizer = load_tokenizer(config)
-    self.mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
+    self.mesh, self.host = self._meshes()
     self.rollout_config = RolloutConfig(**config.rollout)
     self.n = self.rollout_config.group_size
     self.hosts, self.host_index = jax.process_count(), jax.process_index()
@@ -134,7 +137,6 @@ class Trainer:
     sampling = SamplingConfig(**config.sampling)
     if sampling.temperature == 0:
       raise ConfigError("DAPO needs sampled rollouts: sampling.temperature must be > 0")
-    self.host = sharding.host_mesh(self.mesh)
     self.host_shardings = sharding.param_shardings(self.model, self.host)
     sampler = Sampler(model_config, self.host, batch_size=config.batch_size // self.hosts,
                       cache_size=self.rollout_config.cache_size, chunk=config.chunk,
@@ -154,6 +156,12 @@ class Trainer:
     self.reward_pool = concurrent.futures.ThreadPoolExecutor(config.reward_workers,
                                                              "reward")
 
+  def _meshes(self) -> tuple[Mesh, Mesh]:
+    """Returns the mesh the updates run on and this host's decode mesh: here the same
+    devices (the rollouts wait for the updates and the updates for the rollouts)."""
+    mesh = sharding.make_mesh(sharding.MeshConfig(**self.config.mesh))
+    return mesh, sharding.host_mesh(mesh)
+
   # --- rollouts and rewards ----------------------------------------------------------------
 
   def _rollouts(self, tasks: list[Task], key: jax.Array) -> list[ScoredGroup]:
@@ -164,16 +172,16 @@ class Trainer:
     self.engine.key = key
     mine = tasks[self.host_index::self.hosts]
     order = {task.id: i for i, task in enumerate(mine)}
-    return sorted(self._score(mine), key=lambda group: order[group.task_id])
+    return sorted(map(self._score, self.engine.run(mine)),
+                  key=lambda group: order[group.task_id])
 
-  def _score(self, tasks: list[Task]) -> Iterator[ScoredGroup]:
-    for group in self.engine.run(tasks):
-      texts = [record.response_text(self.tokenizer) for record in group]
-      data = group[0].task_data
-      rewards = list(self.reward_pool.map(lambda text: self.rewarder(text, data), texts))
-      scores = [r.score + self._overlong(record.response_len)
-                for r, record in zip(rewards, group)]
-      yield ScoredGroup(group[0].task_id, group, scores, [r.correct for r in rewards])
+  def _score(self, group: list[RolloutRecord]) -> ScoredGroup:
+    """Returns the group with its rewards (overlong shaping included) and correctness."""
+    texts = [record.response_text(self.tokenizer) for record in group]
+    data = group[0].task_data
+    rewards = list(self.reward_pool.map(lambda text: self.rewarder(text, data), texts))
+    scores = [r.score + self._overlong(record.response_len) for r, record in zip(rewards, group)]
+    return ScoredGroup(group[0].task_id, group, scores, [r.correct for r in rewards])
 
   def _overlong(self, response_len: int) -> float:
     rl = self.config.rl
@@ -220,6 +228,17 @@ class Trainer:
     # Hosts that needed fewer rounds skip the prompts of the others' extra rounds.
     self.stream.cursor = max(h["cursor"] for h in hosts)
     rollout_s = time.perf_counter() - t0
+    out = self._train_on(kept, step)
+    out.update(rollout_s=rollout_s, **self._rollout_metrics(generated, stats.to_json()))
+    return out
+
+  def _train_on(self, kept: list[ScoredGroup], step: int,
+                proximal_version: int | None = None) -> dict[str, float]:
+    """Updates once per mini-batch of this host's `kept` groups (every host calls it with its
+    share); returns the updates' mean metrics and the log-prob health. `proximal_version`
+    (asynchronous RL) is the policy version of the current params: tokens an older one
+    sampled are importance-weighted (None: every token is on-policy)."""
+    rl = self.config.rl
     records = [record for group in kept for record in group.records]
     advantages = group_advantages(np.array([g.scores for g in kept]), rl.advantage,
                                   rl.advantage_eps, rl.negative_weight).reshape(-1)
@@ -230,28 +249,34 @@ class Trainer:
     mini_batches = []
     for start in range(0, len(records), rows):
       part = slice(start, start + rows)
-      batch = rollout_batch(records[part], advantages[part], groups, self.seq_len, drop[part])
+      batch = rollout_batch(records[part], advantages[part], groups, self.seq_len, drop[part],
+                            proximal_version)
       mini_batches.append(sharding.shard_batch(batch, self.mesh))
     mini_batches, health = self._with_old_logprobs(mini_batches)
     update_metrics = []
     for batch in mini_batches:
       self.state, metrics = run_step(self.update, self.state, batch, step)
       update_metrics.append(metrics)
-    if rl.track_prompts:
-      for group in generated:
-        counts = self.prompts.setdefault(group.task_id, [0, 0, 0])
-        counts[0] += 1
-        counts[1] += all(group.correct)
-        counts[2] += not any(group.correct)
-    every = [r for g in generated for r in g.records]
     out = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
-    out.update(health, rollout_s=rollout_s, **_over_hosts(
+    return {**out, **health}
+
+  def _rollout_metrics(self, generated: list[ScoredGroup],
+                       counts: dict[str, int]) -> dict[str, float]:
+    """Counts the prompts of every generated group (rl.track_prompts) and returns the means
+    of their rewards, accuracy and lengths and the sums of `counts` over every host."""
+    if self.config.rl.track_prompts:
+      for group in generated:
+        tally = self.prompts.setdefault(group.task_id, [0, 0, 0])
+        tally[0] += 1
+        tally[1] += all(group.correct)
+        tally[2] += not any(group.correct)
+    every = [r for g in generated for r in g.records]
+    return _over_hosts(
         means=dict(reward=[s for g in generated for s in g.scores],
                    accuracy=[c for g in generated for c in g.correct],
                    response_len=[r.response_len for r in every],
                    truncated=[r.finish_reason == "length" for r in every]),
-        sums=stats.to_json()))
-    return out
+        sums=counts)
 
   def _with_old_logprobs(self, mini_batches: list[PolicyBatch]
                          ) -> tuple[list[PolicyBatch], dict[str, float]]:
@@ -325,7 +350,15 @@ def _over_hosts(means: dict[str, list[float]],
 def run(config: Any) -> dict[str, Any]:
   """Trains per `config`; returns a summary (rewards, accuracy, steps, paths)."""
   rl = config.rl
-  trainer = Trainer(config)
+  plot_keys, shown = PLOT_KEYS, SHOWN
+  if rl["async"].enabled:
+    from coa_jax.rl import async_trainer  # it builds on this module's Trainer
+    trainer = async_trainer.AsyncTrainer(config)
+    plot_keys, shown = async_trainer.PLOT_KEYS, async_trainer.SHOWN
+    say(f"asynchronous: rollouts on {trainer.host.devices.size} device(s) per host, updates on "
+        f"{trainer.mesh.devices.size}, staleness <= {rl['async'].staleness}")
+  else:
+    trainer = Trainer(config)
   say(f"DAPO: {trainer.model_config.num_params():,} params on mesh {dict(trainer.mesh.shape)}; "
       f"{len(trainer.tasks)} tasks, {rl.batch_groups} groups x {trainer.n} samples per step in "
       f"{rl.batch_groups // rl.mini_batch_groups} mini-batch(es); "
@@ -333,8 +366,8 @@ def run(config: Any) -> dict[str, Any]:
   loop = LoopConfig(steps=rl.steps, workdir=config.workdir, checkpoint=config.checkpoint,
                     log_every=rl.log_every, stop_after=rl.stop_after,
                     export_dir=config.export_dir, export_dtype=config.export_dtype,
-                    unit="samples", units_per_step=rl.batch_groups * trainer.n, shown=SHOWN,
-                    plot_keys=PLOT_KEYS, plot_file="dapo.png", title="DAPO")
+                    unit="samples", units_per_step=rl.batch_groups * trainer.n, shown=shown,
+                    plot_keys=plot_keys, plot_file="dapo.png", title="DAPO")
   try:
     result = run_loop(trainer, loop, state_lib.abstract_state(trainer.model, trainer.tx,
                                                               trainer.mesh), trainer.model_config)

@@ -48,7 +48,7 @@ def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainSt
     micro, weights = micro
     logp, entropy = policy_logprobs(model, params, micro, temperature)
     sums = policy_loss(logp, micro.old_logp, micro.advantages, micro.loss_mask, weights,
-                       loss_config, micro.ref_logp, entropy)
+                       loss_config, micro.ref_logp, entropy, micro.sampler_logp, micro.stale_mask)
     return sums.loss, sums
 
   sums, grads = summed_grads(objective, state.params, (batch, weights_BxT), micro_batches)

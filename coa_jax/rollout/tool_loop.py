@@ -13,6 +13,13 @@ Rows finish on `</answer>` (answer), the template's end token (eos), a tool call
 `max_turns` (max_turns), the response budget (length; an observation that would overflow it
 is cut to fit and the row finished), or a prompt that cannot fit (error).
 
+A long-running caller (asynchronous RL, `coa_jax.rl.async_trainer`) may swap the weights while
+a run is under way: `before_chunk` is called before every fill and decode chunk and may set
+`params` and `version`. Unfinished rows then continue with the new weights (partial rollouts):
+their KV cache, computed by the older weights, is kept, and every token is tagged with the
+version that sampled it (or encoded it, for prompt and observation tokens). The task source of
+such a run may yield None when it has no task for now (see `run`).
+
 Records are token in, token out: the ids the sampler produced and consumed, with the loss
 mask (1 on sampled tokens; 0 on prompt and observation tokens, tags included) and the
 sampler's log-probabilities (0 where the mask is 0).
@@ -39,6 +46,7 @@ from coa_jax.rollout.sampler import Sampler, bucket
 from tools_env import ToolRegistry, ToolResult, TrajectoryTools
 
 ANSWER, EOS, MAX_TURNS, LENGTH, ERROR = "answer", "eos", "max_turns", "length", "error"
+_END = object()  # the end of a task source
 FINISH_REASONS = (ANSWER, EOS, MAX_TURNS, LENGTH, ERROR)
 
 
@@ -103,6 +111,7 @@ class RolloutRecord:
   loss_mask: list[int]  # 1 on sampled tokens, 0 elsewhere
   logprobs: list[float]  # the sampler's, on sampled tokens; 0 elsewhere
   prompt_len: int
+  versions: list[int] = dataclasses.field(default_factory=list)  # each token's policy version
   finish_reason: str = ""
   turns: int = 0
   tool_calls: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -111,11 +120,18 @@ class RolloutRecord:
   tool_s: float = 0.0
   task_data: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-  def append(self, ids: list[int], logprobs: list[float] | None = None) -> None:
-    """Appends sampled tokens (with their log-probs: mask 1) or given ones (mask 0)."""
+  def append(self, ids: list[int], logprobs: list[float] | None = None, version: int = 0) -> None:
+    """Appends sampled tokens (with their log-probs: mask 1) or given ones (mask 0), tagged
+    with the version of the policy that sampled them (or encoded them into the KV cache)."""
     self.ids.extend(ids)
     self.loss_mask.extend([0 if logprobs is None else 1] * len(ids))
     self.logprobs.extend([0.0] * len(ids) if logprobs is None else logprobs)
+    self.versions.extend([version] * len(ids))
+
+  @property
+  def first_version(self) -> int:
+    """Returns the oldest policy version among its tokens (the one its prompt started with)."""
+    return min(self.versions, default=0)
 
   @property
   def response_len(self) -> int:
@@ -158,29 +174,43 @@ class Rollout:
     self.tools, self.config, self.system_prompt = tools, config, system_prompt
     self.key = jax.random.key(seed)
     self.listener: Callable[[RolloutRecord], None] | None = None  # sees every record update
-    self.chunks = 0
+    self.before_chunk: Callable[[], None] | None = None  # may swap params and version
+    self.version = 0  # the policy version of `params`, tagged on every token appended
+    self.in_flight = 0  # rows holding a sample (decoding, waiting for a tool or done)
+    self.chunks = self.tokens_sampled = 0
     self.decode_s = self.tool_wait_s = 0.0
     self._tool_stop = {tokenizer.tag_id(tag, close=True): tag for tag in coa_format.TOOL_TAGS}
     self._answer_id, self._end_id = tokenizer.tag_id("answer", close=True), tokenizer.end_id
 
   # --- the loop --------------------------------------------------------------------------
 
-  def run(self, tasks: Iterable[Task]) -> Iterator[list[RolloutRecord]]:
-    """Yields the records of each task's group, in the order the groups finish."""
+  def run(self, tasks: Iterable[Task | None]) -> Iterator[list[RolloutRecord]]:
+    """Yields the records of each task's group, in the order the groups finish.
+
+    `tasks` may yield None for "no task now": the free rows stay free until the next fill. A
+    source must block rather than yield None while `in_flight` is 0, or the loop spins."""
     cfg, n = self.config, self.config.group_size
     tasks = iter(tasks)
+    exhausted = False
     rows: dict[int, _Row] = {}
     free = list(range(0, self.sampler.batch_size, n))
     # One key per run: a sample depends on it, its task and its index only (not on its slot).
     key, self.key = jax.random.split(self.key)
+    self._draws: collections.Counter = collections.Counter()  # task id -> times started
     state = self.sampler.init_state()
     pool = concurrent.futures.ThreadPoolExecutor(cfg.tool_workers, "rollout-tool")
     try:
       while True:
-        state, rejected = self._fill(state, rows, free, tasks)
+        if self.before_chunk:
+          self.before_chunk()
+        self.in_flight = len(rows)
+        state, rejected, ended = self._fill(state, rows, free, tasks)
+        exhausted = exhausted or ended
         yield from rejected
         if not rows:
-          return
+          if exhausted:
+            return
+          continue
         active = np.array(state.active_B)  # a copy: decoding changes the state
         if active.any():
           state = self._decode(state, rows, active, pool, key)
@@ -196,22 +226,26 @@ class Rollout:
             free.append(start)
             yield [row.record for row in group]
     finally:
+      self.in_flight = 0
       # A tool that hangs past its timeout must not hold the rollout: do not wait for it.
       pool.shutdown(wait=False, cancel_futures=True)
 
   def _fill(self, state, rows, free, tasks):
-    """Prefills free group slots with the next tasks; returns (state, rejected groups)."""
+    """Prefills free group slots with the next tasks; returns (state, rejected groups, whether
+    the source has ended)."""
     cfg, n = self.config, self.config.group_size
     groups, budgets, seeds, rejected = [], [], [], []
+    ended = False
     while free:
-      task = next(tasks, None)
-      if task is None:
+      task = next(tasks, _END)
+      ended = task is _END
+      if task is None or ended:
         break
       prompt = self.tokenizer.prompt_ids(self.system_prompt, task.question)
       records = [RolloutRecord(task.id, i, [], [], [], len(prompt), task_data=dict(task.data))
                  for i in range(n)]
       for record in records:
-        record.append(prompt)
+        record.append(prompt, version=self.version)
       if len(prompt) > cfg.max_prompt_tokens:
         for record in records:
           record.finish_reason = ERROR
@@ -222,12 +256,16 @@ class Rollout:
       start = free.pop(0)
       for i, record in enumerate(records):
         rows[start + i] = _Row(record, TrajectoryTools(self.tools, task.question), len(prompt))
+      self.in_flight = len(rows)
       groups.append((list(range(start, start + n)), prompt))
       budgets.append(len(prompt) + cfg.max_response_tokens)
-      seeds.append([sample_seed(task.id, i) for i in range(n)])
+      # A task drawn again within one run (a long-running source) gets fresh samples.
+      draw = f"{task.id}@{self._draws[task.id]}" if self._draws[task.id] else task.id
+      self._draws[task.id] += 1
+      seeds.append([sample_seed(draw, i) for i in range(n)])
     if groups:
       state = self.sampler.prefill_groups(self.params, state, groups, budgets, seeds)
-    return state, rejected
+    return state, rejected, ended
 
   def _decode(self, state, rows, active, pool, key):
     """Decodes one chunk; routes every row that stopped to its finish or its tool call."""
@@ -237,13 +275,15 @@ class Rollout:
                                                       chunk.counts_B, state.active_B))
     elapsed = time.perf_counter() - start
     self.chunks += 1
+    self.tokens_sampled += int(counts.sum())
     self.decode_s += elapsed
     for index in np.flatnonzero(active):
       row = rows.get(int(index))
       if row is None:
         continue
       record, count = row.record, int(counts[index])
-      record.append(tokens[index, :count].tolist(), logprobs[index, :count].tolist())
+      record.append(tokens[index, :count].tolist(), logprobs[index, :count].tolist(),
+                    self.version)
       record.decode_s += elapsed
       if self.listener:
         self.listener(record)
@@ -308,7 +348,8 @@ class Rollout:
         record.tool_errors[kind] = record.tool_errors.get(kind, 0) + 1
       ids = self._observation_ids(result.observation)
       room = record.prompt_len + self.config.max_response_tokens - len(record.ids)
-      record.append(ids[:room])  # an overflowing observation fills the budget exactly
+      # An overflowing observation fills the budget exactly.
+      record.append(ids[:room], version=self.version)
       if len(ids) >= room:  # and leaves no room to sample: the sample ends
         self._finish(row, LENGTH)
         continue

@@ -231,8 +231,10 @@ def host_mesh(mesh: Mesh) -> Mesh:
 
 def to_host_mesh(tree: Any, mesh: Mesh, host: Mesh, shardings: Any) -> Any:
   """Returns `tree` (global arrays on `mesh`) as arrays of this process's `host` mesh, each laid
-  out by the matching PartitionSpec of `shardings` (NamedShardings): every host gets the whole
-  value. One all-gather across hosts; on one process, a plain (usually free) device_put."""
+  out by the matching PartitionSpec of `shardings` (NamedShardings on `host`): every host gets
+  the whole value. One all-gather across hosts, then (when `host` holds other devices than
+  this process's share of `mesh`, as in asynchronous RL) a device-to-device copy; on one
+  process, a plain device_put (free when the devices are the same)."""
   if jax.process_count() == 1:
     return jax.device_put(tree, shardings)
   hosts = _host_devices(mesh)
@@ -241,12 +243,26 @@ def to_host_mesh(tree: Any, mesh: Mesh, host: Mesh, shardings: Any) -> Any:
                   axis_types=(AxisType.Auto,) * (1 + len(MESH_AXES)))
   gathered = jax.jit(lambda t: t, out_shardings=jax.tree_util.tree_map(
       lambda s: NamedSharding(replicas, s.spec), shardings))(tree)
+  mine = host_mesh(mesh)
 
   def local(x, s):
     return jax.make_array_from_single_device_arrays(
-        x.shape, NamedSharding(host, s.spec), [piece.data for piece in x.addressable_shards])
+        x.shape, NamedSharding(mine, s.spec), [piece.data for piece in x.addressable_shards])
 
-  return jax.tree_util.tree_map(local, gathered, shardings)
+  return jax.device_put(jax.tree_util.tree_map(local, gathered, shardings), shardings)
+
+
+def split_devices(rollout_per_host: int) -> tuple[list[Any], list[Any]]:
+  """Returns (this process's first `rollout_per_host` devices, the other devices of every
+  process, in process order): the rollout and the trainer devices of asynchronous RL."""
+  by_process = [[d for d in jax.devices() if d.process_index == p]
+                for p in range(jax.process_count())]
+  local = by_process[jax.process_index()]
+  if not 0 < rollout_per_host < len(local):
+    raise ConfigError(f"rollout devices per host must be in [1, {len(local) - 1}] (the rest "
+                      f"train), got {rollout_per_host} of {len(local)}")
+  return (local[:rollout_per_host],
+          [d for devices in by_process for d in devices[rollout_per_host:]])
 
 
 # --- parameters ---------------------------------------------------------------------------

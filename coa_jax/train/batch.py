@@ -40,10 +40,13 @@ class PolicyBatch(TokenBatch):
 
   sampler_logp: the log-probs the sampler drew each token with; old_logp: the rollout policy's
   teacher-forced log-probs, recomputed before the update (the ratio's denominator); ref_logp:
-  the reference policy's (only with a KL term); group: each row's prompt-group id.
+  the reference policy's (only with a KL term); group: each row's prompt-group id; stale_mask: 1
+  on tokens sampled by an older policy than old_logp's (asynchronous RL), which the loss
+  importance-weights by old_logp vs sampler_logp.
   """
 
   sampler_logp: Array = None  # (B, T) float32
+  stale_mask: Array = None  # (B, T) float32
   advantages: Array = None  # (B, T) float32
   group: Array = None  # (B,) int32
   old_logp: Array = None  # (B, T) float32
@@ -61,5 +64,5 @@ def abstract_batch(cls: type, batch_size: int, seq_len: int, sharding: Any) -> A
   if cls is TokenBatch:
     return TokenBatch(**tokens)
   floats = {name: spec((batch_size, seq_len), jnp.float32)
-            for name in ("sampler_logp", "advantages", "old_logp")}
+            for name in ("sampler_logp", "stale_mask", "advantages", "old_logp")}
   return PolicyBatch(**tokens, **floats, group=spec((batch_size,), jnp.int32))

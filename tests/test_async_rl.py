@@ -1,0 +1,193 @@
+"""Asynchronous DAPO on 8 fake CPU devices, 4 decoding and 4 training: the staleness bound over
+random arrival orders, staleness 0 against the synchronous step, weight pushes, the job."""
+
+import json
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from coa_jax.model import ConfigError
+from coa_jax.rl import dapo
+from coa_jax.rl.async_trainer import AsyncTrainer
+from coa_jax.rl.staleness import StalenessQueue
+from configs import common, dapo_tiny_cpu
+
+
+def _config(tmp_path, **options):
+  config = dapo_tiny_cpu.get_config()
+  config.model.checkpoint = ""  # a fresh model: no SFT export needed
+  config.max_tasks, config.eval_tasks = 16, ""
+  config.mesh = common.mesh(data=1, fsdp=2, tensor=2)  # the 4 trainer devices
+  config.batch_size, config.chunk = 8, 16
+  config.rollout.update(group_size=2, max_prompt_tokens=192, max_response_tokens=48,
+                        max_observation_tokens=32, max_turns=2)
+  config.rl = common.rl(steps=3, batch_groups=2, prompts_per_round=2, max_rounds=2,
+                        mini_batch_groups=2, overlong_cache=16, dynamic_sampling=False)
+  config.rl["async"].update({"enabled": True, **options})
+  config.optimizer = common.optimizer(learning_rate=1e-3, schedule="constant", weight_decay=0.0)
+  config.checkpoint = common.checkpoint(str(tmp_path / "ckpt"), every=3, async_save=False)
+  config.workdir, config.export_dir = str(tmp_path), ""
+  return config
+
+
+def _copy(tree):
+  return jax.tree_util.tree_map(lambda x: x.copy(), tree)
+
+
+# --- the staleness bound (host-side) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_no_group_older_than_the_bound_is_ever_used(staleness):
+  """Random interleavings of starts, finishes in any order, give-backs, weight pickups and
+  updates: every group trained on is within the bound, and the queue never runs ahead."""
+  dropped = 0
+  for seed in range(60):
+    rng = random.Random(seed)
+    batch = rng.randint(1, 4)
+    queue = StalenessQueue(batch, staleness)
+    worker_version, in_flight = 0, []
+    for _ in range(20_000):
+      if queue.version == 8:
+        break
+      action = rng.random()
+      if action < 0.35:
+        for _ in range(rng.randint(1, 3)):
+          seq = queue.try_start(worker_version)
+          if seq is not None:
+            in_flight.append((seq, worker_version))
+      elif action < 0.75 and in_flight:
+        seq, version = in_flight.pop(rng.randrange(len(in_flight)))
+        if rng.random() < 0.1:  # e.g. dropped by dynamic sampling
+          queue.give_back()
+        else:
+          queue.put(seq, version, None)
+      elif action < 0.85:
+        worker_version = queue.version  # the worker picks up the newest weights
+      else:
+        try:
+          taken, _ = queue.take(batch, timeout=0)
+        except TimeoutError:
+          continue
+        assert all(queue.version - r.version <= staleness for r in taken)
+        assert [r.seq for r in taken] == sorted(r.seq for r in taken)
+        queue.advance()
+      assert len(queue.ready) + len(in_flight) <= (staleness + 1) * batch
+    assert queue.version == 8, f"seed {seed} stalled"
+    dropped += queue.stale_dropped
+  # Late finishers were discarded, not trained on; with staleness 0 none can be late.
+  assert (dropped > 0) == (staleness > 0)
+
+
+def test_with_staleness_0_the_worker_runs_one_batch_per_version():
+  queue = StalenessQueue(batch_groups=2, staleness=0)
+  assert [queue.try_start(0) for _ in range(3)] == [0, 1, None]
+  queue.put(1, 0, "b")
+  queue.put(0, 0, "a")
+  taken, depth = queue.take(2)
+  assert [r.group for r in taken] == ["a", "b"] and depth == 2  # in issue order
+  assert queue.try_start(0) is None  # the old weights may not start the next batch
+  queue.advance()
+  assert queue.try_start(1) == 2
+
+
+# --- the trainer on 4 + 4 devices ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def staleness_0(tmp_path_factory):
+  """(trainer, its initial state, the first batch its worker produced)."""
+  tmp = tmp_path_factory.mktemp("async0")
+  trainer = AsyncTrainer(_config(tmp, staleness=0))
+  initial = _copy(trainer.state)
+  trainer._start_worker(version=0)
+  taken, _ = trainer.worker.queue.take(2, timeout=300)
+  trainer.worker.close(timeout=60)
+  yield trainer, initial, [r.group for r in taken], taken
+  trainer.close()
+
+
+def test_rollout_and_trainer_devices_are_disjoint_halves(staleness_0):
+  trainer = staleness_0[0]
+  rollout = {d.id for d in trainer.host.devices.flat}
+  training = {d.id for d in trainer.mesh.devices.flat}
+  assert len(rollout) == len(training) == 4 and not rollout & training
+
+
+def test_staleness_0_updates_are_the_synchronous_step(staleness_0, tmp_path):
+  trainer, initial, groups, taken = staleness_0
+  assert all(r.version == 0 for r in taken)
+  assert {v for g in groups for record in g.records for v in record.versions} == {0}
+  for group in groups:  # an untrained model fails every task: give the samples advantages
+    group.scores = [1.0, -1.0]
+
+  def update(job, proximal_version):
+    job.state = _copy(initial) if job is trainer else job.state
+    metrics = job._train_on(groups, 1, proximal_version)
+    return metrics, jax.tree_util.tree_map(np.asarray, job.state.params)
+
+  async_metrics, async_params = update(trainer, proximal_version=0)
+  assert async_metrics["stale"] == 0 and async_metrics["behaviour_weight"] == 1
+  # The synchronous objective on the same mesh: bit for bit (fresh tokens weigh exactly 1).
+  sync_metrics, sync_params = update(trainer, proximal_version=None)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, async_params, sync_params)
+  assert async_metrics == sync_metrics
+  # The synchronous job on all 8 devices: the same update to float tolerance (its sums reduce
+  # over 8 devices in another order).
+  config = _config(tmp_path, enabled=False)
+  config.mesh = common.mesh(data=2, fsdp=2, tensor=2)
+  sync = dapo.Trainer(config)
+  sync.state = sync.state.replace(params=jax.device_put(
+      jax.tree_util.tree_map(np.asarray, initial.params),
+      jax.tree_util.tree_map(lambda x: x.sharding, sync.state.params)))
+  eight_metrics, eight_params = update(sync, proximal_version=None)
+  sync.close()
+  for key in ("pg_loss", "grad_norm", "entropy", "tokens"):
+    np.testing.assert_allclose(eight_metrics[key], sync_metrics[key], rtol=1e-5, atol=1e-7,
+                               err_msg=key)
+  moved = jax.tree_util.tree_map(lambda a, b: np.abs(a - b).max(), sync_params,
+                                 jax.tree_util.tree_map(np.asarray, initial.params))
+  gap = jax.tree_util.tree_map(lambda a, b: np.abs(a - b).max(), sync_params, eight_params)
+  assert max(jax.tree_util.tree_leaves(gap)) < 1e-2 * max(jax.tree_util.tree_leaves(moved))
+
+
+def test_a_weight_push_copies_to_the_rollout_devices_and_leaves_the_trainer_state(staleness_0):
+  trainer = staleness_0[0]
+  before = jax.tree_util.tree_map(np.asarray, trainer.state)
+  pushed = trainer._push()
+  rollout = {d.id for d in trainer.host.devices.flat}
+  for leaf, param in zip(jax.tree_util.tree_leaves(pushed),
+                         jax.tree_util.tree_leaves(trainer.state.params)):
+    assert {d.id for d in leaf.devices()} == rollout
+    assert leaf.dtype == trainer.model_config.compute_dtype
+    np.testing.assert_array_equal(leaf, np.asarray(param).astype(leaf.dtype))
+    leaf.delete()  # the trainer's arrays are other buffers
+  after = jax.tree_util.tree_map(np.asarray, trainer.state)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(staleness=-1), "staleness"),
+    (dict(rollout_devices=8), "rollout devices per host"),
+])
+def test_bad_async_settings_are_named(tmp_path, options, message):
+  with pytest.raises(ConfigError, match=message):
+    AsyncTrainer(_config(tmp_path, **options))
+
+
+def test_the_job_overlaps_rollouts_and_updates_and_reports_them(tmp_path):
+  summary = dapo.run(_config(tmp_path, staleness=1))
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert summary["steps"] == 3 and [r["step"] for r in rows] == [1, 2, 3]
+  for row in rows:
+    assert row["staleness_0"] + row["staleness_1"] == 2  # every group within the bound
+    assert 0 <= row["staleness_mean"] <= 1 and row["queue_depth"] >= 2
+    for key in ("sampler_busy", "trainer_busy"):
+      assert 0 <= row[key] <= 1, key
+    assert row["sampler_tokens_per_s"] >= 0 and row["trainer_tokens_per_s"] > 0
+    assert 0 < row["behaviour_weight"] <= 2 and np.isfinite(row["pg_loss"])
+  assert rows[0]["staleness_0"] == 2  # the first batch: nothing to be stale against
+  assert rows[0]["sampler_tokens_per_s"] > 0  # (a later interval may find the queue full)
+  assert (tmp_path / "dapo.png").stat().st_size > 0
