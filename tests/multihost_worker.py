@@ -5,8 +5,9 @@ usage: python tests/multihost_worker.py OUT_DIR NUM_PROCESSES PROCESS_ID PORT
 Runs, on one global 8-device mesh: SFT for 2 steps, then 2 more resumed from the orbax
 checkpoint both processes wrote (each process reads its own data shard), then one DAPO step
 whose rollouts each host decodes on its own devices with its own tools, then an evaluation of
-the DAPO export (each host its share of the tasks). Process 0 writes OUT_DIR/result.json; SFT
-and DAPO export HF folders.
+the DAPO export (each host its share of the tasks), then 2 steps of asynchronous DAPO (each
+host decodes on half its devices; the other halves train). Process 0 writes
+OUT_DIR/result.json; SFT and DAPO export HF folders.
 """
 
 import faulthandler
@@ -72,10 +73,22 @@ def evaluate_config():
   return config
 
 
+def async_dapo_config():
+  """Asynchronous DAPO: each host decodes on half its devices, every host's other half train."""
+  config = dapo_config()
+  config.mesh = common.mesh(data=1, fsdp=2, tensor=2)
+  config.rl.steps = 2
+  config.rl["async"].update(enabled=True, staleness=1)
+  config.checkpoint = common.checkpoint(f"{out}/async/ckpt", every=2, async_save=False)
+  config.workdir, config.export_dir = f"{out}/async", f"{out}/async/hf_export"
+  return config
+
+
 first = sft.run(sft_config(stop_after=2))
 second = sft.run(sft_config(stop_after=0))
 rl = dapo.run(dapo_config())
 metrics = evaluate.run(evaluate_config())
+asynchronous = dapo.run(async_dapo_config())
 if jax.process_index() == 0:
   rows = lambda path: [json.loads(line) for line in open(path)]
   with open(f"{out}/result.json", "w") as f:
@@ -83,5 +96,6 @@ if jax.process_index() == 0:
                "sft_steps": [first["steps"], second["steps"]],
                "sft_resumed_from": second["resumed_from"],
                "sft_loss": [r["loss"] for r in rows(f"{out}/sft/metrics.jsonl")],
-               "dapo": rows(f"{out}/dapo/metrics.jsonl"), "eval": metrics}, f)
+               "dapo": rows(f"{out}/dapo/metrics.jsonl"), "eval": metrics,
+               "async": rows(f"{out}/async/metrics.jsonl")}, f)
 print(f"process {jax.process_index()} done", flush=True)

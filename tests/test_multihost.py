@@ -2,7 +2,8 @@
 collectives, a 127.0.0.1 coordinator). In it: SFT where each process reads only its own data
 shard, an orbax checkpoint written by both and restored by both, a DAPO step whose rollouts
 each host decodes on its own devices with its own tools, and an evaluation split over hosts.
-Everything equals one process with 8 devices. The processes run under a deadline: if one dies
+Everything equals one process with 8 devices. Then asynchronous DAPO, whose rollouts each host
+runs on half its devices while the other halves train. The processes run under a deadline: if one dies
 or hangs, all are killed and the test fails with their logs."""
 
 import json
@@ -115,3 +116,15 @@ def test_two_processes_equal_one(runs):
     for name in a:
       # Adam turns reduction-order noise in near-zero gradients into ~1e-6 steps.
       np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=name)
+
+
+def test_asynchronous_dapo_trains_across_processes_while_each_host_decodes(runs):
+  two, _ = runs
+  rows = _result(two)["async"]
+  assert [r["step"] for r in rows] == [1, 2]
+  for row in rows:
+    # 4 groups a step (2 from each host), none older than the bound of 1.
+    assert row["staleness_0"] + row["staleness_1"] == 4
+    assert np.isfinite(row["pg_loss"]) and row["trainer_tokens_per_s"] > 0
+  weights = _weights(two / "async" / "hf_export")
+  assert all(np.isfinite(w).all() for w in weights.values())
