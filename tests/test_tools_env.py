@@ -1,6 +1,7 @@
 """tools_env: the interface never raises, BM25 search and local crawl, per-trajectory state."""
 
 import json
+import time
 
 import pytest
 
@@ -111,6 +112,22 @@ def test_build_registry_from_a_config_spec(cache_dir):
 def test_build_registry_rejects_bad_specs(spec, message):
   with pytest.raises(ValueError, match=message):
     build_registry(spec)
+
+
+def test_a_tool_with_a_modelled_latency_waits_a_fixed_time_per_call(cache_dir):
+  registry = build_registry({"web_search": {"kind": "bm25", "cache_dir": cache_dir,
+                                            "latency_s": [0.05, 0.15]}})
+  tool = registry.tools["web_search"]
+  plain = build_registry({"web_search": {"kind": "bm25", "cache_dir": cache_dir}})
+  delays = [tool.delay_s(q) for q in ("speed of light", "capital of Kenya", "largest ocean")]
+  assert all(0.05 <= d <= 0.15 for d in delays) and len(set(delays)) == 3
+  assert tool.delay_s("speed of light") == delays[0]  # the same call waits the same time
+  start = time.perf_counter()
+  result = registry.call("web_search", "speed of light")
+  assert time.perf_counter() - start >= delays[0] and result.elapsed_s >= delays[0]
+  assert result.observation == plain.call("web_search", "speed of light").observation
+  with pytest.raises(ValueError, match="latency_s"):
+    build_registry({"web_search": {"kind": "bm25", "latency_s": [2.0, 1.0]}})
 
 
 def test_trajectory_passes_its_goal_to_every_call_then_the_last_query():

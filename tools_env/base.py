@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
+import zlib
 from typing import Any
 
 # Machine-readable error kinds.
@@ -99,3 +100,31 @@ class Tool(abc.ABC):
                           time.perf_counter() - start)
     text, truncated = truncate_middle(text, self.max_output_chars)
     return ToolResult(text, ok, kind, time.perf_counter() - start, truncated, metadata)
+
+
+class Delayed(Tool):
+  """Another tool behind a modelled service latency (benchmarks of slow tools): each call
+  first waits a time drawn uniformly from [low_s, high_s], seeded by the call's body and goal,
+  so the same call always waits the same time."""
+
+  def __init__(self, inner: Tool, low_s: float, high_s: float):
+    super().__init__(inner.max_output_chars)
+    if not 0 <= low_s <= high_s:
+      raise ValueError(f"latency_s must be [low, high] with 0 <= low <= high, got "
+                       f"[{low_s}, {high_s}]")
+    self.inner, self.low_s, self.high_s = inner, low_s, high_s
+    self.name = inner.name
+
+  def delay_s(self, body: str, goal: str = "") -> float:
+    """Returns the wait of a call."""
+    fraction = zlib.crc32(f"{goal}\0{body}".encode()) / 0xFFFFFFFF
+    return self.low_s + fraction * (self.high_s - self.low_s)
+
+  def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
+    return self.inner._run(body, goal)
+
+  def __call__(self, body: str, goal: str = "") -> ToolResult:
+    delay = self.delay_s(str(body), goal)
+    time.sleep(delay)
+    result = self.inner(body, goal)
+    return dataclasses.replace(result, elapsed_s=result.elapsed_s + delay)

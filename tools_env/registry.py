@@ -12,7 +12,7 @@ import collections
 import threading
 from typing import Mapping
 
-from tools_env.base import REPEATED, UNKNOWN_TOOL, Tool, ToolResult, error_result
+from tools_env.base import REPEATED, UNKNOWN_TOOL, Delayed, Tool, ToolResult, error_result
 
 TOOL_TAGS = ("web_search", "crawl_page", "wiki_search", "code")
 SEARCH_TAGS = ("web_search", "wiki_search")
@@ -71,7 +71,10 @@ def _build_tool(tag: str, spec: Mapping) -> Tool:
   from tools_env import remote, sandbox, search
 
   options = {key: dict(value) if isinstance(value, Mapping) else value
-             for key, value in spec.items() if key != "kind"}
+             for key, value in spec.items() if key not in ("kind", "latency_s")}
+  if "latency_s" in spec:
+    return Delayed(_build_tool(tag, {k: v for k, v in spec.items() if k != "latency_s"}),
+                   *spec["latency_s"])
   kind = spec.get("kind")
   builders = {"bm25": search.Bm25Search, "local_crawl": search.LocalCrawl,
               "serper": remote.RemoteSearch, "http_crawl": remote.HttpCrawl,
@@ -97,7 +100,8 @@ def build_registry(spec: Mapping[str, Mapping]) -> ToolRegistry:
 
   Kinds: `bm25` (Bm25Search), `local_crawl` (LocalCrawl), `serper` (RemoteSearch),
   `http_crawl` (HttpCrawl; `summarizer`: ChatSummarizer options), `sandbox` (CodeSandbox;
-  `limits`: SandboxLimits fields). An `http` mapping holds HttpLimits fields.
+  `limits`: SandboxLimits fields). An `http` mapping holds HttpLimits fields. Any tool may
+  have `latency_s: [low, high]`, a modelled service latency (`base.Delayed`) for benchmarks.
   """
   return ToolRegistry({tag: _build_tool(tag, tool_spec) for tag, tool_spec in spec.items()})
 

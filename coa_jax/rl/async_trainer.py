@@ -242,7 +242,10 @@ class AsyncTrainer(Trainer):
     trained = sum(sum(rec.loss_mask) for r in taken for rec in r.group.records)
     partial = [len({v for v, m in zip(rec.versions, rec.loss_mask) if m}) > 1
                for r in taken for rec in r.group.records]
-    out.update(rollout_s=t1 - t0, push_s=now - t2, **self._rollout_metrics(generated, counts))
+    self._track_prompts(generated)
+    # Rewards and lengths of the batch trained on; counts of the groups generated meanwhile.
+    out.update(rollout_s=t1 - t0, push_s=now - t2,
+               **self._rollout_metrics([r.group for r in taken], counts))
     out.update(_over_hosts(
         means=dict(queue_depth=[depth], staleness_mean=staleness, partial=partial,
                    sampler_busy=[max(0.0, 1.0 - idle / interval)],

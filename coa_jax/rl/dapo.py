@@ -214,7 +214,7 @@ class Trainer:
         generated.append(group)
         yield group
 
-    t0 = time.perf_counter()
+    t0, tool_wait = time.perf_counter(), self.engine.tool_wait_s
     try:
       kept, stats = fill_batch(next_round, rl.batch_groups // self.hosts, rl.max_rounds,
                                rl.dynamic_sampling)
@@ -227,9 +227,16 @@ class Trainer:
       raise DynamicSamplingError("; ".join(failures))
     # Hosts that needed fewer rounds skip the prompts of the others' extra rounds.
     self.stream.cursor = max(h["cursor"] for h in hosts)
-    rollout_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
     out = self._train_on(kept, step)
-    out.update(rollout_s=rollout_s, **self._rollout_metrics(generated, stats.to_json()))
+    wall = time.perf_counter() - t0
+    # The devices' busy fractions, defined as in asynchronous RL: the sampler is idle while
+    # every row waits for a tool, and for the whole update.
+    idle = self.engine.tool_wait_s - tool_wait
+    self._track_prompts(generated)
+    out.update(rollout_s=t1 - t0, sampler_busy=(t1 - t0 - idle) / wall,
+               trainer_busy=(wall - (t1 - t0)) / wall,
+               **self._rollout_metrics(generated, stats.to_json()))
     return out
 
   def _train_on(self, kept: list[ScoredGroup], step: int,
@@ -260,20 +267,23 @@ class Trainer:
     out = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
     return {**out, **health}
 
-  def _rollout_metrics(self, generated: list[ScoredGroup],
-                       counts: dict[str, int]) -> dict[str, float]:
-    """Counts the prompts of every generated group (rl.track_prompts) and returns the means
-    of their rewards, accuracy and lengths and the sums of `counts` over every host."""
+  def _track_prompts(self, generated: list[ScoredGroup]) -> None:
+    """Counts each generated group's prompt: groups, all correct, all wrong (rl.track_prompts)."""
     if self.config.rl.track_prompts:
       for group in generated:
         tally = self.prompts.setdefault(group.task_id, [0, 0, 0])
         tally[0] += 1
         tally[1] += all(group.correct)
         tally[2] += not any(group.correct)
-    every = [r for g in generated for r in g.records]
+
+  @staticmethod
+  def _rollout_metrics(groups: list[ScoredGroup], counts: dict[str, int]) -> dict[str, float]:
+    """Returns the means of the groups' rewards, accuracy and lengths and the sums of `counts`
+    over every host (a collective)."""
+    every = [r for g in groups for r in g.records]
     return _over_hosts(
-        means=dict(reward=[s for g in generated for s in g.scores],
-                   accuracy=[c for g in generated for c in g.correct],
+        means=dict(reward=[s for g in groups for s in g.scores],
+                   accuracy=[c for g in groups for c in g.correct],
                    response_len=[r.response_len for r in every],
                    truncated=[r.finish_reason == "length" for r in every]),
         sums=counts)
