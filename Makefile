@@ -18,7 +18,7 @@ EXTRAS := test,tpu,plots,tfds
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline distill evaluate bench bench-tools bench-rollout aot pod-fit clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit clean
 
 $(STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it (or as non-root)
@@ -85,6 +85,10 @@ bench: $(STAMP)
 
 bench-tools: $(STAMP)
 	$(BIN)/python experiments/bench_tools.py $(ARGS)
+
+# Asynchronous vs synchronous DAPO with slow tools (docs/async_rl.md); needs `make pipeline`.
+bench-async: $(STAMP)
+	$(BIN)/python experiments/bench_async.py $(ARGS)
 
 aot: $(STAMP)
 	$(BIN)/python experiments/aot_compile.py $(ARGS)

@@ -12,13 +12,16 @@ Needs the `tpu` extra (libtpu) for TPU topologies and the `gpu-aot` extra for GP
 """
 
 import json
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from coa_jax.perf import aot
+from coa_jax.runtime import cli
 from configs import aot_train
 
+sys.argv[:] = cli.config_argv(sys.argv)  # e.g. --config.rl.async.staleness=2
 _CONFIG = config_flags.DEFINE_config_file(
     "config", aot_train.__file__)
 _MODEL = flags.DEFINE_string("model", None, "model preset (overrides config.model.preset)")

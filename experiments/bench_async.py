@@ -3,8 +3,8 @@
   python experiments/bench_async.py [--seeds=3] [--staleness=0,1,2] [--latency=0.5,2.0]
                                     [--output=runs/bench_async]
 
-Needs the main job's SFT exports (`make run`). For each seed, and for the synchronous job and
-each staleness bound, it runs the main job's DAPO stage (same updates, same seed) from that
+Needs the main job's SFT exports (`make pipeline`). For each seed, and for the synchronous job
+and each staleness bound, it runs the main job's DAPO stage (same updates, same seed) from that
 seed's SFT model with every tool behind a modelled service latency (uniform in --latency
 seconds, fixed per call; tool_workers=32, so calls run at once as on a tool service), on 2
 fake CPU devices: the synchronous job uses both, an asynchronous one decodes on one and trains
@@ -21,6 +21,7 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import ml_collections  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from coa_jax.evaluation import job as evaluation  # noqa: E402
@@ -41,10 +42,12 @@ def _configs(seed: int, staleness: int | None, folder: str):
   stages = pipeline_tiny_cpu.stage_configs(pipeline, seed)
   config, evaluate = stages["dapo"], stages["eval_dapo"]
   if not os.path.isdir(config.model.checkpoint):
-    raise SystemExit(f"{config.model.checkpoint} is missing: run the main job first (make run)")
+    raise SystemExit(f"{config.model.checkpoint} is missing: run the main job first "
+                     f"(make pipeline)")
   low, high = map(float, _LATENCY.value)
-  for spec in config.tools.values():
-    spec.latency_s = [low, high]
+  # Slow tools for training only (the evaluation shares the stage's tool spec object).
+  config.tools = ml_collections.ConfigDict(
+      {tag: {**spec, "latency_s": [low, high]} for tag, spec in config.tools.to_dict().items()})
   config.rollout.tool_workers = 32
   if _STEPS.value:
     config.rl.steps = _STEPS.value

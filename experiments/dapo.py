@@ -7,15 +7,16 @@ fractions) to config.workdir, checkpoints to config.checkpoint.directory (a re-r
 and the final policy as an HF checkpoint to config.export_dir.
 """
 
-
+import sys
 
 from absl import app, logging
 from ml_collections import config_flags
 
 from coa_jax.rl import dapo
-from coa_jax.runtime import distributed
+from coa_jax.runtime import cli, distributed
 from configs import dapo_tiny_cpu
 
+sys.argv[:] = cli.config_argv(sys.argv)  # e.g. --config.rl.async.staleness=2
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
     dapo_tiny_cpu.__file__,

@@ -7,15 +7,17 @@ results.png: the teacher system, the AFM after SFT and after DAPO on held-out ta
 """
 
 import os
+import sys
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from coa_jax import pipeline
-from coa_jax.runtime import distributed
+from coa_jax.runtime import cli, distributed
 from configs import pipeline_tiny_cpu
 
+sys.argv[:] = cli.config_argv(sys.argv)  # e.g. --config.rl.async.staleness=2
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
     pipeline_tiny_cpu.__file__)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from coa_jax.model import ConfigError
+from coa_jax.perf import async_bench
 from coa_jax.rl import dapo
 from coa_jax.rl.async_trainer import AsyncTrainer
 from coa_jax.rl.staleness import StalenessQueue
@@ -178,7 +179,9 @@ def test_bad_async_settings_are_named(tmp_path, options, message):
 
 
 def test_the_job_overlaps_rollouts_and_updates_and_reports_them(tmp_path):
-  summary = dapo.run(_config(tmp_path, staleness=1))
+  config = _config(tmp_path, staleness=1)
+  config.eval_tasks, config.eval_max_tasks = config.tasks, 2  # evaluated beside the worker
+  summary = dapo.run(config)
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert summary["steps"] == 3 and [r["step"] for r in rows] == [1, 2, 3]
   for row in rows:
@@ -190,4 +193,23 @@ def test_the_job_overlaps_rollouts_and_updates_and_reports_them(tmp_path):
     assert 0 < row["behaviour_weight"] <= 2 and np.isfinite(row["pg_loss"])
   assert rows[0]["staleness_0"] == 2  # the first batch: nothing to be stale against
   assert rows[0]["sampler_tokens_per_s"] > 0  # (a later interval may find the queue full)
+  assert 0 <= rows[-1]["eval_accuracy"] <= 1 and "eval_accuracy" not in rows[0]
   assert (tmp_path / "dapo.png").stat().st_size > 0
+  assert summary["overlap_plot"] == str(tmp_path / "async.png")
+  assert (tmp_path / "async.png").stat().st_size > 0
+
+
+def test_the_benchmark_times_updates_after_the_first_and_compares_with_sync():
+  def rows(times, busy):
+    return [{"time": t, "sampler_busy": busy, "trainer_busy": 1 - busy} for t in times]
+
+  sync = {s: async_bench.run_figures(rows([30.0, 38.0, 46.0], 0.5), {"pass@1": 0.8 + s / 100})
+          for s in (0, 1)}
+  k1 = {s: async_bench.run_figures(rows([20.0, 24.0 + s, 28.0 + 2 * s], 0.9),
+                                   {"pass@1": 0.8}) for s in (0, 1)}
+  assert sync[0]["wall_per_update_s"] == 8.0  # the first update's compilations are left out
+  table = async_bench.compare({"sync": sync, "k=1": k1})
+  assert table["k=1"]["speedup"]["values"] == [2.0, 8.0 / 5.0]
+  assert table["sync"]["pass@1"]["mean"] == pytest.approx(0.805)
+  text = async_bench.markdown(table)
+  assert "| k=1 | 4.50 +- 0.71 | 1.80x +- 0.28 |" in text

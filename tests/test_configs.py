@@ -5,9 +5,10 @@ import importlib
 import os
 
 import pytest
+from ml_collections.config_flags import config_path
 
 from coa_jax.model import ConfigError, build_config
-from coa_jax.runtime import hardware, load_model, sharding
+from coa_jax.runtime import cli, hardware, load_model, sharding
 
 NAMES = sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(__file__), "..",
                                                        "configs"))
@@ -43,3 +44,10 @@ def test_a_gpu_preset_on_cpu_fails_before_the_checkpoint_loads():
   mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
   with pytest.raises(ConfigError, match="'cudnn' needs a GPU backend, but the mesh is on 'cpu'"):
     load_model(config, None, mesh)  # the checkpoint folder would be read next
+
+
+def test_config_paths_through_python_keywords_parse_on_the_command_line():
+  argv = ["prog", "--config.rl.async.staleness=2", "--config.rl.eps_high=0.3", "--seeds=3"]
+  assert cli.config_argv(argv) == ["prog", "--config.rl['async'].staleness=2",
+                                   "--config.rl.eps_high=0.3", "--seeds=3"]
+  assert config_path.split("rl['async'].staleness") == ("rl", "async", "staleness")

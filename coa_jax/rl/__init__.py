@@ -1,4 +1,5 @@
-"""Agentic RL with DAPO: advantages, dynamic sampling, rollout batches, updates and the job."""
+"""Agentic RL with DAPO: advantages, dynamic sampling, rollout batches, updates and the job,
+synchronous or asynchronous (bounded staleness)."""
 
 from coa_jax.rl.advantages import (
                                    ADVANTAGE_ESTIMATORS,
@@ -6,5 +7,6 @@ from coa_jax.rl.advantages import (
                                    overlong_penalty,
                                    register_advantage_estimator,
 )
+from coa_jax.rl.async_trainer import AsyncTrainer
 from coa_jax.rl.dapo import Trainer, run
 from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup, fill_batch

@@ -30,6 +30,7 @@ staleness > 0 is not bit-reproducible, and a resumed run skips the tasks that we
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 from typing import Any, Iterator
@@ -40,14 +41,13 @@ from jax.sharding import Mesh
 
 from coa_jax.data import Task
 from coa_jax.model import ConfigError
-from coa_jax.rl.dapo import Trainer, _over_hosts
+from coa_jax.rl.dapo import Trainer, over_hosts
 from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup
 from coa_jax.rl.staleness import QueueClosed, StalenessQueue
 from coa_jax.rollout import Rollout
 from coa_jax.runtime import sharding
 
-PLOT_KEYS = ("reward", "accuracy", "queue_depth", "staleness_mean", "sampler_busy",
-             "trainer_busy")
+PLOT_KEYS = ("reward", "accuracy", "response_len", "entropy", "stale", "behaviour_weight")
 SHOWN = ("reward", "accuracy", "kept", "pg_loss", "queue_depth", "staleness_mean", "stale",
          "sampler_busy", "trainer_busy", "stale_dropped")
 
@@ -134,7 +134,7 @@ class RolloutWorker:
 
   def _take(self, records) -> None:
     seq = self._issues[records[0].task_id].popleft()
-    group = self.trainer._score(records)
+    group = self.trainer.score(records)
     drop = self.trainer.config.rl.dynamic_sampling and group.uniform
     with self._lock:
       self._generated.append(group)
@@ -246,7 +246,7 @@ class AsyncTrainer(Trainer):
     # Rewards and lengths of the batch trained on; counts of the groups generated meanwhile.
     out.update(rollout_s=t1 - t0, push_s=now - t2,
                **self._rollout_metrics([r.group for r in taken], counts))
-    out.update(_over_hosts(
+    out.update(over_hosts(
         means=dict(queue_depth=[depth], staleness_mean=staleness, partial=partial,
                    sampler_busy=[max(0.0, 1.0 - idle / interval)],
                    trainer_busy=[(now - t1) / interval]),
@@ -261,3 +261,39 @@ class AsyncTrainer(Trainer):
     if self.worker is not None:
       self.worker.close(timeout=self.rollout_config.tool_timeout_s + 10)
     super().close()
+
+
+def plot_overlap(metrics_path: str, png_path: str, staleness: int) -> str | None:
+  """Writes a PNG of how the roles overlapped, from a run's metrics.jsonl: the staleness
+  histogram of every group trained on, queue depth, busy fractions and tokens/s of each role
+  per update; returns its path, or None without matplotlib."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  with open(metrics_path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  steps = [r["step"] for r in rows]
+  series = lambda key: [r.get(key, float("nan")) for r in rows]
+  fig, axes = plt.subplots(1, 4, figsize=(20, 3.5))
+  ages = list(range(staleness + 1))
+  axes[0].bar(ages, [sum(r.get(f"staleness_{a}", 0) for r in rows) for a in ages])
+  axes[0].set(xlabel="staleness (updates)", ylabel="groups trained on", xticks=ages)
+  axes[1].plot(steps, series("queue_depth"))
+  axes[1].set(xlabel="step", ylabel="queue depth (groups)")
+  for ax, keys, label in ((axes[2], ("sampler_busy", "trainer_busy"), "busy fraction"),
+                          (axes[3], ("sampler_tokens_per_s", "trainer_tokens_per_s"),
+                           "tokens / s")):
+    for key in keys:
+      ax.plot(steps, series(key), label=key.split("_")[0])
+    ax.set(xlabel="step", ylabel=label)
+    ax.legend()
+  for ax in axes:
+    ax.grid(alpha=0.3)
+  fig.suptitle(f"asynchronous DAPO, staleness <= {staleness}")
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=100)
+  plt.close(fig)
+  return png_path

@@ -172,10 +172,10 @@ class Trainer:
     self.engine.key = key
     mine = tasks[self.host_index::self.hosts]
     order = {task.id: i for i, task in enumerate(mine)}
-    return sorted(map(self._score, self.engine.run(mine)),
+    return sorted(map(self.score, self.engine.run(mine)),
                   key=lambda group: order[group.task_id])
 
-  def _score(self, group: list[RolloutRecord]) -> ScoredGroup:
+  def score(self, group: list[RolloutRecord]) -> ScoredGroup:
     """Returns the group with its rewards (overlong shaping included) and correctness."""
     texts = [record.response_text(self.tokenizer) for record in group]
     data = group[0].task_data
@@ -281,7 +281,7 @@ class Trainer:
     """Returns the means of the groups' rewards, accuracy and lengths and the sums of `counts`
     over every host (a collective)."""
     every = [r for g in groups for r in g.records]
-    return _over_hosts(
+    return over_hosts(
         means=dict(reward=[s for g in groups for s in g.scores],
                    accuracy=[c for g in groups for c in g.correct],
                    response_len=[r.response_len for r in every],
@@ -309,7 +309,7 @@ class Trainer:
     """Returns accuracy (avg@n at the sampling temperature) and lengths on the held-out tasks."""
     key = jax.random.fold_in(jax.random.key(self.config.seed + 1), step)
     groups = self._rollouts(self.eval_tasks, key)
-    return _over_hosts(means=dict(
+    return over_hosts(means=dict(
         eval_accuracy=[c for g in groups for c in g.correct],
         eval_response_len=[r.response_len for g in groups for r in g.records]))
 
@@ -342,7 +342,7 @@ class Trainer:
     self.reward_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _over_hosts(means: dict[str, list[float]],
+def over_hosts(means: dict[str, list[float]],
                 sums: dict[str, int] | None = None) -> dict[str, float]:
   """Returns the mean of each list and the total of each count over every host's values (a
   collective; `rounds`, the most any host needed, is a maximum)."""
@@ -384,6 +384,9 @@ def run(config: Any) -> dict[str, Any]:
   finally:
     trainer.close()
   summary = dict(result.summary(), state=trainer.state)
+  if rl["async"].enabled and result.rows and jax.process_index() == 0:
+    summary["overlap_plot"] = async_trainer.plot_overlap(
+        result.metrics, os.path.join(config.workdir, "async.png"), rl["async"].staleness)
   if rl.track_prompts:
     report = trainer.prompt_report()
     summary["prompts"] = os.path.join(config.workdir, "prompts.json")

@@ -258,6 +258,9 @@ def split_devices(rollout_per_host: int) -> tuple[list[Any], list[Any]]:
   by_process = [[d for d in jax.devices() if d.process_index == p]
                 for p in range(jax.process_count())]
   local = by_process[jax.process_index()]
+  if len(local) < 2:
+    raise ConfigError(f"asynchronous RL needs 2 or more devices per host (some decode, the "
+                      f"others train); this host has {len(local)}")
   if not 0 < rollout_per_host < len(local):
     raise ConfigError(f"rollout devices per host must be in [1, {len(local) - 1}] (the rest "
                       f"train), got {rollout_per_host} of {len(local)}")
