@@ -2,7 +2,9 @@
 
 `run(config)` is the whole job behind `experiments/dapo.py`; see configs/dapo_tiny_cpu.py for
 every field. The sampler and the updates share one mesh and one copy of the parameters: each
-step's rollouts use the params the previous step's updates produced, with no transfer.
+step's rollouts use the params the previous step's updates produced, with no transfer. With
+rl.async.enabled, `run` drives `coa_jax.rl.async_trainer.AsyncTrainer` instead: rollouts and
+updates at once on disjoint devices, with bounded staleness.
 
 A step: dynamic sampling generates rounds of prompt groups with the current policy and scores
 every sample (`coa_jax.data.rewards`), keeping groups whose samples disagree until the batch is
@@ -343,7 +345,7 @@ class Trainer:
 
 
 def over_hosts(means: dict[str, list[float]],
-                sums: dict[str, int] | None = None) -> dict[str, float]:
+               sums: dict[str, int] | None = None) -> dict[str, float]:
   """Returns the mean of each list and the total of each count over every host's values (a
   collective; `rounds`, the most any host needed, is a maximum)."""
   mine = {"means": {k: [float(np.sum(v)), len(v)] for k, v in means.items()},
