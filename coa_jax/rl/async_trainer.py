@@ -206,11 +206,9 @@ class AsyncTrainer(Trainer):
     return mesh, sharding.decode_mesh(rollout, mesh.shape["tensor"])
 
   def _push(self) -> Any:
-    """Returns the train state's params in the compute dtype on this host's rollout mesh (new
-    buffers: the train state is read, never donated or changed)."""
-    params = self.engine.sampler.sampling_params(self.state.params)
-    return jax.block_until_ready(sharding.to_host_mesh(params, self.mesh, self.host,
-                                                       self.host_shardings))
+    """Returns the weights for the rollout mesh (`sampling_params`: other devices, so new
+    buffers), once copied: the next update donates the train state."""
+    return jax.block_until_ready(self.sampling_params())
 
   def _start_worker(self, version: int) -> None:
     queue = StalenessQueue(self.config.rl.batch_groups // self.hosts, self.staleness, version)

@@ -169,13 +169,18 @@ class Trainer:
   def _rollouts(self, tasks: list[Task], key: jax.Array) -> list[ScoredGroup]:
     """Returns the scored groups of this host's share of `tasks` (in task order), rolled out
     with the current params from `key`."""
-    self.engine.params = self.engine.sampler.sampling_params(sharding.to_host_mesh(
-        self.state.params, self.mesh, self.host, self.host_shardings))
+    self.engine.params = self.sampling_params()
     self.engine.key = key
     mine = tasks[self.host_index::self.hosts]
     order = {task.id: i for i, task in enumerate(mine)}
     return sorted(map(self.score, self.engine.run(mine)),
                   key=lambda group: order[group.task_id])
+
+  def sampling_params(self) -> Any:
+    """Returns the train state's params in the compute dtype on this host's decode mesh: new
+    buffers when the compute dtype or the devices differ (the train state is only read)."""
+    params = self.engine.sampler.sampling_params(self.state.params)
+    return sharding.to_host_mesh(params, self.mesh, self.host, self.host_shardings)
 
   def score(self, group: list[RolloutRecord]) -> ScoredGroup:
     """Returns the group with its rewards (overlong shaping included) and correctness."""

@@ -130,8 +130,8 @@ class RolloutRecord:
 
   @property
   def first_version(self) -> int:
-    """Returns the oldest policy version among its tokens (the one its prompt started with)."""
-    return min(self.versions, default=0)
+    """Returns the oldest policy version among its tokens, its prompt's (versions only grow)."""
+    return self.versions[0] if self.versions else 0
 
   @property
   def response_len(self) -> int:
