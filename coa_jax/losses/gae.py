@@ -1,0 +1,96 @@
+"""Generalized advantage estimation over token sequences that hold observation tokens.
+
+A row's trainable tokens (mask 1, the policy's own samples) are its actions; observation,
+prompt and padding tokens (mask 0) are not. GAE runs over the actions alone: a reverse scan
+over the row carries the next action's value and the running advantage across every masked
+token unchanged, so the values and rewards the model gives masked tokens change nothing, and
+the advantages equal GAE on the sequence of the row's trainable tokens taken by themselves.
+
+    delta_k = r_k + gamma * V_{k+1} - V_k,   A_k = delta_k + gamma * lambda * A_{k+1}
+
+over the row's actions k, with V_{n+1} (after the last action) 0 for a terminal row or the last
+action's own value for a bootstrapped one (a truncated sample, whose outcome is unknown).
+Returns are A + V. Advantages are whitened over trainable tokens only (`masked_moments` gives
+the sums, so a batch split into mini-batches, devices or hosts whitens with its global
+statistics).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def last_token_index(mask_BxT: jax.Array) -> jax.Array:
+  """Returns each row's index of its last token with mask 1 (0 for a row without one)."""
+  seq = mask_BxT.shape[1]
+  return seq - 1 - jnp.argmax(mask_BxT[:, ::-1] > 0, axis=1)
+
+
+def outcome_rewards(rewards_B: jax.Array, mask_BxT: jax.Array) -> jax.Array:
+  """Returns (B, T) token rewards holding each row's reward on its last trainable token."""
+  mask = mask_BxT > 0
+  last_BxT = jnp.arange(mask_BxT.shape[1])[None, :] == last_token_index(mask_BxT)[:, None]
+  return jnp.where(last_BxT & mask, rewards_B[:, None].astype(jnp.float32), 0.0)
+
+
+def adaptive_lambda(mask_BxT: jax.Array, alpha: float) -> jax.Array:
+  """Returns VAPO's length-adaptive lambda per row, 1 - 1 / (alpha * l) with l the row's
+  trainable tokens, clipped to [0, 1]."""
+  length_B = jnp.sum(mask_BxT > 0, axis=1).astype(jnp.float32)
+  return jnp.clip(1.0 - 1.0 / (alpha * jnp.maximum(length_B, 1.0)), 0.0, 1.0)
+
+
+def gae(rewards_BxT: jax.Array, values_BxT: jax.Array, mask_BxT: jax.Array, gamma: float,
+        lam: float | jax.Array, bootstrap_B: jax.Array | None = None
+        ) -> tuple[jax.Array, jax.Array]:
+  """Returns (advantages, returns), each (B, T) float32 and 0 on masked tokens.
+
+  `lam` is a scalar or one lambda per row; rows where `bootstrap_B` is true take their last
+  action's value as the value after it (truncated samples), the others 0 (terminal). Rewards
+  and values on masked tokens are ignored.
+  """
+  mask = mask_BxT > 0
+  values = values_BxT.astype(jnp.float32)
+  rows = values.shape[0]
+  lam_B = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (rows,))
+  last_value_B = jnp.take_along_axis(values, last_token_index(mask_BxT)[:, None], axis=1)[:, 0]
+  if bootstrap_B is None:
+    bootstrap_B = jnp.zeros((rows,), bool)
+  next_value_B = jnp.where(bootstrap_B > 0, last_value_B, 0.0)
+
+  def back(carry, x):
+    next_value, running = carry
+    reward, value, trainable = x
+    advantage = reward + gamma * next_value - value + gamma * lam_B * running
+    carry = (jnp.where(trainable, value, next_value), jnp.where(trainable, advantage, running))
+    return carry, jnp.where(trainable, advantage, 0.0)
+
+  xs = (rewards_BxT.astype(jnp.float32).T, values.T, mask.T)
+  _, advantages_TxB = jax.lax.scan(back, (next_value_B, jnp.zeros((rows,))), xs, reverse=True)
+  advantages = advantages_TxB.T
+  return advantages, jnp.where(mask, advantages + values, 0.0)
+
+
+def masked_moments(x_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
+  """Returns [count, sum, sum of squares] of x over the tokens with mask 1 (add these over
+  mini-batches for the statistics of their union)."""
+  mask = (mask_BxT > 0).astype(jnp.float32)
+  x = jnp.where(mask > 0, x_BxT.astype(jnp.float32), 0.0)
+  return jnp.stack([mask.sum(), x.sum(), (x * x).sum()])
+
+
+def mean_std(moments: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Returns (mean, Bessel-corrected std) from `masked_moments` sums (0, 0 without tokens)."""
+  count, total, squares = moments[0], moments[1], moments[2]
+  mean = total / jnp.maximum(count, 1.0)
+  var = (squares - count * mean * mean) / jnp.maximum(count - 1.0, 1.0)
+  return mean, jnp.sqrt(jnp.maximum(var, 0.0))
+
+
+def whiten(x_BxT: jax.Array, mask_BxT: jax.Array, moments: jax.Array,
+           eps: float = 1e-8) -> jax.Array:
+  """Returns (x - mean) / (std + eps) on tokens with mask 1 and 0 elsewhere, with the mean and
+  std of `moments` (the `masked_moments` of the whole batch)."""
+  mean, std = mean_std(moments)
+  return jnp.where(mask_BxT > 0, (x_BxT - mean) / (std + eps), 0.0)

@@ -1,0 +1,169 @@
+"""Masked GAE, whitening and the clipped value loss against an independent NumPy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coa_jax.losses import gae as gae_lib
+from coa_jax.losses.dapo import aggregation_weights
+from coa_jax.losses.value import value_loss
+
+
+def _numpy_gae(rewards, values, mask, gamma, lams, bootstrap):
+  """Textbook GAE over each row's trainable tokens taken alone (a Python loop), scattered back."""
+  advantages, returns = np.zeros_like(values), np.zeros_like(values)
+  for b in range(values.shape[0]):
+    where = np.flatnonzero(mask[b])
+    if not len(where):
+      continue
+    r, v = rewards[b, where], values[b, where]
+    next_value, running = (v[-1] if bootstrap[b] else 0.0), 0.0
+    out = np.zeros(len(where))
+    for k in reversed(range(len(where))):
+      running = r[k] + gamma * next_value - v[k] + gamma * lams[b] * running
+      out[k], next_value = running, v[k]
+    advantages[b, where] = out
+    returns[b, where] = out + v
+  return advantages, returns
+
+
+def _rows(seed=0):
+  """Rows of sampled spans with observation spans between them, and padding after."""
+  rng = np.random.default_rng(seed)
+  b, t = 5, 24
+  mask = np.zeros((b, t), np.int32)
+  for row in range(b):
+    end, pos, sampled = rng.integers(12, t + 1), rng.integers(1, 4), True
+    while pos < end:
+      span = int(rng.integers(1, 5))
+      mask[row, pos:min(pos + span, end)] = sampled
+      pos, sampled = pos + span, not sampled
+  mask[3] = 0  # a row without trainable tokens (an overlong-filtered sample)
+  values = rng.normal(0.0, 1.0, (b, t)).astype(np.float32)
+  outcome = rng.choice([-1.0, 1.0], b).astype(np.float32)
+  return mask, values, outcome
+
+
+def _gae(rewards, values, mask, gamma, lam, bootstrap):
+  adv, ret = jax.jit(gae_lib.gae, static_argnums=(3,))(
+      jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma, jnp.asarray(lam),
+      jnp.asarray(bootstrap))
+  return np.asarray(adv), np.asarray(ret)
+
+
+def test_outcome_reward_sits_on_the_last_trainable_token():
+  mask = np.array([[0, 1, 1, 0, 0, 1, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0], [0] * 8])
+  rewards = np.asarray(gae_lib.outcome_rewards(jnp.array([2.0, -1.0, 5.0]), jnp.asarray(mask)))
+  expected = np.zeros((3, 8))
+  expected[0, 5], expected[1, 3] = 2.0, -1.0  # the row without tokens gets none
+  np.testing.assert_array_equal(rewards, expected)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae_equals_gae_on_the_trainable_tokens_alone(gamma, lam):
+  mask, values, outcome = _rows()
+  rewards = np.asarray(gae_lib.outcome_rewards(jnp.asarray(outcome), jnp.asarray(mask)))
+  rewards = rewards + np.random.default_rng(1).normal(0, 0.1, rewards.shape) * mask  # dense too
+  lams, bootstrap = np.full(5, lam, np.float32), np.zeros(5, bool)
+  adv, ret = _gae(rewards, values, mask, gamma, lams, bootstrap)
+  want_adv, want_ret = _numpy_gae(rewards, values, mask, gamma, lams, bootstrap)
+  np.testing.assert_allclose(adv, want_adv, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ret, want_ret, rtol=1e-5, atol=1e-5)
+
+
+def test_values_and_rewards_on_observation_tokens_change_nothing():
+  mask, values, outcome = _rows()
+  rewards = np.asarray(gae_lib.outcome_rewards(jnp.asarray(outcome), jnp.asarray(mask)))
+  lams, bootstrap = np.full(5, 0.95, np.float32), np.array([0, 1, 0, 0, 1], bool)
+  noise = np.random.default_rng(2).normal(0, 10.0, values.shape).astype(np.float32)
+  masked = mask == 0
+  adv, ret = _gae(rewards, values, mask, 0.99, lams, bootstrap)
+  adv2, ret2 = _gae(rewards + noise * masked, values + noise * masked, mask, 0.99, lams,
+                    bootstrap)
+  np.testing.assert_array_equal(adv, adv2)
+  np.testing.assert_array_equal(ret, ret2)
+
+
+def test_gamma_and_lambda_one_give_outcome_minus_value():
+  mask, values, outcome = _rows()
+  rewards = np.asarray(gae_lib.outcome_rewards(jnp.asarray(outcome), jnp.asarray(mask)))
+  adv, ret = _gae(rewards, values, mask, 1.0, np.ones(5, np.float32), np.zeros(5, bool))
+  np.testing.assert_allclose(adv, np.where(mask, outcome[:, None] - values, 0.0), atol=1e-5)
+  np.testing.assert_allclose(ret, np.where(mask, outcome[:, None], 0.0), atol=1e-5)
+
+
+def test_truncated_rows_are_terminal_or_bootstrapped_from_their_last_value():
+  mask, values, outcome = _rows()
+  rewards = np.asarray(gae_lib.outcome_rewards(jnp.asarray(outcome), jnp.asarray(mask)))
+  lams = np.full(5, 0.9, np.float32)
+  terminal = np.zeros(5, bool)
+  boot = np.array([1, 1, 0, 0, 1], bool)
+  for bootstrap in (terminal, boot):
+    adv, ret = _gae(rewards, values, mask, 0.99, lams, bootstrap)
+    want_adv, want_ret = _numpy_gae(rewards, values, mask, 0.99, lams, bootstrap)
+    np.testing.assert_allclose(adv, want_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret, want_ret, rtol=1e-5, atol=1e-5)
+  # With gamma = lambda = 1 a bootstrapped row's return is its reward plus its last value.
+  adv, ret = _gae(rewards, values, mask, 1.0, np.ones(5, np.float32), boot)
+  last = [np.flatnonzero(mask[b])[-1] for b in (0, 1)]
+  for b, t in zip((0, 1), last):
+    np.testing.assert_allclose(ret[b, np.flatnonzero(mask[b])], outcome[b] + values[b, t],
+                               atol=1e-5)
+
+
+def test_length_adaptive_lambda():
+  mask, values, outcome = _rows()
+  alpha = 0.2  # rows of 3-12 trainable tokens: lambda from 0 (clipped) to about 0.6
+  lengths = mask.sum(axis=1)
+  expected = np.clip(1 - 1 / (alpha * np.maximum(lengths, 1)), 0.0, 1.0)
+  lams = np.asarray(gae_lib.adaptive_lambda(jnp.asarray(mask), alpha))
+  np.testing.assert_allclose(lams, expected, rtol=1e-6)
+  assert lams[3] == 0.0 and 0 < lams.max() < 1  # short rows clip at 0
+  rewards = np.asarray(gae_lib.outcome_rewards(jnp.asarray(outcome), jnp.asarray(mask)))
+  adv, _ = _gae(rewards, values, mask, 1.0, lams, np.zeros(5, bool))
+  want, _ = _numpy_gae(rewards, values, mask, 1.0, expected, np.zeros(5, bool))
+  np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-5)
+
+
+def test_whitening_uses_trainable_tokens_only_and_splits_exactly():
+  mask, values, _ = _rows()
+  x = values * 3.0 + 1.0
+  picked = x[mask > 0]
+  expected = np.where(mask > 0, (x - picked.mean()) / (picked.std(ddof=1) + 1e-8), 0.0)
+  whole = gae_lib.masked_moments(jnp.asarray(x), jnp.asarray(mask))
+  halves = (gae_lib.masked_moments(jnp.asarray(x[:2]), jnp.asarray(mask[:2])) +
+            gae_lib.masked_moments(jnp.asarray(x[2:]), jnp.asarray(mask[2:])))
+  np.testing.assert_allclose(halves, whole, rtol=1e-6)
+  got = np.asarray(gae_lib.whiten(jnp.asarray(x), jnp.asarray(mask), halves))
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def _numpy_value_loss(v, old, ret, mask, clip):
+  clipped_v = np.clip(v, old - clip, old + clip)
+  per_token = np.maximum((v - ret) ** 2, (clipped_v - ret) ** 2)
+  grad = np.where((v - ret) ** 2 >= (clipped_v - ret) ** 2, v - ret, 0.0)  # 0.5 * d/dv
+  weights = mask / mask.sum()
+  return 0.5 * np.sum(per_token * weights), grad * weights, np.sum(
+      ((clipped_v - ret) ** 2 > (v - ret) ** 2) * mask) / mask.sum()
+
+
+@pytest.mark.parametrize("clip", [0.5, 0.0])
+def test_clipped_value_loss_and_gradient_match_numpy(clip):
+  rng = np.random.default_rng(3)
+  mask, old, _ = _rows()
+  v = old + rng.normal(0.0, 0.8, old.shape).astype(np.float32)
+  ret = rng.normal(0.0, 1.0, old.shape).astype(np.float32)
+  weights = aggregation_weights(jnp.asarray(mask), jnp.zeros(5, jnp.int32), "token-mean")
+  loss_fn = lambda v_: value_loss(v_, jnp.asarray(old), jnp.asarray(ret), jnp.asarray(mask),
+                                  weights, clip)
+  sums = loss_fn(jnp.asarray(v))
+  grad = np.asarray(jax.grad(lambda v_: loss_fn(v_).loss)(jnp.asarray(v)))
+  want_loss, want_grad, want_frac = _numpy_value_loss(v, old, ret, mask,
+                                                      clip if clip else np.inf)
+  np.testing.assert_allclose(float(sums.loss), want_loss, rtol=1e-5)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-7)
+  metrics = sums.metrics()
+  np.testing.assert_allclose(float(metrics["value_clip_frac"]), want_frac, rtol=1e-6)
+  assert (want_frac > 0) == bool(clip)
+  np.testing.assert_allclose(float(metrics["value_pred_mean"]), v[mask > 0].mean(), rtol=1e-5)
