@@ -18,7 +18,7 @@ EXTRAS := test,tpu,plots,tfds
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline rl-curves distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit clean
 
 $(STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it (or as non-root)
@@ -66,6 +66,11 @@ rollout: $(STAMP)
 # The main job: the end-to-end recipe on the embedded world (ARGS=--quick: a smoke test).
 pipeline: $(STAMP)
 	$(BIN)/python experiments/pipeline.py $(ARGS)
+
+# DAPO and PPO side by side from the main job's SFT models: held-out learning curves over
+# seeds (docs/ppo.md); needs `make pipeline ARGS="--seeds 3"` first.
+rl-curves: $(STAMP)
+	$(BIN)/python experiments/rl_curves.py $(ARGS)
 
 distill: $(STAMP)
 	$(BIN)/python experiments/distill.py $(ARGS)

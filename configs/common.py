@@ -66,12 +66,14 @@ def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
 
   A step gathers `batch_groups` prompt groups (dynamic sampling generates rounds of
   `prompts_per_round` prompts, at most `max_rounds`), then updates once per mini-batch of
-  `mini_batch_groups` groups, each accumulated over `micro_batches`.
+  `mini_batch_groups` groups, each accumulated over `micro_batches`, `ppo_epochs` times over the
+  batch. advantage="gae" is PPO: a critic (the `critic` block) estimates token advantages.
   """
   values = dict(
       steps=steps, batch_groups=512, prompts_per_round=512, max_rounds=8, mini_batch_groups=32,
-      micro_batches=1, dynamic_sampling=True,
-      advantage="std", advantage_eps=1e-6,  # "std": (R - mean) / (std + eps); "mean": Dr.GRPO
+      micro_batches=1, ppo_epochs=1, dynamic_sampling=True,
+      # "std": (R - mean) / (std + eps); "mean": Dr.GRPO; "gae": PPO's, from the critic
+      advantage="std", advantage_eps=1e-6,
       negative_weight=1.0,  # scales negative advantages (1: the reference)
       overlong_shaping=True, overlong_cache=4096, overlong_filter=False,
       # the policy loss (coa_jax.losses.dapo.PolicyLossConfig)
@@ -84,5 +86,16 @@ def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
   # updates of the trainer's. rollout_devices: devices (per host) given to rollouts, 0: half.
   # weight_cap truncates the importance weight of tokens an older policy sampled.
   values["async"] = dict(enabled=False, staleness=1, rollout_devices=0, weight_cap=2.0)
+  # PPO's critic (coa_jax.rl.critic.CriticConfig), used when advantage="gae": a value model
+  # initialized from the actor's checkpoint. learning_rate 0: 10x the actor's. truncation of
+  # a sample cut by the response budget: "terminal" or "bootstrap" (from its last value).
+  # adaptive_lambda: VAPO's alpha for lambda_actor = 1 - 1 / (alpha * length) (0: off).
+  # warmup: first steps that train the critic only; pretrain_steps: at most this many steps of
+  # value pre-training on Monte-Carlo returns, until a step's explained variance reaches
+  # pretrain_explained_variance (0: none).
+  values["critic"] = dict(
+      learning_rate=0.0, grad_clip=1.0, weight_decay=0.0, cliprange_value=0.5, gamma=1.0,
+      lambda_actor=1.0, lambda_critic=1.0, adaptive_lambda=0.0, truncation="terminal",
+      whiten=True, warmup=0, pretrain_steps=0, pretrain_explained_variance=0.5)
   values.update(overrides)
   return ml_collections.ConfigDict(values)

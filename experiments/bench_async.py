@@ -26,7 +26,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from coa_jax.evaluation import job as evaluation  # noqa: E402
 from coa_jax.perf import async_bench  # noqa: E402
-from coa_jax.rl import dapo  # noqa: E402
+from coa_jax.rl import job as rl_job  # noqa: E402
 from configs import pipeline_tiny_cpu  # noqa: E402
 
 _SEEDS = flags.DEFINE_integer("seeds", 3, "seeds 0 .. n-1 of the main job")
@@ -69,7 +69,7 @@ def _run(seed: int, staleness: int | None, folder: str) -> dict[str, float]:
   if not os.path.exists(done):
     if os.path.exists(folder):  # an interrupted run starts over: its timing would be broken
       shutil.rmtree(folder)
-    dapo.run(config)
+    rl_job.run(config)
     evaluation.run(evaluate)
   rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
   with open(done) as f:

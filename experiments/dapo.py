@@ -12,7 +12,7 @@ import sys
 from absl import app, logging
 from ml_collections import config_flags
 
-from coa_jax.rl import dapo
+from coa_jax.rl import job as rl_job
 from coa_jax.runtime import cli, distributed
 from configs import dapo_tiny_cpu
 
@@ -27,7 +27,7 @@ def main(argv):
   del argv
   distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
-  dapo.run(_CONFIG.value)
+  rl_job.run(_CONFIG.value)
 
 
 if __name__ == "__main__":

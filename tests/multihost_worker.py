@@ -22,7 +22,7 @@ faulthandler.enable(all_threads=True)  # and the stacks of an abort (XLA's colle
 import jax
 
 from coa_jax.evaluation import job as evaluate
-from coa_jax.rl import dapo
+from coa_jax.rl import job as rl_job
 from coa_jax.runtime import distributed
 from coa_jax.sft import job as sft
 from configs import common, dapo_tiny_cpu, evaluate_tiny, sft_tiny_cpu
@@ -86,9 +86,9 @@ def async_dapo_config():
 
 first = sft.run(sft_config(stop_after=2))
 second = sft.run(sft_config(stop_after=0))
-rl = dapo.run(dapo_config())
+rl = rl_job.run(dapo_config())
 metrics = evaluate.run(evaluate_config())
-asynchronous = dapo.run(async_dapo_config())
+asynchronous = rl_job.run(async_dapo_config())
 if jax.process_index() == 0:
   rows = lambda path: [json.loads(line) for line in open(path)]
   with open(f"{out}/result.json", "w") as f:

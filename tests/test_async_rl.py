@@ -11,6 +11,7 @@ import pytest
 from coa_jax.model import ConfigError
 from coa_jax.perf import async_bench
 from coa_jax.rl import dapo
+from coa_jax.rl import job as rl_job
 from coa_jax.rl.async_trainer import AsyncTrainer
 from coa_jax.rl.staleness import StalenessQueue
 from configs import common, dapo_tiny_cpu
@@ -181,7 +182,7 @@ def test_bad_async_settings_are_named(tmp_path, options, message):
 def test_the_job_overlaps_rollouts_and_updates_and_reports_them(tmp_path):
   config = _config(tmp_path, staleness=1)
   config.eval_tasks, config.eval_max_tasks = config.tasks, 2  # evaluated beside the worker
-  summary = dapo.run(config)
+  summary = rl_job.run(config)
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert summary["steps"] == 3 and [r["step"] for r in rows] == [1, 2, 3]
   for row in rows:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from coa_jax.rl import dapo
+from coa_jax.rl import job as rl_job
 from configs import common, dapo_tiny_cpu
 
 
@@ -33,7 +34,7 @@ def _config(tmp_path, name, **rl):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("dapo")
-  return tmp, dapo.run(_config(tmp, "whole"))
+  return tmp, rl_job.run(_config(tmp, "whole"))
 
 
 def test_job_writes_metrics_plot_and_checkpoints(uninterrupted):
@@ -58,9 +59,9 @@ def test_resumed_run_equals_the_uninterrupted_one(uninterrupted, tmp_path):
   _, whole = uninterrupted
   config = _config(tmp_path, "split")
   config.rl.stop_after = 1
-  first = dapo.run(config)
+  first = rl_job.run(config)
   assert first["steps"] == 1
-  second = dapo.run(config)  # resumes from step 1's checkpoint, runs step 2
+  second = rl_job.run(config)  # resumes from step 1's checkpoint, runs step 2
   assert second["resumed_from"] == 1 and second["steps"] == 2
   rows = [json.loads(line) for line in open(tmp_path / "split" / "metrics.jsonl")]
   whole_rows = [json.loads(line) for line in open(whole["metrics"])]
@@ -75,4 +76,4 @@ def test_dynamic_sampling_cap_stops_the_run_clearly(tmp_path):
   config = _config(tmp_path, "cap", dynamic_sampling=True)
   config.rewards.format_penalty = 0.0  # a fresh model is never right: every group is uniform
   with pytest.raises(dapo.DynamicSamplingError, match="after 2 generation rounds"):
-    dapo.run(config)
+    rl_job.run(config)

@@ -15,9 +15,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIRST_PARTY = ("coa_jax", "configs", "tools_env")
 # The order of coa_jax's packages: each may import only packages of a lower rank (and itself).
 # model, losses and runtime are the foundations; data -> distill -> sft | rollout -> rl ->
-# evaluation are the pipeline's stages; the main job (pipeline) and perf tooling come last.
+# evaluation are the pipeline's stages; the main job (pipeline), the RL side-by-side (rl_curves)
+# and perf tooling come last.
 RANKS = {"model": 0, "losses": 1, "runtime": 1, "train": 2, "data": 3, "distill": 4, "sft": 5,
-         "rollout": 5, "rl": 6, "evaluation": 7, "perf": 8, "pipeline": 9}
+         "rollout": 5, "rl": 6, "evaluation": 7, "perf": 8, "pipeline": 9, "rl_curves": 9}
 
 
 def _python_files(*folders: str) -> list[pathlib.Path]:
@@ -94,3 +95,25 @@ def test_a_wheel_holds_every_module_the_entry_points_and_configs_import(tmp_path
     package = "/".join(module.split("/")[:-1])  # `from a.b import c`: c may be a name in a.b
     assert {f"{module}.py", f"{module}/__init__.py", f"{package}.py",
             f"{package}/__init__.py"} & files, name
+
+
+def _module_name(path: pathlib.Path) -> str:
+  return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def test_no_import_circle_inside_a_package():
+  """Modules of one package import each other in one direction (lazy imports count too)."""
+  modules = {_module_name(p): p for p in _python_files("coa_jax") if p.name != "__init__.py"}
+  edges = {}
+  for name, path in modules.items():
+    package = name.rsplit(".", 1)[0]
+    edges[name] = {m for m in _imports(path) if m in modules and m.rsplit(".", 1)[0] == package
+                   and m != name}
+
+  def visit(name, stack):
+    assert name not in stack, f"import circle: {' -> '.join(stack[stack.index(name):] + [name])}"
+    for nxt in edges[name]:
+      visit(nxt, stack + [name])
+
+  for name in modules:
+    visit(name, [])

@@ -64,8 +64,14 @@ def test_a_registered_advantage_estimator_is_used_by_name(median_estimator):
 
 
 def test_an_unknown_advantage_estimator_lists_the_registered_names():
-  with pytest.raises(ValueError, match=r"normalize='max': expected one of \('std', 'mean'\)"):
+  with pytest.raises(ValueError,
+                     match=r"normalize='max': expected one of \('std', 'mean', 'gae'\)"):
     group_advantages(np.array([[1.0, 0.0]]), "max")
+
+
+def test_gae_has_no_group_form():
+  with pytest.raises(ValueError, match="token-level and computed by the critic"):
+    group_advantages(np.array([[1.0, 0.0]]), "gae")
 
 
 @pytest.mark.parametrize("length,expected", [(0, 0.0), (60, 0.0), (70, -0.5), (79, -0.95),

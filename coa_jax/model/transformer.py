@@ -15,6 +15,7 @@ Parameter layout (leading `layers` axis on everything under `layers/`):
   layers/mlp/down_proj/kernel   (layers, mlp, embed)
   final_norm/scale              (embed,)
   lm_head                       (embed, vocab)      absent when embeddings are tied
+  value_head                    (embed, 1)          a value model's head instead (head="value")
 """
 
 from __future__ import annotations
@@ -247,10 +248,16 @@ class DecoderLayer(nn.Module):
     return ((x_BxTxD, k_all, v_all, layer + 1, rows) if cached else x_BxTxD), new_kv
 
 
+HEADS = ("lm", "value")
+
+
 class Transformer(nn.Module):
-  """Decoder-only language model; `__call__` returns float32 logits (B, T, V)."""
+  """Decoder-only language model; `__call__` returns float32 logits (B, T, V), or with
+  head="value" (a critic) float32 values (B, T): a bias-free linear map of the last hidden
+  state, so the value at t is read after token t, where the logits predict token t + 1."""
 
   config: ModelConfig
+  head: str = "lm"
 
   @nn.compact
   def __call__(self, input_ids_BxT, positions_BxT=None, segment_ids_BxT=None,
@@ -267,6 +274,9 @@ class Transformer(nn.Module):
     rows past the cache's last one read its last row and write nothing.
     """
     cfg = self.config
+    if self.head not in HEADS or (self.head == "value" and cache is not None):
+      raise ConfigError(f"head={self.head!r}: expected one of {HEADS} (a value model does not "
+                        f"decode)")
     if cfg.attention_impl == "cudnn" and target_platform() != "gpu":
       raise ConfigError(f"attention_impl='cudnn' needs a GPU backend, but JAX runs on "
                         f"{target_platform()!r}; use attention_impl='xla'")
@@ -301,6 +311,13 @@ class Transformer(nn.Module):
                             v=_write(v_all, v_new, rows_B, positions_BxT, cache.heads_first))
     x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype,
                       name="final_norm")(x_BxTxD)
+    if self.head == "value":
+      # Zeros: a fresh critic predicts 0 everywhere (the body is the actor's, unchanged).
+      head_Dx1 = self.param("value_head", nn.with_logical_partitioning(
+          nn.initializers.zeros, ("embed", None)), (cfg.hidden_size, 1), cfg.params_dtype)
+      values_BxTx1 = jnp.einsum("btd,dk->btk", x_BxTxD, head_Dx1.astype(cfg.compute_dtype),
+                                preferred_element_type=jnp.float32)
+      return nn.with_logical_constraint(values_BxTx1[..., 0], ("act_batch", "act_seq"))
 
     if cfg.tie_embeddings:
       head_DxV = embedding_VxD.T

@@ -4,6 +4,10 @@ The config's `advantage` names an estimator in the `ADVANTAGE_ESTIMATORS` regist
 a function and a name: `@ADVANTAGE_ESTIMATORS.register("name")` on a function
 `(rewards_GxN float64, eps) -> advantages_GxN`, each row a prompt's group of samples;
 `group_advantages(rewards_GxN, "name")` then uses it (and scales its negative advantages).
+
+"gae" (PPO) is registered too, as the config's name for the critic's estimator: GAE is token
+level and needs the critic's values, so the RL job computes it on the device
+(`coa_jax.rl.critic`); it has no group form.
 """
 
 from __future__ import annotations
@@ -15,6 +19,14 @@ from coa_jax.losses.registry import Registry
 # (rewards_GxN float64, eps) -> advantages_GxN, by the config's `advantage` name.
 ADVANTAGE_ESTIMATORS = Registry("advantage normalize")
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
+
+
+CRITIC_ESTIMATORS = ("gae",)  # the names that train a critic (coa_jax.rl.critic)
+
+
+def needs_critic(name: str) -> bool:
+  """Returns whether the advantage estimator `name` is computed by a critic (PPO)."""
+  return name in CRITIC_ESTIMATORS
 
 
 def overlong_penalty(response_len: int, max_len: int, cache_len: int) -> float:
@@ -64,3 +76,12 @@ def mean_advantages(rewards_GxN: np.ndarray, eps: float) -> np.ndarray:
   group of one sample, or of equal rewards, gets 0."""
   del eps
   return rewards_GxN - rewards_GxN.mean(axis=1, keepdims=True)
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def gae_advantages(rewards_GxN: np.ndarray, eps: float) -> np.ndarray:
+  """Raises ValueError: GAE's advantages are per token, from the critic's values, on the
+  device (`coa_jax.rl.critic`), never from a group's rewards."""
+  del rewards_GxN, eps
+  raise ValueError("advantage 'gae' is token-level and computed by the critic "
+                   "(coa_jax.rl.critic), not from a group's rewards")

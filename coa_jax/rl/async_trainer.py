@@ -36,7 +36,6 @@ import time
 from typing import Any, Iterator
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from coa_jax.data import Task

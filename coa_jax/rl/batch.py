@@ -13,7 +13,8 @@ from coa_jax.train.batch import PolicyBatch
 def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
                   groups: Sequence[int], seq_len: int,
                   drop_mask: Sequence[bool] | None = None,
-                  proximal_version: int | None = None) -> PolicyBatch:
+                  proximal_version: int | None = None,
+                  outcomes: tuple[Sequence[float], Sequence[bool]] | None = None) -> PolicyBatch:
   """Returns the (B, seq_len) next-token arrays of `records`, right-padded.
 
   Row b predicts ids[1:] from ids[:-1]; its loss mask is the record's mask on the predicted
@@ -21,7 +22,8 @@ def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
   sampler_logp holds the sampler's log-probs there; every token gets the row's advantage;
   `group` is the row's prompt-group id. stale_mask is 1 on the predicted sampled tokens that a
   policy older than `proximal_version` sampled (None: every token is on-policy, the synchronous
-  case). old_logp is left for the update to recompute.
+  case). `outcomes` (PPO: each row's reward and bootstrap flag, `coa_jax.rl.critic.outcomes`)
+  fill `rewards` and `bootstrap`. old_logp is left for the update to recompute.
   """
   rows = len(records)
   if not rows == len(advantages) == len(groups):
@@ -51,4 +53,7 @@ def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
     if proximal_version is not None:
       arrays["stale_mask"][b, :n] = (np.asarray(record.versions[1:]) < proximal_version) & (
           arrays["loss_mask"][b, :n] > 0)
+  if outcomes is not None:
+    arrays["rewards"] = np.asarray(outcomes[0], np.float32)
+    arrays["bootstrap"] = np.asarray(outcomes[1], bool)
   return PolicyBatch(**arrays, group=np.asarray(groups, np.int32))

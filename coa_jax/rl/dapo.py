@@ -1,10 +1,11 @@
-"""The DAPO job: rollout -> reward -> dynamic sampling -> advantages -> updates -> evaluation.
+"""The RL trainer: rollout -> reward -> dynamic sampling -> advantages -> updates -> evaluation.
 
-`run(config)` is the whole job behind `experiments/dapo.py`; see configs/dapo_tiny_cpu.py for
-every field. The sampler and the updates share one mesh and one copy of the parameters: each
-step's rollouts use the params the previous step's updates produced, with no transfer. With
-rl.async.enabled, `run` drives `coa_jax.rl.async_trainer.AsyncTrainer` instead: rollouts and
-updates at once on disjoint devices, with bounded staleness.
+`Trainer` is the synchronous job that `coa_jax.rl.job.run` drives (see configs/dapo_tiny_cpu.py
+for every field). The sampler and the updates share one mesh and one copy of the parameters:
+each step's rollouts use the params the previous step's updates produced, with no transfer.
+`coa_jax.rl.async_trainer.AsyncTrainer` builds on it: rollouts and updates at once on
+disjoint devices, with bounded staleness. With rl.advantage = "gae" the trainer is PPO's: a
+critic (`coa_jax.rl.critic`) trains beside the policy and gives it token advantages.
 
 A step: dynamic sampling generates rounds of prompt groups with the current policy and scores
 every sample (`coa_jax.data.rewards`), keeping groups whose samples disagree until the batch is
@@ -25,8 +26,6 @@ the batch is the same.
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import os
 import time
 from typing import Any
 
@@ -38,8 +37,10 @@ from jax.sharding import Mesh
 from coa_jax.data import Task, build_rewarder, load_tasks, load_tokenizer
 from coa_jax.losses.dapo import PolicyLossConfig
 from coa_jax.model import ConfigError, Transformer
+from coa_jax.rl import critic as critic_lib
 from coa_jax.rl import update
-from coa_jax.rl.advantages import ADVANTAGE_ESTIMATORS, group_advantages, overlong_penalty
+from coa_jax.rl.advantages import (ADVANTAGE_ESTIMATORS, group_advantages, needs_critic,
+                                   overlong_penalty)
 from coa_jax.rl.batch import rollout_batch
 from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup, fill_batch
 from coa_jax.rollout import (
@@ -53,7 +54,7 @@ from coa_jax.rollout import (
 )
 from coa_jax.runtime import distributed, load_model, sharding
 from coa_jax.runtime.distributed import say
-from coa_jax.train import LoopConfig, NonFiniteLossError, optimizer, run_loop
+from coa_jax.train import NonFiniteLossError, optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
 from coa_jax.train.step import run_step
@@ -112,6 +113,14 @@ class Trainer:
     sharding.check_batch_fits_mesh(rl.mini_batch_groups * self.n, rl.micro_batches, self.mesh)
     self.loss_config = loss_config(rl)
     ADVANTAGE_ESTIMATORS.get(rl.advantage)  # an unknown name fails before any rollout
+    if rl.ppo_epochs < 1:
+      raise ConfigError(f"rl.ppo_epochs={rl.ppo_epochs}: expected >= 1")
+    critic_config = None
+    if needs_critic(rl.advantage):
+      critic_config = critic_lib.CriticConfig(**rl.critic)
+      if rl.negative_weight != 1:
+        raise ConfigError(f"rl.negative_weight={rl.negative_weight} scales group advantages; "
+                          f"with advantage='gae' it must be 1")
     # Tasks with their ground truth (metadata fields lifted up), as the evaluation reads them.
     self.tasks = load_tasks(config.tasks, config.max_tasks)
     self.eval_tasks = (load_tasks(config.eval_tasks, config.eval_max_tasks)
@@ -131,6 +140,11 @@ class Trainer:
       self.state = state_lib.init_state(self.model, self.tx, self.mesh, rng)
     else:
       self.state = state_lib.state_from_params(params, self.tx, self.model, self.mesh, rng)
+    self.critic = None  # PPO's value model (rl.advantage = "gae")
+    if critic_config is not None:
+      self.critic = critic_lib.Critic(critic_config, model_config, self.state.params, self.mesh,
+                                      config.optimizer, rl.micro_batches, config.seed)
+    self.critic_pretrained = critic_config is None or not critic_config.pretrain_steps
     self.ref_params = None
     if rl.kl_coef:  # a copy: the train state's params are donated to the updates
       self.ref_params = jax.tree_util.tree_map(lambda x: x.copy(), self.state.params)
@@ -248,14 +262,24 @@ class Trainer:
 
   def _train_on(self, kept: list[ScoredGroup], step: int,
                 proximal_version: int | None = None) -> dict[str, float]:
-    """Updates once per mini-batch of this host's `kept` groups (every host calls it with its
-    share); returns the updates' mean metrics and the log-prob health. `proximal_version`
-    (asynchronous RL) is the policy version of the current params: tokens an older one
-    sampled are importance-weighted (None: every token is on-policy)."""
+    """Updates once per mini-batch of this host's `kept` groups, rl.ppo_epochs times over them
+    (every host calls it with its share); returns the updates' mean metrics and the log-prob
+    health. `proximal_version` (asynchronous RL) is the policy version of the current params:
+    tokens an older one sampled are importance-weighted (None: every token is on-policy).
+    With a critic (PPO), the critic updates on every mini-batch too, and the actor only after
+    the critic's warm-up and pre-training."""
     rl = self.config.rl
     records = [record for group in kept for record in group.records]
-    advantages = group_advantages(np.array([g.scores for g in kept]), rl.advantage,
-                                  rl.advantage_eps, rl.negative_weight).reshape(-1)
+    scores = np.array([g.scores for g in kept])
+    outcomes = None
+    if self.critic is None:
+      advantages = group_advantages(scores, rl.advantage, rl.advantage_eps,
+                                    rl.negative_weight).reshape(-1)
+    else:  # token advantages come from the critic, after the batches are built
+      advantages = np.zeros(len(records))
+      outcomes = critic_lib.outcomes(records, scores.reshape(-1),
+                                     [self._overlong(r.response_len) for r in records],
+                                     self.critic.config.truncation)
     drop = [rl.overlong_filter and r.finish_reason == "length" for r in records]
     local_groups = rl.mini_batch_groups // self.hosts  # this host's groups per mini-batch
     rows = local_groups * self.n
@@ -264,15 +288,31 @@ class Trainer:
     for start in range(0, len(records), rows):
       part = slice(start, start + rows)
       batch = rollout_batch(records[part], advantages[part], groups, self.seq_len, drop[part],
-                            proximal_version)
+                            proximal_version,
+                            None if outcomes is None else (outcomes[0][part], outcomes[1][part]))
       mini_batches.append(sharding.shard_batch(batch, self.mesh))
     mini_batches, health = self._with_old_logprobs(mini_batches)
+    actor_trains, critic_metrics = True, {}
+    if self.critic is not None:
+      pretraining = not self.critic_pretrained
+      mini_batches, critic_metrics = self.critic.prepare(mini_batches, pretraining)
+      actor_trains = step > self.critic.config.warmup and not pretraining
+      if pretraining and (critic_metrics["explained_variance"] >=
+                          self.critic.config.pretrain_explained_variance or
+                          step >= self.critic.config.pretrain_steps):
+        self.critic_pretrained = True  # the actor trains from the next step on
+      critic_metrics.update(actor_trained=float(actor_trains), pretraining=float(pretraining))
     update_metrics = []
-    for batch in mini_batches:
-      self.state, metrics = run_step(self.update, self.state, batch, step)
-      update_metrics.append(metrics)
+    for _ in range(rl.ppo_epochs):
+      for batch in mini_batches:
+        metrics = {}
+        if actor_trains:
+          self.state, metrics = run_step(self.update, self.state, batch, step)
+        if self.critic is not None:
+          metrics.update(self.critic.train(batch, step))
+        update_metrics.append(metrics)
     out = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
-    return {**out, **health}
+    return {**out, **health, **critic_metrics}
 
   def _track_prompts(self, generated: list[ScoredGroup]) -> None:
     """Counts each generated group's prompt: groups, all correct, all wrong (rl.track_prompts)."""
@@ -334,12 +374,31 @@ class Trainer:
     return {"always_solved": sorted(t for t, (n, ok, _) in prompts.items() if ok == n),
             "never_solved": sorted(t for t, (n, _, bad) in prompts.items() if bad == n)}
 
+  def checkpoint_state(self) -> Any:
+    """Returns the arrays a checkpoint holds: the actor's train state, and with a critic
+    {"actor": ..., "critic": ...}."""
+    if self.critic is None:
+      return self.state
+    return {"actor": self.state, "critic": self.critic.state}
+
+  def abstract_checkpoint(self) -> Any:
+    """Returns `checkpoint_state`'s shapes and shardings (what a restore reads into)."""
+    actor = state_lib.abstract_state(self.model, self.tx, self.mesh)
+    if self.critic is None:
+      return actor
+    return {"actor": actor, "critic": self.critic.abstract_state()}
+
   def data_state(self, step: int) -> dict[str, Any]:
     """Returns what a checkpoint keeps beside the train state (the same on every host)."""
-    return {"cursor": self.stream.cursor, "step": step, "prompts": self.all_prompts()}
+    return {"cursor": self.stream.cursor, "step": step, "prompts": self.all_prompts(),
+            "critic_pretrained": self.critic_pretrained}
 
   def restore(self, state: Any, data_state: dict[str, Any]) -> int:
-    """Takes a restored checkpoint; returns the step it was saved at."""
+    """Takes a restored checkpoint (of `abstract_checkpoint`); returns the step it was saved
+    at."""
+    if self.critic is not None:
+      state, self.critic.state = state["actor"], state["critic"]
+      self.critic_pretrained = bool(data_state["critic_pretrained"])
     self.state, self.stream.cursor = state, int(data_state["cursor"])
     # Host 0 carries the counts so far; the others count from here (all_prompts sums them).
     self.prompts = data_state.get("prompts", {}) if self.host_index == 0 else {}
@@ -364,55 +423,4 @@ def over_hosts(means: dict[str, list[float]],
   return out
 
 
-def run(config: Any) -> dict[str, Any]:
-  """Trains per `config`; returns a summary (rewards, accuracy, steps, paths)."""
-  rl = config.rl
-  plot_keys, shown = PLOT_KEYS, SHOWN
-  if rl["async"].enabled:
-    from coa_jax.rl import async_trainer  # it builds on this module's Trainer
-    trainer = async_trainer.AsyncTrainer(config)
-    plot_keys, shown = async_trainer.PLOT_KEYS, async_trainer.SHOWN
-    say(f"asynchronous: rollouts on {trainer.host.devices.size} device(s) per host, updates on "
-        f"{trainer.mesh.devices.size}, staleness <= {rl['async'].staleness}")
-  else:
-    trainer = Trainer(config)
-  say(f"DAPO: {trainer.model_config.num_params():,} params on mesh {dict(trainer.mesh.shape)}; "
-      f"{len(trainer.tasks)} tasks, {rl.batch_groups} groups x {trainer.n} samples per step in "
-      f"{rl.batch_groups // rl.mini_batch_groups} mini-batch(es); "
-      f"{len(trainer.eval_tasks)} held-out tasks")
-  loop = LoopConfig(steps=rl.steps, workdir=config.workdir, checkpoint=config.checkpoint,
-                    log_every=rl.log_every, stop_after=rl.stop_after,
-                    export_dir=config.export_dir, export_dtype=config.export_dtype,
-                    unit="samples", units_per_step=rl.batch_groups * trainer.n, shown=shown,
-                    plot_keys=plot_keys, plot_file="dapo.png", title="DAPO")
-  try:
-    result = run_loop(trainer, loop, state_lib.abstract_state(trainer.model, trainer.tx,
-                                                              trainer.mesh), trainer.model_config)
-  finally:
-    trainer.close()
-  summary = dict(result.summary(), state=trainer.state)
-  if rl["async"].enabled and result.rows and jax.process_index() == 0:
-    summary["overlap_plot"] = async_trainer.plot_overlap(
-        result.metrics, os.path.join(config.workdir, "async.png"), rl["async"].staleness)
-  if rl.track_prompts:
-    report = trainer.prompt_report()
-    summary["prompts"] = os.path.join(config.workdir, "prompts.json")
-    if trainer.host_index == 0:
-      with open(summary["prompts"], "w") as f:
-        json.dump(report, f, indent=1)
-  if result.rows:
-    # The rollouts' own accuracy (at the sampling temperature) averaged over the first and the
-    # last quarter of the steps: one step's batch is too few samples to compare.
-    window = max(len(result.rows) // 4, 1)
-    first, final = ({k: float(np.mean([r[k] for r in rows])) for k in ("reward", "accuracy")}
-                    for rows in (result.rows[:window], result.rows[-window:]))
-    summary.update(first_reward=first["reward"], final_reward=final["reward"],
-                   first_accuracy=first["accuracy"], final_accuracy=final["accuracy"])
-    span = f"{window} step{'s' * (window > 1)}"
-    say(f"rollout reward {first['reward']:.3f} -> {final['reward']:.3f}, rollout accuracy "
-        f"{first['accuracy']:.3f} -> {final['accuracy']:.3f} (training rollouts, means of "
-        f"the first and the last {span}); plot {result.plot}")
-  return summary
-
-
-__all__ = ["DynamicSamplingError", "NonFiniteLossError", "TaskStream", "Trainer", "run"]
+__all__ = ["DynamicSamplingError", "NonFiniteLossError", "TaskStream", "Trainer"]

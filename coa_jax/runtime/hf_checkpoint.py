@@ -53,8 +53,10 @@ def _identity(x):
   return x
 
 
-def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
-  """Returns the mapping of every parameter of `cfg`'s model to HF tensor names and layouts."""
+def _tensor_map(cfg: ModelConfig, head: str = "lm") -> list[_Tensor]:
+  """Returns the mapping of every parameter of `cfg`'s model to HF tensor names and layouts;
+  head="value" maps a value model's head to a token classifier's one-label `score` (verl's
+  critic format)."""
   d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
   n, k = cfg.num_heads, cfg.num_kv_heads
   layer = "model.layers.{layer}."
@@ -81,7 +83,9 @@ def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
   for name, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
     out.append(_Tensor(("layers", "mlp", name, "kernel"), layer + f"mlp.{name}.weight", shape,
                        lambda w: w.T, lambda w: w.T))
-  if not cfg.tie_embeddings:
+  if head == "value":
+    out.append(_Tensor(("value_head",), "score.weight", (1, d), lambda w: w.T, lambda w: w.T))
+  elif not cfg.tie_embeddings:
     out.append(_Tensor(("lm_head",), "lm_head.weight", (cfg.vocab_size, d),
                        lambda w: w.T, lambda w: w.T, vocab_axis=1))
   return out
@@ -257,15 +261,19 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def save_checkpoint(folder: str, config: ModelConfig, params: Any, dtype: str = "bfloat16",
-                    max_shard_bytes: int = 4 << 30) -> list[str]:
+                    max_shard_bytes: int = 4 << 30, head: str = "lm") -> list[str]:
   """Writes params as an HF folder (config.json + safetensors, sharded with an index if large).
+
+  head="value" writes a value model (`Transformer(head="value")`) as the family's
+  `...ForTokenClassification` with one label and no bias, which transformers loads as verl's
+  critic: its logits[..., 0] are our values.
 
   Arrays are fetched one layer slice at a time; every process takes part in the gathers,
   process 0 writes. Returns the written safetensors file names.
   """
   np_dtype = np.dtype(jax.numpy.dtype(dtype))
   items = []
-  for t in _tensor_map(config):
+  for t in _tensor_map(config, head):
     array = _lookup(params, t.path)
     for i, name in enumerate(_names(t, config)):
       piece = (lambda a=array, i=i: a[i]) if t.stacked else (lambda a=array: a)
@@ -293,8 +301,13 @@ def save_checkpoint(folder: str, config: ModelConfig, params: Any, dtype: str = 
       for *_, produce in shard:
         produce()
   if writer:
+    hf_config = to_hf_config(config, torch_dtype=dtype)
+    if head == "value":
+      hf_config.update(architectures=[hf_config["architectures"][0].replace(
+          "ForCausalLM", "ForTokenClassification")], num_labels=1, id2label={"0": "VALUE"},
+          label2id={"VALUE": 0}, token_classification_bias=False, classifier_dropout=0.0)
     with open(os.path.join(folder, "config.json"), "w") as f:
-      json.dump(to_hf_config(config, torch_dtype=dtype), f, indent=2)
+      json.dump(hf_config, f, indent=2)
     if len(files) > 1:
       weight_map = {item[0]: file for file, shard in zip(files, shards) for item in shard}
       with open(os.path.join(folder, INDEX_FILE), "w") as f:

@@ -45,6 +45,9 @@ class SFTJob:
                                             sharding.shard_batch(batch, self.mesh), step)
     return metrics
 
+  def checkpoint_state(self) -> Any:
+    return self.state
+
   def data_state(self, step: int) -> dict[str, Any]:
     return {k: v for part in distributed.gather_json(self.batches.get_state())
             for k, v in part.items()}  # every process's shards

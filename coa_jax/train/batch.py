@@ -43,6 +43,12 @@ class PolicyBatch(TokenBatch):
   the reference policy's (only with a KL term); group: each row's prompt-group id; stale_mask: 1
   on tokens sampled by an older policy than old_logp's (asynchronous RL), which the loss
   importance-weights by old_logp vs sampler_logp.
+
+  PPO with a critic (rl.advantage = "gae") adds: rewards, each row's outcome reward (GAE puts
+  it on the row's last trainable token); bootstrap, 1 where GAE bootstraps the row from its
+  last value (a truncated sample); and, once the critic has run, old_values (its values at
+  rollout time) and returns (the critic's targets). `advantages` then holds GAE's token
+  advantages.
   """
 
   sampler_logp: Array = None  # (B, T) float32
@@ -51,6 +57,10 @@ class PolicyBatch(TokenBatch):
   group: Array = None  # (B,) int32
   old_logp: Array = None  # (B, T) float32
   ref_logp: Array = None  # (B, T) float32
+  rewards: Array = None  # (B,) float32
+  bootstrap: Array = None  # (B,) bool
+  old_values: Array = None  # (B, T) float32
+  returns: Array = None  # (B, T) float32
 
 
 def abstract_batch(cls: type, batch_size: int, seq_len: int, sharding: Any) -> Any:

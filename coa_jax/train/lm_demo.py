@@ -45,6 +45,9 @@ class _CountingJob:
     self.state, metrics = step_lib.run_step(self.step_fn, self.state, batch, step)
     return metrics
 
+  def checkpoint_state(self) -> Any:
+    return self.state
+
   def data_state(self, step: int) -> dict[str, Any]:
     return {}
 

@@ -33,9 +33,13 @@ from coa_jax.train.step import NonFiniteLossError
 
 
 class Job(Protocol):
-  """What `run_loop` drives: the train state, one step and the data a checkpoint keeps."""
+  """What `run_loop` drives: the train state (whose params are exported), one step, and what a
+  checkpoint keeps."""
 
   state: TrainState
+
+  def checkpoint_state(self) -> Any:
+    """Returns the arrays a checkpoint holds (the train state, or a tree of train states)."""
 
   def step(self, step: int) -> dict[str, float]:
     """Runs step `step` (1-based) and returns its metrics; raises StopIteration when the data
@@ -44,8 +48,9 @@ class Job(Protocol):
   def data_state(self, step: int) -> dict[str, Any]:
     """Returns what a checkpoint keeps beside the train state (may be a collective)."""
 
-  def restore(self, state: TrainState, data_state: dict[str, Any]) -> int:
-    """Takes a restored checkpoint; returns the last step it completed."""
+  def restore(self, state: Any, data_state: dict[str, Any]) -> int:
+    """Takes a restored checkpoint (`checkpoint_state`'s arrays); returns the last step it
+    completed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +121,8 @@ class _Progress:
 
 def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
              model_config: ModelConfig) -> LoopResult:
-  """Runs `job` per `config` (see the module docstring); `abstract_state` is the train state's
-  shapes and shardings, which a restore reads into."""
+  """Runs `job` per `config` (see the module docstring); `abstract_state` is the shapes and
+  shardings of the job's `checkpoint_state()`, which a restore reads into."""
   from coa_jax.train import writers  # TensorFlow (TensorBoard events) loads with the first job
 
   ckpt = config.checkpoint
@@ -158,7 +163,8 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
         writer.write_scalars(step, row)
         progress.update(step, metrics, config.units_per_step)
         if checkpointer and (step % ckpt.every == 0 or step == last or preempted.requested):
-          checkpointer.save(step, job.state, job.data_state(step), force=preempted.requested)
+          checkpointer.save(step, job.checkpoint_state(), job.data_state(step),
+                            force=preempted.requested)
         completed = step
         if preempted.requested:
           stopped_by_signal = True

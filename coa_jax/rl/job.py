@@ -1,0 +1,90 @@
+"""The RL job: `run(config)` behind `experiments/dapo.py` (DAPO, or PPO with rl.advantage =
+"gae"), synchronous (`coa_jax.rl.dapo.Trainer`) or asynchronous with rl.async.enabled
+(`coa_jax.rl.async_trainer.AsyncTrainer`), on the job scaffold `coa_jax.train.loop`.
+
+The run resumes from its newest checkpoint (with a critic, actor and critic together), writes
+metrics.jsonl, TensorBoard events and dapo.png (async.png too when asynchronous) under
+config.workdir, and exports the trained policy as an HF folder at config.export_dir, and a
+critic beside it (`critic_export_dir`) as a one-label token classifier (verl's format).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from coa_jax.rl import async_trainer, dapo
+from coa_jax.rl import critic as critic_lib
+from coa_jax.runtime import hf_checkpoint
+from coa_jax.runtime.distributed import say
+from coa_jax.train import LoopConfig, run_loop
+
+
+def critic_export_dir(export_dir: str) -> str:
+  """Returns where the critic is exported beside the policy's HF folder `export_dir`."""
+  return export_dir.rstrip("/") + "_critic"
+
+
+def run(config: Any) -> dict[str, Any]:
+  """Trains per `config`; returns a summary (rewards, accuracy, steps, paths)."""
+  rl = config.rl
+  plot_keys, shown = dapo.PLOT_KEYS, dapo.SHOWN
+  if rl["async"].enabled:
+    trainer = async_trainer.AsyncTrainer(config)
+    plot_keys, shown = async_trainer.PLOT_KEYS, async_trainer.SHOWN
+    say(f"asynchronous: rollouts on {trainer.host.devices.size} device(s) per host, updates on "
+        f"{trainer.mesh.devices.size}, staleness <= {rl['async'].staleness}")
+  else:
+    trainer = dapo.Trainer(config)
+  name = "DAPO"
+  if trainer.critic is not None:
+    name = "PPO"
+    plot_keys, shown = plot_keys + critic_lib.PLOT_KEYS, shown + critic_lib.SHOWN
+  say(f"{name}: {trainer.model_config.num_params():,} params on mesh {dict(trainer.mesh.shape)}; "
+      f"{len(trainer.tasks)} tasks, {rl.batch_groups} groups x {trainer.n} samples per step in "
+      f"{rl.batch_groups // rl.mini_batch_groups} mini-batch(es); "
+      f"{len(trainer.eval_tasks)} held-out tasks")
+  loop = LoopConfig(steps=rl.steps, workdir=config.workdir, checkpoint=config.checkpoint,
+                    log_every=rl.log_every, stop_after=rl.stop_after,
+                    export_dir=config.export_dir, export_dtype=config.export_dtype,
+                    unit="samples", units_per_step=rl.batch_groups * trainer.n, shown=shown,
+                    plot_keys=plot_keys, plot_file="dapo.png", title=name)
+  try:
+    result = run_loop(trainer, loop, trainer.abstract_checkpoint(), trainer.model_config)
+  finally:
+    trainer.close()
+  summary = dict(result.summary(), state=trainer.state)
+  if trainer.critic is not None:
+    summary["critic_state"] = trainer.critic.state
+  if trainer.critic is not None and result.export_dir:
+    summary["critic_export_dir"] = critic_export_dir(result.export_dir)
+    hf_checkpoint.save_checkpoint(summary["critic_export_dir"], trainer.model_config,
+                                  trainer.critic.state.params, dtype=config.export_dtype,
+                                  head="value")
+    say(f"exported the critic to {summary['critic_export_dir']}")
+  if rl["async"].enabled and result.rows and jax.process_index() == 0:
+    summary["overlap_plot"] = async_trainer.plot_overlap(
+        result.metrics, os.path.join(config.workdir, "async.png"), rl["async"].staleness)
+  if rl.track_prompts:
+    report = trainer.prompt_report()
+    summary["prompts"] = os.path.join(config.workdir, "prompts.json")
+    if trainer.host_index == 0:
+      with open(summary["prompts"], "w") as f:
+        json.dump(report, f, indent=1)
+  if result.rows:
+    # The rollouts' own accuracy (at the sampling temperature) averaged over the first and the
+    # last quarter of the steps: one step's batch is too few samples to compare.
+    window = max(len(result.rows) // 4, 1)
+    first, final = ({k: float(np.mean([r[k] for r in rows])) for k in ("reward", "accuracy")}
+                    for rows in (result.rows[:window], result.rows[-window:]))
+    summary.update(first_reward=first["reward"], final_reward=final["reward"],
+                   first_accuracy=first["accuracy"], final_accuracy=final["accuracy"])
+    span = f"{window} step{'s' * (window > 1)}"
+    say(f"rollout reward {first['reward']:.3f} -> {final['reward']:.3f}, rollout accuracy "
+        f"{first['accuracy']:.3f} -> {final['accuracy']:.3f} (training rollouts, means of "
+        f"the first and the last {span}); plot {result.plot}")
+  return summary

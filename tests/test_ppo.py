@@ -1,0 +1,225 @@
+"""PPO (rl.advantage = "gae"): the critic beside the actor, end to end on 8 devices, exact resume,
+the critic's export, one device against eight, and the two updates kept apart."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from coa_jax.model import ConfigError, Transformer, build_config
+from coa_jax.rl import critic as critic_lib
+from coa_jax.rl import dapo
+from coa_jax.rl import job as rl_job
+from coa_jax.rl import update
+from coa_jax.rl.batch import rollout_batch
+from coa_jax.losses.dapo import PolicyLossConfig
+from coa_jax.rollout import RolloutRecord
+from coa_jax.runtime import sharding
+from coa_jax.train import optimizer
+from coa_jax.train import state as state_lib
+from configs import common, dapo_tiny_cpu
+
+CRITIC_METRICS = ("value_loss", "value_clip_frac", "value_pred_mean", "explained_variance",
+                  "return_mean", "advantage_mean", "advantage_std", "critic_grad_norm")
+
+
+def _config(tmp_path, name, critic=None, **rl):
+  config = dapo_tiny_cpu.get_config()
+  config.model.checkpoint = ""  # a fresh model: no SFT export needed
+  config.max_tasks, config.eval_max_tasks = 16, 2
+  config.mesh = common.mesh(data=2, fsdp=2, tensor=2)  # the 8 fake devices
+  config.batch_size, config.chunk = 4, 16
+  config.rollout.update(group_size=2, max_prompt_tokens=192, max_response_tokens=48,
+                        max_observation_tokens=32, max_turns=2)
+  config.rl = common.rl(**{**dict(steps=3, batch_groups=2, prompts_per_round=2, max_rounds=2,
+                                  mini_batch_groups=2, overlong_cache=16, eval_every=3,
+                                  dynamic_sampling=False, advantage="gae"), **rl})
+  config.rl.critic.update(critic or dict(warmup=1))
+  config.optimizer = common.optimizer(learning_rate=1e-3, schedule="constant", weight_decay=0.0)
+  config.checkpoint = common.checkpoint(str(tmp_path / name / "ckpt"), every=1, max_to_keep=3,
+                                        async_save=False)
+  config.workdir = str(tmp_path / name)
+  config.export_dir = str(tmp_path / name / "hf_export")
+  return config
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("ppo")
+  return tmp, rl_job.run(_config(tmp, "whole"))
+
+
+def _rows(path):
+  return [json.loads(line) for line in open(path)]
+
+
+def test_job_trains_the_critic_first_then_both(uninterrupted):
+  tmp, summary = uninterrupted
+  rows = _rows(tmp / "whole" / "metrics.jsonl")
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  for row in rows:
+    for key in CRITIC_METRICS:
+      assert np.isfinite(row[key]), key
+  assert rows[0]["actor_trained"] == 0 and "pg_loss" not in rows[0]  # warm-up: critic only
+  assert rows[1]["actor_trained"] == 1 and "pg_loss" in rows[1]
+  assert rows[0]["value_pred_mean"] == 0.0  # a fresh critic's value head is zero
+  assert rows[1]["value_pred_mean"] != 0.0
+  assert abs(rows[1]["advantage_mean"]) < 1e-5 or rows[1]["advantage_std"] > 0
+  assert (tmp / "whole" / "dapo.png").stat().st_size > 0
+
+
+def test_resumed_run_equals_the_uninterrupted_one(uninterrupted, tmp_path):
+  _, whole = uninterrupted
+  config = _config(tmp_path, "split")
+  config.rl.stop_after = 2
+  first = rl_job.run(config)
+  assert first["steps"] == 2
+  second = rl_job.run(config)  # resumes from step 2's checkpoint (actor and critic), runs 3
+  assert second["resumed_from"] == 2 and second["steps"] == 3
+  for a, b in zip(_rows(tmp_path / "split" / "metrics.jsonl"), _rows(whole["metrics"])):
+    for key in ("reward", "value_loss", "explained_variance", "advantage_std"):
+      assert a[key] == b[key], key
+  for params in (lambda s: s["state"].params, lambda s: s["critic_state"].params):
+    jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(params(second)),
+                           jax.device_get(params(whole)))
+
+
+def test_critic_export_loads_in_transformers_with_the_same_values(uninterrupted):
+  _, summary = uninterrupted
+  folder = summary["critic_export_dir"]
+  hf = transformers.AutoModelForTokenClassification.from_pretrained(folder).eval()
+  critic = summary["critic_state"].params
+  config = json.load(open(f"{folder}/config.json"))
+  model = Transformer(build_config(dict(preset="tiny", hidden_size=128, intermediate_size=256,
+                                        num_layers=2, num_heads=4, num_kv_heads=2,
+                                        vocab_size=config["vocab_size"])), head="value")
+  ids = np.random.default_rng(0).integers(0, config["vocab_size"], (2, 12))
+  ours = np.asarray(model.apply({"params": jax.device_get(critic)}, jnp.asarray(ids)))
+  with torch.no_grad():
+    theirs = hf(torch.as_tensor(ids)).logits[..., 0].numpy()
+  np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+  assert np.abs(ours).max() > 0  # the trained head is not the zero it started as
+
+
+def _record(mask, finish="answer", task="t"):
+  n = len(mask)
+  return RolloutRecord(task, 0, list(range(n)), mask, [0.0] * n, 1, [0] * n, finish)
+
+
+def test_outcomes_put_truncated_samples_terminal_or_bootstrapped():
+  records = [_record([0, 1, 1]), _record([0, 1, 1, 0, 0], finish="length"),
+             _record([0, 1, 1], finish="length")]
+  scores, penalty = [1.0, -1.5, -0.25], [0.0, -0.5, -0.25]
+  rewards, boot = critic_lib.outcomes(records, scores, penalty, "terminal")
+  np.testing.assert_array_equal(rewards, scores)
+  assert not boot.any()
+  rewards, boot = critic_lib.outcomes(records, scores, penalty, "bootstrap")
+  np.testing.assert_array_equal(rewards, [1.0, -0.5, -0.25])  # only the length penalty left
+  np.testing.assert_array_equal(boot, [False, True, True])
+
+
+def test_a_sample_ending_on_an_observation_is_an_error():
+  with pytest.raises(ValueError, match="ends on an observation"):
+    critic_lib.outcomes([_record([0, 1, 1, 0], finish="max_turns")], [1.0], [0.0], "terminal")
+
+
+def test_bad_critic_settings_fail_clearly():
+  with pytest.raises(ConfigError, match="truncation"):
+    critic_lib.CriticConfig(truncation="drop")
+  with pytest.raises(ConfigError, match="lambda_actor"):
+    critic_lib.CriticConfig(lambda_actor=1.5)
+
+
+def test_gae_with_group_advantage_settings_is_refused(tmp_path):
+  with pytest.raises(ConfigError, match="negative_weight"):
+    dapo.Trainer(_config(tmp_path, "bad", negative_weight=0.0))
+
+
+# --- the programs on one device and on eight --------------------------------------------------
+
+
+def _programs(mesh, seed=0):
+  """Returns (actor state, critic, actor update, a PPO mini-batch on `mesh`)."""
+  model_config = build_config(dict(preset="tiny", hidden_size=32, intermediate_size=64,
+                                   num_layers=2, num_heads=4, num_kv_heads=4, vocab_size=64))
+  model = Transformer(model_config)
+  opt = common.optimizer(learning_rate=1e-2, schedule="constant", weight_decay=0.0)
+  tx = optimizer.make_optimizer(opt)
+  actor = state_lib.init_state(model, tx, mesh, jax.random.key(seed))
+  critic = critic_lib.Critic(critic_lib.CriticConfig(cliprange_value=0.2), model_config,
+                             actor.params, mesh, opt, micro_batches=2, seed=seed)
+  rng = np.random.default_rng(seed)
+  records = []
+  for i in range(8):
+    mask = [0] * 3 + [1] * int(rng.integers(2, 6)) + [0] * 3 + [1] * int(rng.integers(1, 5))
+    records.append(RolloutRecord(f"t{i // 2}", i % 2, rng.integers(0, 64, len(mask)).tolist(),
+                                 mask, [0.0] * len(mask), 3, [0] * len(mask), "answer"))
+  rewards = rng.choice([-1.0, 1.0], 8)
+  batch = rollout_batch(records, np.zeros(8), np.arange(8) // 2, 16,
+                        outcomes=(rewards, np.zeros(8, bool)))
+  step = update.jit_dapo_step(model, tx, mesh, loss_config=PolicyLossConfig(), micro_batches=2)
+  logprobs = update.jit_policy_logprobs(model, mesh, sharding.param_shardings(model, mesh))
+  batch = sharding.shard_batch(batch, mesh)
+  batch = batch.replace(old_logp=logprobs(actor.params, batch)[0])
+  return actor, critic, step, batch
+
+
+def _ppo_step(mesh):
+  actor, critic, step, batch = _programs(mesh)
+  critic.state = critic.update(critic.state, critic.prepare([batch], False)[0][0])[0]
+  (batch,), stats = critic.prepare([batch], False)  # values of the updated critic
+  actor, actor_metrics = step(actor, batch)
+  critic_metrics = critic.train(batch, 2)
+  return jax.device_get((actor.params, critic.state.params)), stats, actor_metrics, critic_metrics
+
+
+def test_ppo_on_eight_devices_equals_one_device():
+  one = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  eight = sharding.make_mesh((2, 2, 2))
+  params1, stats1, actor1, critic1 = _ppo_step(one)
+  params8, stats8, actor8, critic8 = _ppo_step(eight)
+  for a, b in ((stats1, stats8), (critic1, critic8), (actor1, actor8)):
+    for key in a:
+      np.testing.assert_allclose(np.asarray(a[key]), np.asarray(b[key]), rtol=2e-4, atol=1e-6,
+                                 err_msg=key)
+  assert float(actor1["grad_norm"]) > 0 and critic1["critic_grad_norm"] > 0
+  # Adam's first step moves each weight by about lr * sign(g): on weights whose gradient is
+  # near 0, reduction-order rounding moves that step a little (1e-4 is 1% of lr = 1e-2).
+  jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4),
+                         params1, params8)
+
+
+def test_each_update_reaches_only_its_own_parameters(single_device_mesh):
+  actor, critic, step, batch = _programs(single_device_mesh)
+  critic.state = critic.update(critic.state, critic.prepare([batch], False)[0][0])[0]
+  model = Transformer(critic.model.config)
+  config = critic.config
+
+  def actor_loss(actor_params, critic_params):  # advantages from the critic, as a step does
+    _, advantages, _, _ = critic_lib.estimate(critic.model, config, critic_params, batch,
+                                              jnp.float32(1.0))
+    logp, _ = update.policy_logprobs(model, actor_params, batch)
+    return jnp.sum(advantages * logp * batch.loss_mask)
+
+  def critic_loss(actor_params, critic_params):
+    del actor_params  # the value model is its own copy, not a view of the actor
+    values = critic_lib.values(critic.model, critic_params, batch)
+    return jnp.sum(jnp.square(values - batch.rewards[:, None]) * batch.loss_mask)
+
+  for loss, own, other in ((actor_loss, 0, 1), (critic_loss, 1, 0)):
+    grads = jax.grad(loss, argnums=(0, 1))(actor.params, critic.state.params)
+    assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree_util.tree_leaves(grads[other]))
+    assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree_util.tree_leaves(grads[own]))
+
+
+def test_the_critic_owns_its_buffers(single_device_mesh):
+  actor, critic, step, batch = _programs(single_device_mesh)
+  before = jax.device_get(critic.state.params)
+  jax.tree_util.tree_map(lambda x: x.delete(), actor)  # as a donating actor update does
+  after = jax.device_get(critic.state.params)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
+  assert float(jnp.abs(critic.state.params["value_head"]).max()) == 0.0
