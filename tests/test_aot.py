@@ -28,7 +28,7 @@ def test_tiny_model_compiles_for_a_tpu_topology_and_reports_memory(report):
 
 def test_extrapolated_compiler_flops_match_a_fully_unrolled_compile(report):
   devices = aot.topology_devices("v5e:2x2")
-  unrolled, _, _ = aot.compile_train_step(
+  unrolled, _, _, _ = aot.compile_train_step(
       TINY.replace(scan_unroll=TINY.num_layers), common.optimizer(), devices,
       sharding.MeshConfig(data=2, fsdp=2, tensor=1), 8, 64)
   flops, _ = aot._cost(unrolled)
@@ -60,7 +60,7 @@ def test_the_7b_sft_config_compiles_scaled_down():
 
   config = sft_qwen2_5_7b.get_config()
   model = build_config(config.model).replace(num_layers=2)
-  compiled, mesh, _ = aot.compile_train_step(
+  compiled, mesh, _, _ = aot.compile_train_step(
       model, config.optimizer, aot.topology_devices("v5e:2x2"),
       sharding.MeshConfig(**config.mesh), batch_size=16, seq_len=128,
       micro_batches=config.train.micro_batches)
@@ -78,7 +78,7 @@ def test_the_32b_dapo_update_compiles_scaled_down():
   config = dapo_qwen2_5_32b.get_config()
   model = build_config(config.model).replace(num_layers=2, hidden_size=512,
                                              intermediate_size=1024, vocab_size=4096)
-  compiled, mesh, _ = aot.compile_train_step(
+  compiled, mesh, _, _ = aot.compile_train_step(
       model, config.optimizer, aot.topology_devices("v5e:2x2"),
       sharding.MeshConfig(data=1, fsdp=2, tensor=2), batch_size=8, seq_len=64, micro_batches=2,
       loss_config=dapo.loss_config(config.rl))
@@ -141,3 +141,24 @@ def test_pod_fit_row_and_json_of_a_report(report):
   assert cells[10] == f"{report.projected_mfu:.0%}"
   out = json.loads(json.dumps(aot.report_json(report)))
   assert out["fits"] and out["roofline"]["seconds"] == report.roofline.seconds
+
+
+def test_ppo_updates_compile_scaled_down_with_the_other_models_state_resident():
+  from coa_jax.model import build_config
+  from coa_jax.rl import critic as critic_lib
+  from coa_jax.rl import dapo
+  from configs import ppo_qwen2_5_7b
+
+  config = ppo_qwen2_5_7b.get_config()
+  model = build_config(config.model).replace(num_layers=2, hidden_size=512,
+                                             intermediate_size=1024, vocab_size=4096)
+  critic = critic_lib.CriticConfig(**config.rl.critic)
+  shape = (model, config.optimizer, aot.topology_devices("v5e:2x2"),
+           sharding.MeshConfig(data=1, fsdp=2, tensor=2), 8, 64, 2)
+  actor, _, _, critic_state = aot.compile_train_step(*shape, dapo.loss_config(config.rl), critic)
+  value, _, _, actor_state = aot.compile_train_step(*shape, None, critic)
+  # The states differ by their heads: the LM head (embed over fsdp, vocab over tensor) against
+  # the value head (embed over fsdp), each with AdamW's two moments, float32.
+  heads = 3 * 4 * (4096 * 512 // 4 - 512 // 2)
+  assert actor_state - critic_state == heads
+  assert value.memory_analysis().temp_size_in_bytes < actor.memory_analysis().temp_size_in_bytes

@@ -38,7 +38,11 @@ def _config(tmp_path, name, critic=None, **rl):
   config.rl = common.rl(**{**dict(steps=3, batch_groups=2, prompts_per_round=2, max_rounds=2,
                                   mini_batch_groups=2, overlong_cache=16, eval_every=3,
                                   dynamic_sampling=False, advantage="gae"), **rl})
-  config.rl.critic.update(critic or dict(warmup=1))
+  # Step 1 pre-trains the critic (on Monte-Carlo returns: explained variance 1 is never
+  # reached, so pretrain_steps ends it), step 2 is its warm-up, step 3 trains both.
+  if critic is None:
+    critic = dict(warmup=2, pretrain_steps=1, pretrain_explained_variance=1.0, lambda_critic=0.5)
+  config.rl.critic.update(critic)
   config.optimizer = common.optimizer(learning_rate=1e-3, schedule="constant", weight_decay=0.0)
   config.checkpoint = common.checkpoint(str(tmp_path / name / "ckpt"), every=1, max_to_keep=3,
                                         async_save=False)
@@ -57,18 +61,19 @@ def _rows(path):
   return [json.loads(line) for line in open(path)]
 
 
-def test_job_trains_the_critic_first_then_both(uninterrupted):
+def test_job_pretrains_and_warms_up_the_critic_then_trains_both(uninterrupted):
   tmp, summary = uninterrupted
   rows = _rows(tmp / "whole" / "metrics.jsonl")
   assert [r["step"] for r in rows] == [1, 2, 3]
   for row in rows:
     for key in CRITIC_METRICS:
       assert np.isfinite(row[key]), key
-  assert rows[0]["actor_trained"] == 0 and "pg_loss" not in rows[0]  # warm-up: critic only
-  assert rows[1]["actor_trained"] == 1 and "pg_loss" in rows[1]
+  assert [r["pretraining"] for r in rows] == [1, 0, 0]
+  assert [r["actor_trained"] for r in rows] == [0, 0, 1]
+  assert "pg_loss" not in rows[1] and "pg_loss" in rows[2]
   assert rows[0]["value_pred_mean"] == 0.0  # a fresh critic's value head is zero
   assert rows[1]["value_pred_mean"] != 0.0
-  assert abs(rows[1]["advantage_mean"]) < 1e-5 or rows[1]["advantage_std"] > 0
+  assert rows[2]["advantage_std"] > 0  # before whitening
   assert (tmp / "whole" / "dapo.png").stat().st_size > 0
 
 
@@ -223,3 +228,22 @@ def test_the_critic_owns_its_buffers(single_device_mesh):
   after = jax.device_get(critic.state.params)
   jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
   assert float(jnp.abs(critic.state.params["value_head"]).max()) == 0.0
+
+
+def test_asynchronous_ppo_trains_the_critic_on_the_trainer_devices(tmp_path):
+  config = _config(tmp_path, "async", critic=dict(), steps=2)
+  config.mesh = common.mesh(data=1, fsdp=2, tensor=2)  # the 4 trainer devices
+  config.batch_size, config.export_dir = 8, ""
+  config.rl["async"].update({"enabled": True, "staleness": 1})
+  summary = rl_job.run(config)
+  rows = _rows(tmp_path / "async" / "metrics.jsonl")
+  assert [r["actor_trained"] for r in rows] == [1, 1]
+  for row in rows:
+    assert row["staleness_0"] + row["staleness_1"] == 2
+    for key in ("pg_loss", *CRITIC_METRICS):
+      assert np.isfinite(row[key]), key
+  actor_devices = {d for leaf in jax.tree_util.tree_leaves(summary["state"].params)
+                   for d in leaf.devices()}
+  for leaf in jax.tree_util.tree_leaves(summary["critic_state"]):
+    assert leaf.devices() == actor_devices  # the trainer's half, not the rollout devices
+  assert len(actor_devices) == 4

@@ -1,5 +1,6 @@
 """Ahead-of-time compilation of a training step (SFT, or a DAPO update when given a policy-loss
-config) and of the rollout's programs for a TPU topology or NVIDIA GPUs, on any host (CPU too).
+config; PPO's actor and critic updates) and of the rollout's programs for a TPU topology or
+NVIDIA GPUs, on any host (CPU too).
 
 Needs libtpu (the `tpu` extra) for TPUs; XLA:GPU's plugin and cuDNN (the `gpu-aot` extra) for
 GPUs, described to the compiler by `gpu_targets/` (XLA:GPU gives no cost analysis there, so
@@ -8,6 +9,8 @@ GPU reports have no compiler estimate). The report combines four sources, each l
 - model FLOPs: analytic (`perf.flops`), the MFU convention;
 - the roofline: executed FLOPs and HBM bytes per device, analytic (`perf.roofline`), against
   the chip's published peaks;
+- PPO: each update's peak adds the other model's train state, which stays in memory beside it
+  (`resident_bytes`);
 - the compiler's FLOPs and estimated step time: XLA's cost analysis counts a loop body once
   (the layer scan, the micro-batch scan, the decode loop), so they come from two small
   compiles of one micro-batch's step (one decode step) with 1 and 2 unrolled layers,
@@ -30,8 +33,10 @@ import jax.numpy as jnp
 from coa_jax.losses.dapo import PolicyLossConfig
 from coa_jax.model import ModelConfig, Transformer, build_config, compiling_for
 from coa_jax.perf import flops, roofline
+from coa_jax.rl import critic as critic_lib
 from coa_jax.rl import dapo
 from coa_jax.rl import update as rl_update
+from coa_jax.rl.advantages import needs_critic
 from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket
 from coa_jax.rollout.tool_loop import RolloutConfig
 from coa_jax.runtime import hardware, sharding
@@ -64,11 +69,14 @@ class AotReport:
   compiler_seconds: float  # the compiler's estimated step time, extrapolated likewise
   roofline: roofline.Roofline  # per device, with the chip's peaks
   step: str = "train step (fwd + bwd + AdamW)"
+  resident_bytes: int = 0  # per device, held beside the step (PPO: the other model's state)
 
   @property
   def peak_bytes(self) -> int:
-    """Per-device bytes live at the peak: arguments + outputs not aliased to them + temps."""
-    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+    """Per-device bytes live at the peak: arguments + outputs not aliased to them + temps, and
+    what stays resident beside the step."""
+    return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes +
+            self.resident_bytes)
 
   @property
   def fits(self) -> bool:
@@ -103,7 +111,7 @@ class AotReport:
         f"compiled in {self.compile_seconds:.1f}s",
         f"memory per device (compiler): arguments {gib(self.argument_bytes)}, outputs "
         f"{gib(self.output_bytes)} (aliased {gib(self.alias_bytes)}), temporaries "
-        f"{gib(self.temp_bytes)} -> peak {gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
+        f"{gib(self.temp_bytes)}, resident beside it {gib(self.resident_bytes)} -> peak {gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
         f"{'FITS' if self.fits else 'DOES NOT FIT'}",
         f"model FLOPs per step (analytic, 6 x params x tokens + causal attention): "
         f"{self.model_flops:.3e} total, {self.model_flops / self.num_devices:.3e} per device",
@@ -168,25 +176,42 @@ def _gpu_devices(kind: str, shape: str) -> list[Any]:
 
 def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list[Any],
                        mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int,
-                       micro_batches: int = 1, loss_config: PolicyLossConfig | None = None):
-  """Returns (compiled step, mesh, compile seconds) for `devices` without running it: the SFT
-  train step, or the DAPO update step when `loss_config` is given."""
+                       micro_batches: int = 1, loss_config: PolicyLossConfig | None = None,
+                       critic: critic_lib.CriticConfig | None = None):
+  """Returns (compiled step, mesh, compile seconds, other state's bytes per device) for
+  `devices` without running it: the SFT train step; the DAPO update step when `loss_config` is
+  given; with `critic` too, PPO's actor update, or its critic's update when `loss_config` is
+  None. The last figure is, for PPO, the train state of the model the step does not update."""
   mesh = sharding.make_mesh(mesh_config, devices=devices)
   sharding.check_model_fits_mesh(config, mesh)
   sharding.check_batch_fits_mesh(batch_size, micro_batches, mesh)
-  model, tx = Transformer(config), optimizer.make_optimizer(optimizer_config)
+  actor, tx = Transformer(config), optimizer.make_optimizer(optimizer_config)
   with compiling_for(devices[0].platform):
-    state = state_lib.abstract_state(model, tx, mesh)
-    batch = abstract_batch(TokenBatch if loss_config is None else PolicyBatch, batch_size,
-                           seq_len, sharding.batch_sharding(mesh))
+    states = {"actor": state_lib.abstract_state(actor, tx, mesh)}
+    if critic is not None:
+      value_model = Transformer(config, head="value")
+      critic_tx = optimizer.make_optimizer(critic_lib.optimizer_config(optimizer_config, critic))
+      states["critic"] = state_lib.abstract_state(value_model, critic_tx, mesh)
+    batch = abstract_batch(TokenBatch if loss_config is None and critic is None else PolicyBatch,
+                           batch_size, seq_len, sharding.batch_sharding(mesh),
+                           ppo=critic is not None)
     start = time.perf_counter()
-    if loss_config is None:
-      step = step_lib.jit_train_step(model, tx, mesh, micro_batches=micro_batches)
+    updated = "actor"
+    if critic is not None and loss_config is None:
+      updated = "critic"
+      step = step_lib.jit_state_step(
+          lambda s, b: critic_lib.critic_step(value_model, critic_tx, s, b,
+                                              cliprange_value=critic.cliprange_value,
+                                              micro_batches=micro_batches),
+          value_model, critic_tx, mesh)
+    elif loss_config is None:
+      step = step_lib.jit_train_step(actor, tx, mesh, micro_batches=micro_batches)
     else:
-      step = rl_update.jit_dapo_step(model, tx, mesh, loss_config=loss_config,
+      step = rl_update.jit_dapo_step(actor, tx, mesh, loss_config=loss_config,
                                      micro_batches=micro_batches)
-    compiled = step.lower(state, batch).compile()
-  return compiled, mesh, time.perf_counter() - start
+    compiled = step.lower(states[updated], batch).compile()
+  other = sum(_bytes_per_device(s) for name, s in states.items() if name != updated)
+  return compiled, mesh, time.perf_counter() - start, other
 
 
 def _cost(compiled) -> tuple[float, float]:
@@ -208,12 +233,16 @@ def _to_depth(one: float, two: float, layers: int) -> float:
 
 def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: str,
                mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int,
-               micro_batches: int = 1, loss_config: PolicyLossConfig | None = None) -> AotReport:
-  """Compiles the train step of `config` (the DAPO update with `loss_config`) for `topology`
-  and returns what the compiler found."""
+               micro_batches: int = 1, loss_config: PolicyLossConfig | None = None,
+               critic: critic_lib.CriticConfig | None = None) -> AotReport:
+  """Compiles the train step of `config` (the DAPO update with `loss_config`; PPO's actor or
+  critic update with `critic`, see `compile_train_step`) for `topology` and returns what the
+  compiler found."""
   devices = topology_devices(topology)
-  compiled, mesh, seconds = compile_train_step(config, optimizer_config, devices, mesh_config,
-                                               batch_size, seq_len, micro_batches, loss_config)
+  compiled, mesh, seconds, resident = compile_train_step(
+      config, optimizer_config, devices, mesh_config, batch_size, seq_len, micro_batches,
+      loss_config, critic)
+  head = "value" if critic is not None and loss_config is None else "lm"
   memory = compiled.memory_analysis()
   # Cost analysis counts a loop body once: layers are unrolled in these small compiles and
   # micro-batch accumulation is costed as one micro-batch times their number.
@@ -222,7 +251,7 @@ def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: 
     small = config.replace(num_layers=layers, scan_unroll=layers)
     flops_, seconds_ = _cost(compile_train_step(small, optimizer_config, devices, mesh_config,
                                                 batch_size // micro_batches, seq_len,
-                                                loss_config=loss_config)[0])
+                                                loss_config=loss_config, critic=critic)[0])
     per_layer_costs.append((flops_ * micro_batches, seconds_ * micro_batches))
   (f1, t1), (f2, t2) = per_layer_costs
   devices_per_chip = len(devices) / hardware.chips_in_topology(topology)
@@ -235,13 +264,22 @@ def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: 
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
       alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
       hbm_bytes=int(chip.hbm_bytes / devices_per_chip),
-      model_flops=flops.train_flops(config, batch_size, seq_len),
+      model_flops=flops.train_flops(config, batch_size, seq_len, head),
       compiler_flops=_to_depth(f1, f2, config.num_layers),
       compiler_seconds=_to_depth(t1, t2, config.num_layers),
       roofline=roofline.train_roofline(config, batch_size, seq_len, dict(mesh.shape),
                                        micro_batches, peak_flops,
-                                       chip.hbm_bytes_per_s / devices_per_chip),
-      step="DAPO update step (fwd + bwd + AdamW)" if loss_config else AotReport.step)
+                                       chip.hbm_bytes_per_s / devices_per_chip, head),
+      step=_step_name(loss_config, critic), resident_bytes=resident)
+
+
+def _step_name(loss_config: PolicyLossConfig | None,
+               critic: critic_lib.CriticConfig | None) -> str:
+  if critic is not None:
+    return ("PPO actor update step (fwd + bwd + AdamW; the critic's state resident)"
+            if loss_config else
+            "PPO critic update step (value fwd + bwd + AdamW; the actor's state resident)")
+  return "DAPO update step (fwd + bwd + AdamW)" if loss_config else AotReport.step
 
 
 @dataclasses.dataclass
@@ -397,18 +435,25 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
 
 
 def config_reports(config: Any) -> dict[str, Any]:
-  """Compiles a shipped SFT or DAPO config (its `topology`, mesh and shapes) and returns
-  {"train": AotReport} plus, for DAPO, "decode": the DecodeReport of one host's rollout."""
+  """Compiles a shipped SFT or RL config (its `topology`, mesh and shapes) and returns
+  {"train": AotReport} plus, for RL, "decode": the DecodeReport of one host's rollout, and for
+  PPO (rl.advantage = "gae") "critic": the critic's update ("train" is then the actor's, each
+  with the other's state resident)."""
   micro_batches = config.train.micro_batches if "train" in config else 1
   batch_size, seq_len, loss_config = config.get("batch_size"), config.get("seq_len"), None
-  if "rl" in config:  # a DAPO config: one mini-batch of whole prompt groups
+  critic = None
+  if "rl" in config:  # an RL config: one mini-batch of whole prompt groups
     batch_size = config.rl.mini_batch_groups * config.rollout.group_size
     seq_len = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
     micro_batches, loss_config = config.rl.micro_batches, dapo.loss_config(config.rl)
+    if needs_critic(config.rl.advantage):
+      critic = critic_lib.CriticConfig(**config.rl.critic)
   model = build_config(config.model)
-  reports = {"train": aot_report(config.model.preset, model, config.optimizer, config.topology,
-                                 sharding.MeshConfig(**config.mesh), batch_size, seq_len,
-                                 micro_batches, loss_config)}
+  shape = (config.model.preset, model, config.optimizer, config.topology,
+           sharding.MeshConfig(**config.mesh), batch_size, seq_len, micro_batches)
+  reports = {"train": aot_report(*shape, loss_config, critic)}
+  if critic is not None:
+    reports["critic"] = aot_report(*shape, None, critic)
   if "rl" in config:
     hosts = len({d.process_index for d in topology_devices(config.topology)})
     rollout, rows = RolloutConfig(**config.rollout), config.batch_size // hosts
@@ -442,17 +487,23 @@ def pod_fit_rows(config_name: str, reports: dict[str, Any]) -> list[str]:
   gib = lambda b: f"{b / hardware.GIB:.1f}"
   mesh = lambda m: f"{m['data']}x{m['fsdp']}x{m['tensor']}"
   maybe = lambda x, text: "none (XLA:GPU without a device)" if math.isnan(x) else text
-  train, rows = reports["train"], []
-  chips = hardware.chips_in_topology(train.topology)
-  program = "DAPO update (one mini-batch)" if "decode" in reports else "SFT step"
-  rows.append(
-      f"| `{config_name}` | {program} | {train.topology} ({chips} chips) | {mesh(train.mesh)} | "
-      f"{train.batch_size} x {train.seq_len:,} | {gib(train.peak_bytes)} of "
-      f"{gib(train.hbm_bytes)} GiB | {'yes' if train.fits else 'NO'} | "
-      f"{train.roofline.flops:.2e} | {train.roofline.hbm_bytes:.2e} | "
-      f"{train.roofline.seconds:.2f} s ({train.roofline.bound}) | {train.projected_mfu:.0%} | "
-      + maybe(train.compiler_seconds,
-              f"{train.compiler_seconds:.2f} s (MFU {train.implied_mfu:.0%})") + " |")
+  rows = []
+  programs = {"train": "DAPO update (one mini-batch)" if "decode" in reports else "SFT step"}
+  if "critic" in reports:
+    programs = {"train": "PPO actor update (one mini-batch; critic state resident)",
+                "critic": "PPO critic update (one mini-batch; actor state resident)"}
+  for key, program in programs.items():
+    train = reports[key]
+    chips = hardware.chips_in_topology(train.topology)
+    rows.append(
+        f"| `{config_name}` | {program} | {train.topology} ({chips} chips) | "
+        f"{mesh(train.mesh)} | {train.batch_size} x {train.seq_len:,} | "
+        f"{gib(train.peak_bytes)} of {gib(train.hbm_bytes)} GiB | "
+        f"{'yes' if train.fits else 'NO'} | {train.roofline.flops:.2e} | "
+        f"{train.roofline.hbm_bytes:.2e} | {train.roofline.seconds:.2f} s "
+        f"({train.roofline.bound}) | {train.projected_mfu:.0%} | "
+        + maybe(train.compiler_seconds,
+                f"{train.compiler_seconds:.2f} s (MFU {train.implied_mfu:.0%})") + " |")
   if "decode" in reports:
     d = reports["decode"]
     temps = max(d.temp_bytes.values())

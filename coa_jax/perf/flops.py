@@ -5,12 +5,13 @@ from __future__ import annotations
 from coa_jax.model.config import ModelConfig
 
 
-def matmul_params(config: ModelConfig) -> int:
-  """Returns the number of parameters used in matrix multiplies (weights incl. the LM head)."""
+def matmul_params(config: ModelConfig, head: str = "lm") -> int:
+  """Returns the number of parameters used in matrix multiplies (weights incl. the LM head, or
+  a value model's one-output head with head="value")."""
   d, h = config.hidden_size, config.head_dim
   q, kv = config.num_heads * h, config.num_kv_heads * h
   per_layer = d * q + 2 * d * kv + q * d + 3 * d * config.intermediate_size
-  return config.num_layers * per_layer + config.vocab_size * d
+  return config.num_layers * per_layer + (config.vocab_size if head == "lm" else 1) * d
 
 
 def decode_flops(config: ModelConfig, rows: int, context: int) -> float:
@@ -20,12 +21,13 @@ def decode_flops(config: ModelConfig, rows: int, context: int) -> float:
   return float(2 * matmul_params(config) + attention) * rows
 
 
-def train_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
+def train_flops(config: ModelConfig, batch_size: int, seq_len: int, head: str = "lm") -> float:
   """Returns model FLOPs of one forward + backward pass: 6 x matmul params x tokens plus the
   causal attention's scores and values (12 x layers x heads x head_dim per (query, key) pair,
   T (T + 1) / 2 pairs per row: what a causal model needs, however much of the square a kernel
-  computes). Rematerialization is not counted (model, not hardware, FLOPs)."""
+  computes). Rematerialization is not counted (model, not hardware, FLOPs). head="value": a
+  value model's step (`matmul_params`)."""
   tokens = batch_size * seq_len
   pairs = seq_len * (seq_len + 1) / 2
   attention = 12 * config.num_layers * config.num_heads * config.head_dim * pairs
-  return 6.0 * matmul_params(config) * tokens + float(attention) * batch_size
+  return 6.0 * matmul_params(config, head) * tokens + float(attention) * batch_size

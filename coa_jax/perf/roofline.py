@@ -69,10 +69,12 @@ def _computed_fraction(config: ModelConfig, seq_len: int) -> float:
   return (blocks + 1) / (2 * blocks)
 
 
-def train_flops_executed(config: ModelConfig, batch_size: int, seq_len: int) -> float:
-  """Returns the FLOPs one training step executes (all devices)."""
+def train_flops_executed(config: ModelConfig, batch_size: int, seq_len: int,
+                         head: str = "lm") -> float:
+  """Returns the FLOPs one training step executes (all devices); head="value": a value
+  model's."""
   tokens = batch_size * seq_len
-  matmul = 2.0 * flops.matmul_params(config) * tokens
+  matmul = 2.0 * flops.matmul_params(config, head) * tokens
   attention = (4.0 * config.num_layers * config.num_heads * config.head_dim * seq_len * seq_len
                * batch_size * _computed_fraction(config, seq_len))
   forward = matmul + attention
@@ -101,8 +103,10 @@ def _activation_bytes_per_token_layer(config: ModelConfig, tensor: int) -> float
 
 
 def train_roofline(config: ModelConfig, batch_size: int, seq_len: int, mesh: dict[str, int],
-                   micro_batches: int, peak_flops: float, hbm_bytes_per_s: float) -> Roofline:
-  """Returns the roofline of one training step on one device of `mesh` (axis sizes)."""
+                   micro_batches: int, peak_flops: float, hbm_bytes_per_s: float,
+                   head: str = "lm") -> Roofline:
+  """Returns the roofline of one training step on one device of `mesh` (axis sizes); head=
+  "value": a value model's (no vocabulary logits; its parameters are still counted whole)."""
   devices = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
   tensor, shard = mesh["tensor"], mesh["fsdp"] * mesh["tensor"]
   params, compute, master = (config.num_params(), _itemsize(config.compute_dtype),
@@ -113,8 +117,8 @@ def train_roofline(config: ModelConfig, batch_size: int, seq_len: int, mesh: dic
   tokens = batch_size * seq_len / (mesh["data"] * mesh["fsdp"])
   activations = (tokens * config.num_layers * (forward_passes + 2)
                  * _activation_bytes_per_token_layer(config, tensor))
-  logits = tokens * config.vocab_size / tensor * 4 * 4
-  return Roofline(train_flops_executed(config, batch_size, seq_len) / devices,
+  logits = tokens * config.vocab_size / tensor * 4 * 4 if head == "lm" else 0.0
+  return Roofline(train_flops_executed(config, batch_size, seq_len, head) / devices,
                   weights + optimizer + activations + logits, peak_flops, hbm_bytes_per_s)
 
 

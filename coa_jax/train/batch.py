@@ -63,9 +63,11 @@ class PolicyBatch(TokenBatch):
   returns: Array = None  # (B, T) float32
 
 
-def abstract_batch(cls: type, batch_size: int, seq_len: int, sharding: Any) -> Any:
+def abstract_batch(cls: type, batch_size: int, seq_len: int, sharding: Any,
+                   ppo: bool = False) -> Any:
   """Returns a batch of `cls` as ShapeDtypeStructs in `sharding` (for ahead-of-time lowering);
-  a PolicyBatch gets every field but ref_logp."""
+  a PolicyBatch gets every field but ref_logp, and PPO's (rewards, bootstrap, old_values,
+  returns) only with `ppo`."""
   def spec(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
@@ -73,6 +75,9 @@ def abstract_batch(cls: type, batch_size: int, seq_len: int, sharding: Any) -> A
             for name in ("input_ids", "targets", "loss_mask", "positions", "segment_ids")}
   if cls is TokenBatch:
     return TokenBatch(**tokens)
-  floats = {name: spec((batch_size, seq_len), jnp.float32)
-            for name in ("sampler_logp", "stale_mask", "advantages", "old_logp")}
+  names = ("sampler_logp", "stale_mask", "advantages", "old_logp") + (
+      ("old_values", "returns") if ppo else ())
+  floats = {name: spec((batch_size, seq_len), jnp.float32) for name in names}
+  if ppo:
+    floats.update(rewards=spec((batch_size,), jnp.float32), bootstrap=spec((batch_size,), bool))
   return PolicyBatch(**tokens, **floats, group=spec((batch_size,), jnp.int32))
