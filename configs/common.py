@@ -99,3 +99,17 @@ def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
       whiten=True, warmup=0, pretrain_steps=0, pretrain_explained_variance=0.5)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
+
+
+def as_ppo(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Returns an RL config turned into PPO with a critic at the same sample budget: one response
+  per prompt (as verl's PPO samples), as many prompts a step as it sampled responses, the same
+  rows per mini-batch; dynamic sampling off (a group of one is always uniform) and failures
+  pushed down (negative_weight 1); the critic's defaults (config.rl.critic)."""
+  n = config.rollout.group_size
+  config.rollout.group_size = 1
+  rl = config.rl
+  rl.update(advantage="gae", batch_groups=rl.batch_groups * n,
+            prompts_per_round=rl.prompts_per_round * n, mini_batch_groups=rl.mini_batch_groups * n,
+            dynamic_sampling=False, negative_weight=1.0)
+  return config

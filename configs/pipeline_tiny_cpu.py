@@ -92,14 +92,11 @@ def get_config() -> ml_collections.ConfigDict:
       rl=dict(steps=16, batch_groups=8, prompts_per_round=8, max_rounds=1, mini_batch_groups=4,
               overlong_cache=64, eval_every=1000, dynamic_sampling=False, negative_weight=0.0)))
   # PPO with a critic (rl.advantage = "gae"), the side-by-side of `make rl-curves`
-  # (docs/ppo.md): the DAPO stage's settings at the same budget, 32 sampled responses and 2
-  # updates a step, as verl's PPO samples: one response per prompt (32 prompts, no group);
-  # failures are pushed down (negative_weight 1: GAE's advantages have no group form). The
-  # critic is the SFT model with a value head, at 10x the actor's learning rate (the default).
-  config.ppo = ml_collections.ConfigDict(dict(
-      group_size=1, rl=dict(batch_groups=32, prompts_per_round=32, mini_batch_groups=16,
-                            negative_weight=1.0, advantage="gae"),
-      critic=dict()))
+  # (docs/ppo.md): the DAPO stage turned into PPO at the same budget (`common.as_ppo`: 32
+  # sampled responses and 2 updates a step, one response per prompt as verl's PPO samples,
+  # failures pushed down); the critic (the SFT model with a value head, at 10x the actor's
+  # learning rate) with these overrides of the `rl.critic` defaults.
+  config.ppo = ml_collections.ConfigDict(dict(critic=dict()))
   return config
 
 
@@ -113,7 +110,6 @@ def quick(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   config.dapo.update(batch_size=8, group_size=2)
   config.dapo.rl.update(steps=1, batch_groups=2, prompts_per_round=2, mini_batch_groups=2,
                         overlong_cache=32, dynamic_sampling=False)
-  config.ppo.rl.update(batch_groups=4, prompts_per_round=4, mini_batch_groups=4)
   return config
 
 
@@ -192,9 +188,7 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
   dapo_config.workdir = os.path.join(run_dir, "dapo")
   dapo_config.export_dir = os.path.join(run_dir, "dapo", "hf_export")
 
-  ppo_config = ml_collections.ConfigDict(dapo_config.to_dict())
-  ppo_config.rollout.group_size = config.ppo.group_size
-  ppo_config.rl.update(dict(config.ppo.rl))
+  ppo_config = common.as_ppo(ml_collections.ConfigDict(dapo_config.to_dict()))
   ppo_config.rl.critic.update(dict(config.ppo.critic))
   ppo_config.checkpoint.directory = os.path.join(run_dir, "ppo", "checkpoints")
   ppo_config.workdir = os.path.join(run_dir, "ppo")

@@ -1,19 +1,15 @@
 """PPO of a Qwen2.5-7B AFM with a learned critic on one node of 8 GPUs: configs/ppo_qwen2_5_7b.py's
 settings on configs/dapo_qwen2_5_7b_gpu.py's node, mesh and sample budget (2,048 responses a
-step in mini-batches of 256, 16 micro-batches). The critic's train state stays beside the
-actor's on the same GPUs (`make pod-fit`)."""
+step in mini-batches of 256 rows, 16 micro-batches). The critic's train state stays beside
+the actor's on the same GPUs (`make pod-fit`)."""
 
 import ml_collections
 
-from configs import dapo_qwen2_5_7b_gpu
+from configs import common, dapo_qwen2_5_7b_gpu
 
 
 def get_config() -> ml_collections.ConfigDict:
-  config = dapo_qwen2_5_7b_gpu.get_config()
-  config.rollout.group_size = 1
-  config.rl.update(advantage="gae", batch_groups=2048, prompts_per_round=2048,
-                   mini_batch_groups=256, dynamic_sampling=False)
-  config.rl.critic.update(cliprange_value=0.5, gamma=1.0, lambda_actor=1.0, lambda_critic=1.0)
+  config = common.as_ppo(dapo_qwen2_5_7b_gpu.get_config())
   config.checkpoint.directory = "runs/ppo_qwen2_5_7b_gpu/checkpoints"
   config.workdir = "runs/ppo_qwen2_5_7b_gpu"
   config.export_dir = "runs/ppo_qwen2_5_7b_gpu/hf_export"

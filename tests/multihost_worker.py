@@ -5,9 +5,10 @@ usage: python tests/multihost_worker.py OUT_DIR NUM_PROCESSES PROCESS_ID PORT
 Runs, on one global 8-device mesh: SFT for 2 steps, then 2 more resumed from the orbax
 checkpoint both processes wrote (each process reads its own data shard), then one DAPO step
 whose rollouts each host decodes on its own devices with its own tools, then an evaluation of
-the DAPO export (each host its share of the tasks), then 2 steps of asynchronous DAPO (each
-host decodes on half its devices; the other halves train). Process 0 writes
-OUT_DIR/result.json; SFT and DAPO export HF folders.
+the DAPO export (each host its share of the tasks), then one PPO step (a critic beside the
+policy, both sharded over both processes), then 2 steps of asynchronous DAPO (each host decodes
+on half its devices; the other halves train). Process 0 writes OUT_DIR/result.json; SFT, DAPO
+and PPO (its critic too) export HF folders.
 """
 
 import faulthandler
@@ -73,6 +74,15 @@ def evaluate_config():
   return config
 
 
+def ppo_config():
+  """PPO: the DAPO step's settings with a critic (rl.advantage = "gae")."""
+  config = dapo_config()
+  config.rl.advantage = "gae"
+  config.checkpoint = common.checkpoint(f"{out}/ppo/ckpt", every=1, async_save=False)
+  config.workdir, config.export_dir = f"{out}/ppo", f"{out}/ppo/hf_export"
+  return config
+
+
 def async_dapo_config():
   """Asynchronous DAPO: each host decodes on half its devices, every host's other half train."""
   config = dapo_config()
@@ -88,6 +98,7 @@ first = sft.run(sft_config(stop_after=2))
 second = sft.run(sft_config(stop_after=0))
 rl = rl_job.run(dapo_config())
 metrics = evaluate.run(evaluate_config())
+ppo = rl_job.run(ppo_config())
 asynchronous = rl_job.run(async_dapo_config())
 if jax.process_index() == 0:
   rows = lambda path: [json.loads(line) for line in open(path)]
@@ -97,5 +108,6 @@ if jax.process_index() == 0:
                "sft_resumed_from": second["resumed_from"],
                "sft_loss": [r["loss"] for r in rows(f"{out}/sft/metrics.jsonl")],
                "dapo": rows(f"{out}/dapo/metrics.jsonl"), "eval": metrics,
+               "ppo": rows(f"{out}/ppo/metrics.jsonl"),
                "async": rows(f"{out}/async/metrics.jsonl")}, f)
 print(f"process {jax.process_index()} done", flush=True)

@@ -110,8 +110,15 @@ def test_two_processes_equal_one(runs):
   assert two["eval"] == one["eval"]  # each host evaluated its share of the tasks
   for key in ("pg_loss", "entropy", "grad_norm"):
     np.testing.assert_allclose(step_two[key], step_one[key], rtol=1e-4, err_msg=key)
-  for stage in ("sft", "dapo"):
-    a, b = (_weights(folder / stage / "hf_export") for folder in runs)
+  (ppo_two,), (ppo_one,) = two["ppo"], one["ppo"]
+  for key in ("reward", "response_len", "return_mean"):
+    assert ppo_two[key] == ppo_one[key], key
+  for key in ("pg_loss", "grad_norm", "value_loss", "explained_variance", "advantage_std",
+              "critic_grad_norm"):
+    np.testing.assert_allclose(ppo_two[key], ppo_one[key], rtol=1e-4, atol=1e-7, err_msg=key)
+  for stage in ("sft", "dapo", "ppo", "ppo/hf_export_critic"):
+    export = "" if stage.endswith("critic") else "hf_export"
+    a, b = (_weights(folder / stage / export) for folder in runs)
     assert a.keys() == b.keys()
     for name in a:
       # Adam turns reduction-order noise in near-zero gradients into ~1e-6 steps.

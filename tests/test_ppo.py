@@ -21,32 +21,22 @@ from coa_jax.rollout import RolloutRecord
 from coa_jax.runtime import sharding
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
-from configs import common, dapo_tiny_cpu
+from configs import common
+from test_dapo_job import _config as dapo_job_config
 
 CRITIC_METRICS = ("value_loss", "value_clip_frac", "value_pred_mean", "explained_variance",
                   "return_mean", "advantage_mean", "advantage_std", "critic_grad_norm")
 
 
 def _config(tmp_path, name, critic=None, **rl):
-  config = dapo_tiny_cpu.get_config()
-  config.model.checkpoint = ""  # a fresh model: no SFT export needed
-  config.max_tasks, config.eval_max_tasks = 16, 2
-  config.mesh = common.mesh(data=2, fsdp=2, tensor=2)  # the 8 fake devices
-  config.batch_size, config.chunk = 4, 16
-  config.rollout.update(group_size=2, max_prompt_tokens=192, max_response_tokens=48,
-                        max_observation_tokens=32, max_turns=2)
-  config.rl = common.rl(**{**dict(steps=3, batch_groups=2, prompts_per_round=2, max_rounds=2,
-                                  mini_batch_groups=2, overlong_cache=16, eval_every=3,
-                                  dynamic_sampling=False, advantage="gae"), **rl})
+  """The DAPO job test's config (a fresh tiny model on 8 devices) as PPO, 3 steps."""
+  config = dapo_job_config(tmp_path, name, **{**dict(steps=3, eval_every=3, advantage="gae"),
+                                              **rl})
   # Step 1 pre-trains the critic (on Monte-Carlo returns: explained variance 1 is never
   # reached, so pretrain_steps ends it), step 2 is its warm-up, step 3 trains both.
   if critic is None:
     critic = dict(warmup=2, pretrain_steps=1, pretrain_explained_variance=1.0, lambda_critic=0.5)
   config.rl.critic.update(critic)
-  config.optimizer = common.optimizer(learning_rate=1e-3, schedule="constant", weight_decay=0.0)
-  config.checkpoint = common.checkpoint(str(tmp_path / name / "ckpt"), every=1, max_to_keep=3,
-                                        async_save=False)
-  config.workdir = str(tmp_path / name)
   config.export_dir = str(tmp_path / name / "hf_export")
   return config
 

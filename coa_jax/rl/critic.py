@@ -46,7 +46,7 @@ from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
 from coa_jax.train.state import TrainState
-from coa_jax.train.step import apply_if_finite, jit_state_step, run_step, summed_grads
+from coa_jax.train.step import jit_state_step, run_step, summed_update
 
 TRUNCATIONS = ("terminal", "bootstrap")
 PLOT_KEYS = ("value_loss", "explained_variance", "value_clip_frac")
@@ -157,12 +157,10 @@ def critic_step(model: Transformer, tx: optax.GradientTransformation, state: Tra
                       micro.loss_mask, weights, cliprange_value)
     return sums.loss, sums
 
-  sums, grads = summed_grads(objective, state.params, (batch, weights_BxT), micro_batches)
-  new_state, grad_norm, finite = apply_if_finite(tx, state, grads, sums.loss)
-  metrics = dict(sums.metrics(), critic_grad_norm=grad_norm, is_finite=finite)
-  if schedule is not None:
-    metrics["critic_lr"] = schedule(state.step)
-  return new_state, metrics
+  new_state, sums, metrics = summed_update(objective, tx, state, (batch, weights_BxT),
+                                           micro_batches, schedule)
+  return new_state, {**sums.metrics(), "is_finite": metrics.pop("is_finite"),
+                     **{f"critic_{k}": v for k, v in metrics.items()}}
 
 
 def optimizer_config(actor: Any, config: CriticConfig) -> ml_collections.ConfigDict:

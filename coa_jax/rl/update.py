@@ -15,7 +15,7 @@ from coa_jax.losses.dapo import PolicyLossConfig, aggregation_weights, policy_lo
 from coa_jax.runtime import sharding
 from coa_jax.train.batch import PolicyBatch
 from coa_jax.train.state import TrainState
-from coa_jax.train.step import apply_if_finite, jit_state_step, summed_grads
+from coa_jax.train.step import jit_state_step, summed_update
 
 
 def policy_logprobs(model: nn.Module, params: Any, batch: PolicyBatch,
@@ -51,12 +51,9 @@ def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainSt
                        loss_config, micro.ref_logp, entropy, micro.sampler_logp, micro.stale_mask)
     return sums.loss, sums
 
-  sums, grads = summed_grads(objective, state.params, (batch, weights_BxT), micro_batches)
-  new_state, grad_norm, finite = apply_if_finite(tx, state, grads, sums.loss)
-  metrics = dict(sums.metrics(), grad_norm=grad_norm, is_finite=finite)
-  if schedule is not None:
-    metrics["lr"] = schedule(state.step)
-  return new_state, metrics
+  new_state, sums, metrics = summed_update(objective, tx, state, (batch, weights_BxT),
+                                           micro_batches, schedule)
+  return new_state, {**sums.metrics(), **metrics}
 
 
 def jit_dapo_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,

@@ -79,6 +79,22 @@ def apply_if_finite(tx: optax.GradientTransformation, state: TrainState, grads: 
   return new_state, grad_norm, finite
 
 
+def summed_update(objective: Callable[[Any, Any], tuple[jax.Array, Any]],
+                  tx: optax.GradientTransformation, state: TrainState, batch: Any,
+                  micro_batches: int = 1, schedule: optax.Schedule | None = None
+                  ) -> tuple[TrainState, Any, dict[str, jax.Array]]:
+  """Returns (state, aux, metrics) after one optimizer step on the gradient of
+  `objective(params, micro) -> (loss sum, aux)` summed over the micro-batches of `batch`
+  (`summed_grads`; aux.loss is the loss), applied only if finite (`apply_if_finite`); metrics
+  hold grad_norm, is_finite and, with a schedule, the step's lr."""
+  aux, grads = summed_grads(objective, state.params, batch, micro_batches)
+  new_state, grad_norm, finite = apply_if_finite(tx, state, grads, aux.loss)
+  metrics = dict(grad_norm=grad_norm, is_finite=finite)
+  if schedule is not None:
+    metrics["lr"] = schedule(state.step)
+  return new_state, aux, metrics
+
+
 def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainState,
                batch: TokenBatch, *, micro_batches: int = 1, z_loss: float = 0.0,
                schedule: optax.Schedule | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
