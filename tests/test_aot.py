@@ -162,3 +162,10 @@ def test_ppo_updates_compile_scaled_down_with_the_other_models_state_resident():
   heads = 3 * 4 * (4096 * 512 // 4 - 512 // 2)
   assert actor_state - critic_state == heads
   assert value.memory_analysis().temp_size_in_bytes < actor.memory_analysis().temp_size_in_bytes
+
+
+def test_pod_fit_rows_of_a_ppo_config_name_both_updates(report):
+  rows = aot.pod_fit_rows("ppo_config", {"train": report, "critic": report})
+  programs = [[c.strip() for c in row.strip("|").split("|")][1] for row in rows]
+  assert programs == ["PPO actor update (one mini-batch; critic state resident)",
+                      "PPO critic update (one mini-batch; actor state resident)"]

@@ -14,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from coa_jax.runtime.safetensors_io import SafetensorsFile
 
@@ -87,16 +88,17 @@ def _last_rows(folder):
   return [rows[step] for step in sorted(rows)]
 
 
-def _assert_same_end(folder, reference, keys):
+def _assert_same_end(folder, reference, keys, exports=("hf_export",)):
   got, want = _last_rows(folder), _last_rows(reference)
   assert [r["step"] for r in got] == [r["step"] for r in want]
   for key in keys:
     np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-5,
                                err_msg=key)
-  a, b = (SafetensorsFile(os.path.join(f, "hf_export", "model.safetensors"))
-          for f in (folder, reference))
-  for name in a.names():
-    np.testing.assert_allclose(a.get(name), b.get(name), rtol=1e-5, atol=1e-7, err_msg=name)
+  for export in exports:
+    a, b = (SafetensorsFile(os.path.join(f, export, "model.safetensors"))
+            for f in (folder, reference))
+    for name in a.names():
+      np.testing.assert_allclose(a.get(name), b.get(name), rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 def test_sft_killed_mid_run_resumes_to_the_uninterrupted_end(tmp_path):
@@ -115,19 +117,31 @@ def test_sft_killed_mid_run_resumes_to_the_uninterrupted_end(tmp_path):
   _assert_same_end(killed, tmp_path / "whole", ("loss", "grad_norm"))
 
 
-def test_dapo_preempted_then_killed_resumes_to_the_uninterrupted_end(tmp_path):
-  reference = _start(DAPO, tmp_path / "whole")
+# PPO: the same job with a critic, checkpointed and resumed with the policy.
+PPO = DAPO + ["--config.rl.advantage=gae"]
+
+
+@pytest.mark.parametrize("algorithm", ["dapo", "ppo"])
+def test_rl_preempted_then_killed_resumes_to_the_uninterrupted_end(tmp_path, algorithm):
+  script = PPO if algorithm == "ppo" else DAPO
+  reference = _start(script, tmp_path / "whole")
   run = tmp_path / "interrupted"
   first_step = lambda: _steps_logged(run) >= 1  # noqa: E731
-  assert _interrupt(_start(DAPO, run), first_step, signal.SIGTERM) == 0  # a preemption notice
+  # The first step compiles every program of the run (PPO: the critic's too); a loaded machine
+  # needs minutes.
+  assert _interrupt(_start(script, run), first_step, signal.SIGTERM, timeout=600) == 0
   log = open(run / "log.txt").read()
   assert "saving a checkpoint, then stopping" in log
   saved = max(_committed_steps(run))
   assert saved == _steps_logged(run)  # the step it was in is saved
-  victim = _start(DAPO, run)
+  victim = _start(script, run)
   next_step = lambda: _steps_logged(run) >= saved + 1  # noqa: E731
   assert _interrupt(victim, next_step, signal.SIGKILL) == -signal.SIGKILL
-  _finish(_start(DAPO, run), run)
+  _finish(_start(script, run), run)
   _finish(reference, tmp_path / "whole")
   assert f"resumed from step {saved}" in open(run / "log.txt").read()
-  _assert_same_end(run, tmp_path / "whole", ("reward", "response_len", "pg_loss", "entropy"))
+  keys = ("reward", "response_len", "pg_loss", "entropy")
+  if algorithm == "ppo":
+    keys += ("value_loss", "explained_variance", "critic_grad_norm")
+  _assert_same_end(run, tmp_path / "whole", keys,
+                   ("hf_export", "hf_export_critic") if algorithm == "ppo" else ("hf_export",))

@@ -210,7 +210,7 @@ class Critic:
     lam = jnp.float32(1.0 if pretraining else self.config.lambda_critic)
     parts = [self._estimate(self.state.params, batch, lam) for batch in batches]
     moments = np.sum([np.asarray(jax.device_get(p[3])) for p in parts], axis=0)
-    adv_moments = jnp.asarray(moments[0], jnp.float32)
+    adv_moments = moments[0].astype(np.float32)  # a host value: the same on every process
     out = [batch.replace(advantages=self._whiten(adv, batch.loss_mask, adv_moments), old_values=v,
                          returns=ret) for batch, (v, adv, ret, _) in zip(batches, parts)]
     adv_mean, adv_std = (float(x) for x in gae_lib.mean_std(moments[0]))
