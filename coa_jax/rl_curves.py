@@ -137,9 +137,9 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: str) -> str | None:
-  """Writes the curves (held-out pass@1, training reward, the critic's explained variance, each
-  mean +- sd over seeds against updates) as a PNG; returns its path, or None without
-  matplotlib."""
+  """Writes the curves (held-out pass@1, training reward, the critic's explained variance
+  clipped to [-1, 1], each mean +- sd over seeds against updates) as a PNG; returns its path,
+  or None without matplotlib."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -158,6 +158,8 @@ def plot(results: dict[str, Any], path: str) -> str | None:
               results["training"][algorithm].values()]
       if runs and all(len(r) == len(runs[0]) for r in runs) and not np.isnan(runs).all():
         steps = np.arange(1, len(runs[0]) + 1)
+        if key == "explained_variance":  # below -1 says only "worse than the mean"
+          runs = np.clip(runs, -1.0, 1.0)
         mean, sd = np.nanmean(runs, axis=0), np.nanstd(runs, axis=0)
         ax.plot(steps, mean, color=line.get_color(), label=NAMES.get(algorithm, algorithm))
         ax.fill_between(steps, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)

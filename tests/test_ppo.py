@@ -57,7 +57,9 @@ def test_job_pretrains_and_warms_up_the_critic_then_trains_both(uninterrupted):
   assert [r["step"] for r in rows] == [1, 2, 3]
   for row in rows:
     for key in CRITIC_METRICS:
-      assert np.isfinite(row[key]), key
+      # Explained variance is undefined (NaN) for a batch whose returns are all equal.
+      assert np.isfinite(row[key]) or key == "explained_variance" and np.isnan(row[key]), key
+    assert not row["explained_variance"] > 1
   assert [r["pretraining"] for r in rows] == [1, 0, 0]
   assert [r["actor_trained"] for r in rows] == [0, 0, 1]
   assert "pg_loss" not in rows[1] and "pg_loss" in rows[2]
@@ -77,7 +79,7 @@ def test_resumed_run_equals_the_uninterrupted_one(uninterrupted, tmp_path):
   assert second["resumed_from"] == 2 and second["steps"] == 3
   for a, b in zip(_rows(tmp_path / "split" / "metrics.jsonl"), _rows(whole["metrics"])):
     for key in ("reward", "value_loss", "explained_variance", "advantage_std"):
-      assert a[key] == b[key], key
+      np.testing.assert_array_equal(a[key], b[key], err_msg=key)  # bit for bit (NaN == NaN)
   for params in (lambda s: s["state"].params, lambda s: s["critic_state"].params):
     jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(params(second)),
                            jax.device_get(params(whole)))
@@ -231,7 +233,7 @@ def test_asynchronous_ppo_trains_the_critic_on_the_trainer_devices(tmp_path):
   for row in rows:
     assert row["staleness_0"] + row["staleness_1"] == 2
     for key in ("pg_loss", *CRITIC_METRICS):
-      assert np.isfinite(row[key]), key
+      assert np.isfinite(row[key]) or key == "explained_variance" and np.isnan(row[key]), key
   actor_devices = {d for leaf in jax.tree_util.tree_leaves(summary["state"].params)
                    for d in leaf.devices()}
   for leaf in jax.tree_util.tree_leaves(summary["critic_state"]):

@@ -216,7 +216,9 @@ class Critic:
     adv_mean, adv_std = (float(x) for x in gae_lib.mean_std(moments[0]))
     ret_mean, ret_std = (float(x) for x in gae_lib.mean_std(moments[1]))
     _, residual_std = gae_lib.mean_std(moments[2])
-    explained = 1.0 - float(residual_std) ** 2 / max(ret_std ** 2, 1e-12)
+    # Undefined (NaN) when every return is the same (e.g. a batch of all-correct samples).
+    explained = (1.0 - float(residual_std) ** 2 / ret_std ** 2 if ret_std > 1e-6
+                 else float("nan"))
     return out, dict(advantage_mean=adv_mean, advantage_std=adv_std, return_mean=ret_mean,
                      explained_variance=explained)
 
