@@ -60,7 +60,7 @@ def run(config: Any) -> dict[str, Any]:
   summary = dict(result.summary(), state=trainer.state)
   if trainer.critic is not None:
     summary["critic_state"] = trainer.critic.state
-  if trainer.critic is not None and result.export_dir:
+  if "critic_state" in summary and result.export_dir:
     summary["critic_export_dir"] = critic_export_dir(result.export_dir)
     hf_checkpoint.save_checkpoint(summary["critic_export_dir"], trainer.model_config,
                                   trainer.critic.state.params, dtype=config.export_dtype,
