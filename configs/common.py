@@ -38,8 +38,10 @@ def data(path: str, **overrides) -> ml_collections.ConfigDict:
 
 
 def train(steps: int, **overrides) -> ml_collections.ConfigDict:
-  """Training-loop settings; stop_after=N ends one invocation after N steps (0: never)."""
-  values = dict(steps=steps, micro_batches=1, z_loss=0.0, log_every=10, stop_after=0)
+  """Training-loop settings; stop_after=N ends one invocation after N steps (0: never);
+  nonfinite_skips: steps whose update was non-finite that the run skips before it stops."""
+  values = dict(steps=steps, micro_batches=1, z_loss=0.0, log_every=10, stop_after=0,
+                nonfinite_skips=0)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 
@@ -79,7 +81,7 @@ def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
       # the policy loss (coa_jax.losses.dapo.PolicyLossConfig)
       eps_low=0.2, eps_high=0.28, dual_clip=10.0, aggregation="token-mean", norm_tokens=0,
       log_ratio_clamp=20.0, kl_coef=0.0, entropy_coef=0.0,
-      eval_every=10, log_every=1, stop_after=0,
+      eval_every=10, log_every=1, stop_after=0, nonfinite_skips=0,  # as in train()
       track_prompts=True)  # write the tasks always / never solved to workdir/prompts.json
   # Asynchronous RL (coa_jax.rl.async_trainer): rollouts on their own devices overlap the
   # updates; a group is trained on only while its oldest token's policy is within `staleness`

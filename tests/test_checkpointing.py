@@ -1,5 +1,6 @@
-"""Checkpoints: a save cut short is not a step; an unreadable newest step falls back to the
-previous one with a warning, and the run can save that step again."""
+"""Checkpoints: a save cut short is not a step; an unreadable newest step (truncated or missing
+files) falls back to the previous one with a warning, and the run can save that step again; a
+step that does not fit the run (tree, shape, dtype, mesh) is an error that moves nothing."""
 
 import os
 
@@ -10,13 +11,18 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from coa_jax.runtime.checkpointing import Checkpointer, CheckpointWarning
+from coa_jax.runtime import sharding
+from coa_jax.runtime.checkpointing import (CheckpointMismatchError, Checkpointer,
+                                           CheckpointWarning)
 
 
 @pytest.fixture
 def abstract(single_device_mesh):
-  sharding = NamedSharding(single_device_mesh, P())
-  return {"w": jax.ShapeDtypeStruct((64,), jnp.float32, sharding=sharding)}
+  return _abstract(single_device_mesh)
+
+
+def _abstract(mesh, shape=(64,), dtype=jnp.float32, name="w"):
+  return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))}
 
 
 def _saved(directory, steps):
@@ -26,6 +32,10 @@ def _saved(directory, steps):
   checkpointer.close()
 
 
+def _files(folder):
+  return sorted(os.path.join(d, name) for d, _, names in os.walk(folder) for name in names)
+
+
 def test_a_save_cut_short_is_not_a_step(tmp_path, abstract):
   _saved(tmp_path, [2, 4])
   partial = tmp_path / "6.orbax-checkpoint-tmp-1234" / "state"  # a killed save's leftovers
@@ -33,23 +43,64 @@ def test_a_save_cut_short_is_not_a_step(tmp_path, abstract):
   (partial / "junk").write_bytes(b"\0" * 10)
   checkpointer = Checkpointer(str(tmp_path))
   assert checkpointer.latest_step() == 4
-  state, data = checkpointer.restore_latest(abstract)
-  assert data == {"position": 4} and float(state["w"][0]) == 4.0
+  step, state, data = checkpointer.restore_latest(abstract)
+  assert (step, data, float(state["w"][0])) == (4, {"position": 4}, 4.0)
 
 
 def test_an_unreadable_newest_step_falls_back_to_the_previous_one(tmp_path, abstract):
   _saved(tmp_path, [2, 4])
-  for folder, _, files in os.walk(tmp_path / "4" / "state"):
-    for name in files:
-      with open(os.path.join(folder, name), "wb") as f:
-        f.write(b"not a checkpoint")
+  for path in _files(tmp_path / "4" / "state"):
+    with open(path, "wb") as f:
+      f.write(b"not a checkpoint")
   checkpointer = Checkpointer(str(tmp_path), async_save=False)
   with pytest.warns(CheckpointWarning, match="step 4 .* cannot be read"):
-    state, data = checkpointer.restore_latest(abstract)
-  assert data == {"position": 2}
+    step, state, data = checkpointer.restore_latest(abstract)
+  assert (step, data) == (2, {"position": 2})
   np.testing.assert_array_equal(state["w"], np.full((64,), 2.0))
   assert [p.name.split("-")[0] for p in tmp_path.iterdir() if ".corrupt" in p.name] == [
       "4.corrupt"]
   checkpointer.save(4, {"w": jnp.full((64,), 40.0)}, {"position": 4})  # the run goes on
   checkpointer.close()
-  assert Checkpointer(str(tmp_path)).restore_latest(abstract)[1] == {"position": 4}
+  assert Checkpointer(str(tmp_path)).restore_latest(abstract)[2] == {"position": 4}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_step_with_truncated_or_missing_array_files_is_set_aside(tmp_path, abstract, damage):
+  _saved(tmp_path, [2, 4])
+  data_files = [p for p in _files(tmp_path / "4" / "state") if os.sep + "d" + os.sep in p]
+  assert data_files
+  for path in data_files:
+    if damage == "missing":
+      os.remove(path)
+    else:
+      os.truncate(path, os.path.getsize(path) // 2)
+  with pytest.warns(CheckpointWarning, match="step 4 .* cannot be read"):
+    step, _, _ = Checkpointer(str(tmp_path)).restore_latest(abstract)
+  assert step == 2
+
+
+@pytest.mark.parametrize("run, difference", [
+    (dict(shape=(32,)), r"w: saved float32\[64\], this run float32\[32\]"),
+    (dict(dtype=jnp.bfloat16), r"w: saved float32\[64\], this run bfloat16\[64\]"),
+    (dict(name="v"), "v: not in the checkpoint.*w: in the checkpoint, not in this run"),
+])
+def test_a_step_that_does_not_fit_the_run_is_an_error_that_moves_nothing(
+    tmp_path, single_device_mesh, run, difference):
+  _saved(tmp_path, [2, 4])
+  before = _files(tmp_path)
+  with pytest.raises(CheckpointMismatchError, match=f"step 4 .*nothing was moved.*{difference}"):
+    Checkpointer(str(tmp_path)).restore_latest(_abstract(single_device_mesh, **run))
+  assert _files(tmp_path) == before
+
+
+def test_a_step_saved_on_another_mesh_is_an_error(tmp_path):
+  two = sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2])
+  four = sharding.make_mesh((4, 1, 1), devices=jax.devices()[:4])
+  checkpointer = Checkpointer(str(tmp_path), async_save=False)
+  w = jax.device_put(jnp.zeros((64,)), NamedSharding(two, P("data")))
+  checkpointer.save(1, {"w": w}, {})
+  checkpointer.close()
+  abstract = {"w": jax.ShapeDtypeStruct((64,), jnp.float32,
+                                        sharding=NamedSharding(four, P("data")))}
+  with pytest.raises(CheckpointMismatchError, match=r"w: saved on mesh \{'data': 2"):
+    Checkpointer(str(tmp_path)).restore_latest(abstract)

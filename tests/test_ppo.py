@@ -170,7 +170,7 @@ def _ppo_step(mesh):
   critic.state = critic.update(critic.state, critic.prepare([batch], False)[0][0])[0]
   (batch,), stats = critic.prepare([batch], False)  # values of the updated critic
   actor, actor_metrics = step(actor, batch)
-  critic_metrics = critic.train(batch, 2)
+  critic_metrics = critic.train(batch)
   return jax.device_get((actor.params, critic.state.params)), stats, actor_metrics, critic_metrics
 
 

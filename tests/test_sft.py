@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from coa_jax.data.importers import DataError
@@ -119,11 +120,28 @@ def test_resume_is_exact_and_the_loss_falls(tmp_path):
   assert straight["final_loss"] < straight["first_loss"]
 
 
-def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(tmp_path):
+def _params_at(tmp_path, step):
+  path = tmp_path / "ckpt" / str(step) / "state"
+  return ocp.StandardCheckpointer().restore(path)["params"]
+
+
+def test_non_finite_loss_stops_with_the_last_good_state_saved(tmp_path):
   sft.run(_config(tmp_path, 4, **{"train.stop_after": 2}))
-  with pytest.raises(NonFiniteLossError, match="last good checkpoint .* is intact"):
+  with pytest.raises(NonFiniteLossError, match="step 3 .*saved the state it holds"):
     sft.run(_config(tmp_path, 4, **{"train.z_loss": float("nan")}))
-  assert sorted(os.listdir(tmp_path / "ckpt")) == ["2"]
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", "3"]
+  for got, want in zip(jax.tree_util.tree_leaves(_params_at(tmp_path, 3)),
+                       jax.tree_util.tree_leaves(_params_at(tmp_path, 2))):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_non_finite_steps_are_skipped_up_to_the_configured_count(tmp_path):
+  sft.run(_config(tmp_path, 5, **{"train.stop_after": 2}))
+  with pytest.raises(NonFiniteLossError, match="step 4 .*2 such steps exceed nonfinite_skips=1"):
+    sft.run(_config(tmp_path, 5, **{"train.z_loss": float("nan"), "train.nonfinite_skips": 1}))
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [(r["step"], r["nonfinite"], r["nonfinite_skipped"]) for r in rows] == [
+      (1, 0, 0), (2, 0, 0), (3, 1, 1)]
 
 
 @pytest.mark.parametrize("content,message", [(None, "does not exist"), ("", "is empty"),

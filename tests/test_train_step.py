@@ -67,17 +67,53 @@ def test_bad_optimizer_values_are_named(overrides, message):
     optimizer.make_optimizer(common.optimizer(**overrides))
 
 
-def test_non_finite_loss_is_flagged(single_device_mesh):
+@pytest.fixture(scope="module")
+def tiny_state(single_device_mesh):
+  """(model, tx, a fresh state, a batch of 2 rows)."""
   model = Transformer(get_preset("tiny"))
   tx = optimizer.make_optimizer(common.optimizer())
   state = state_lib.init_state(model, tx, single_device_mesh, jax.random.key(0))
-  poisoned = jax.tree_util.tree_map(lambda x: x, state.params)
-  poisoned["final_norm"]["scale"] = poisoned["final_norm"]["scale"].at[0].set(jnp.nan)
   batch = sharding.shard_batch(step_lib.next_token_batch(np.ones((2, 9), np.int32)),
                                single_device_mesh)
-  _, metrics = step_lib.jit_train_step(model, tx, single_device_mesh)(
-      state.replace(params=poisoned), batch)
-  assert not metrics["is_finite"]
+  return model, tx, state, batch
+
+
+def _poisoned(state):
+  params = jax.tree_util.tree_map(jnp.copy, state.params)
+  params["final_norm"]["scale"] = params["final_norm"]["scale"].at[0].set(jnp.nan)
+  return state.replace(params=params)
+
+
+def test_non_finite_loss_is_flagged(single_device_mesh, tiny_state):
+  model, tx, state, batch = tiny_state
+  _, metrics = step_lib.jit_train_step(model, tx, single_device_mesh, donate=False)(
+      _poisoned(state), batch)
+  assert not metrics["is_finite"] and not metrics["applied"]
+
+
+def test_after_a_non_finite_update_the_returned_state_is_the_usable_one(single_device_mesh,
+                                                                        tiny_state):
+  model, tx, state, batch = tiny_state
+  poisoned = jax.tree_util.tree_map(jnp.copy, _poisoned(state))
+  new_state, metrics = step_lib.run_step(step_lib.jit_train_step(model, tx, single_device_mesh),
+                                         poisoned, batch)
+  assert metrics["nonfinite"] == 1.0 and int(new_state.step) == 0
+  assert poisoned.params["embedding"].is_deleted()  # donated: only the returned lives
+  for got, want in zip(jax.tree_util.tree_leaves(new_state.params),
+                       jax.tree_util.tree_leaves(_poisoned(state).params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_an_all_masked_batch_moves_nothing(single_device_mesh, tiny_state):
+  """AdamW would still apply momentum and weight decay to zero gradients."""
+  model, tx, state, batch = tiny_state
+  step = step_lib.jit_train_step(model, tx, single_device_mesh, donate=False)
+  moved, metrics = step(state, batch)
+  assert metrics["applied"] and int(moved.step) == 1
+  masked, metrics = step(moved, batch.replace(loss_mask=jnp.zeros_like(batch.loss_mask)))
+  assert metrics["is_finite"] and not metrics["applied"] and metrics["tokens"] == 0
+  for got, want in zip(jax.tree_util.tree_leaves(masked), jax.tree_util.tree_leaves(moved)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_demo_trains_exports_and_reloads_on_a_2x2x2_mesh(tmp_path):

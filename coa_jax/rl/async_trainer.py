@@ -44,7 +44,7 @@ from coa_jax.rl.dapo import Trainer, over_hosts
 from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup
 from coa_jax.rl.staleness import QueueClosed, StalenessQueue
 from coa_jax.rollout import Rollout
-from coa_jax.runtime import sharding
+from coa_jax.runtime import distributed, sharding
 
 PLOT_KEYS = ("reward", "accuracy", "response_len", "entropy", "stale", "behaviour_weight")
 SHOWN = ("reward", "accuracy", "kept", "pg_loss", "queue_depth", "staleness_mean", "stale",
@@ -221,11 +221,16 @@ class AsyncTrainer(Trainer):
     if self.worker is None:
       self._start_worker(version=step - 1)
     queue = self.worker.queue
+
+    def take():
+      try:
+        return queue.take(self.config.rl.batch_groups // self.hosts)
+      except QueueClosed as e:  # the worker's error
+        raise (e.__cause__ or e) from None
+
     t0 = time.perf_counter()
-    try:
-      taken, depth = queue.take(self.config.rl.batch_groups // self.hosts)
-    except QueueClosed as e:
-      raise (e.__cause__ or e) from None
+    # A worker's error on any host stops every host before the update's collectives.
+    taken, depth = distributed.agreed(take, f"rollouts for step {step}")
     t1 = time.perf_counter()
     version = queue.version
     out = self._train_on([r.group for r in taken], step, proximal_version=version)

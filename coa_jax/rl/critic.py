@@ -222,7 +222,8 @@ class Critic:
     return out, dict(advantage_mean=adv_mean, advantage_std=adv_std, return_mean=ret_mean,
                      explained_variance=explained)
 
-  def train(self, batch: PolicyBatch, step: int) -> dict[str, float]:
+  def train(self, batch: PolicyBatch) -> dict[str, float]:
     """Takes one critic update on `batch` (from `prepare`); returns its metrics."""
-    self.state, metrics = run_step(self.update, self.state, batch, step)
+    self.state, metrics = run_step(self.update, self.state, batch)
+    metrics["critic_nonfinite"] = metrics.pop("nonfinite")
     return metrics

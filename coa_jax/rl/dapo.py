@@ -54,7 +54,7 @@ from coa_jax.rollout import (
 )
 from coa_jax.runtime import distributed, load_model, sharding
 from coa_jax.runtime.distributed import say
-from coa_jax.train import NonFiniteLossError, optimizer
+from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
 from coa_jax.train.step import run_step
@@ -236,18 +236,12 @@ class Trainer:
         yield group
 
     t0, tool_wait = time.perf_counter(), self.engine.tool_wait_s
-    try:
-      kept, stats = fill_batch(next_round, rl.batch_groups // self.hosts, rl.max_rounds,
-                               rl.dynamic_sampling)
-      failure = ""
-    except DynamicSamplingError as e:
-      failure = str(e)
-    hosts = distributed.gather_json({"failure": failure, "cursor": self.stream.cursor})
-    failures = [f"host {i}: {h['failure']}" for i, h in enumerate(hosts) if h["failure"]]
-    if failures:  # every host stops, not only the one that failed
-      raise DynamicSamplingError("; ".join(failures))
+    # A failure on any host (dynamic sampling gave up, a tool or reward crashed) stops all.
+    kept, stats = distributed.agreed(
+        lambda: fill_batch(next_round, rl.batch_groups // self.hosts, rl.max_rounds,
+                           rl.dynamic_sampling), f"rollouts of step {step}")
     # Hosts that needed fewer rounds skip the prompts of the others' extra rounds.
-    self.stream.cursor = max(h["cursor"] for h in hosts)
+    self.stream.cursor = max(distributed.gather_json(self.stream.cursor))
     t1 = time.perf_counter()
     out = self._train_on(kept, step)
     wall = time.perf_counter() - t0
@@ -305,12 +299,14 @@ class Trainer:
     update_metrics = []
     for _ in range(rl.ppo_epochs):
       for batch in mini_batches:
-        metrics = {}
+        metrics = {"nonfinite": 0.0}
         if actor_trains:
-          self.state, metrics = run_step(self.update, self.state, batch, step)
+          self.state, metrics = run_step(self.update, self.state, batch)
         if self.critic is not None:
-          metrics.update(self.critic.train(batch, step))
+          metrics.update(self.critic.train(batch))
+          metrics["nonfinite"] = max(metrics["nonfinite"], metrics.pop("critic_nonfinite"))
         update_metrics.append(metrics)
+    # nonfinite: the fraction of updates (actor or critic) that were not applied.
     out = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
     return {**out, **health, **critic_metrics}
 
@@ -355,7 +351,8 @@ class Trainer:
   def evaluate(self, step: int) -> dict[str, float]:
     """Returns accuracy (avg@n at the sampling temperature) and lengths on the held-out tasks."""
     key = jax.random.fold_in(jax.random.key(self.config.seed + 1), step)
-    groups = self._rollouts(self.eval_tasks, key)
+    groups = distributed.agreed(lambda: self._rollouts(self.eval_tasks, key),
+                                f"evaluation at step {step}")
     return over_hosts(means=dict(
         eval_accuracy=[c for g in groups for c in g.correct],
         eval_response_len=[r.response_len for g in groups for r in g.records]))
@@ -390,19 +387,17 @@ class Trainer:
 
   def data_state(self, step: int) -> dict[str, Any]:
     """Returns what a checkpoint keeps beside the train state (the same on every host)."""
-    return {"cursor": self.stream.cursor, "step": step, "prompts": self.all_prompts(),
+    return {"cursor": self.stream.cursor, "prompts": self.all_prompts(),
             "critic_pretrained": self.critic_pretrained}
 
-  def restore(self, state: Any, data_state: dict[str, Any]) -> int:
-    """Takes a restored checkpoint (of `abstract_checkpoint`); returns the step it was saved
-    at."""
+  def restore(self, state: Any, data_state: dict[str, Any]) -> None:
+    """Takes a restored checkpoint (of `abstract_checkpoint`)."""
     if self.critic is not None:
       state, self.critic.state = state["actor"], state["critic"]
       self.critic_pretrained = bool(data_state["critic_pretrained"])
     self.state, self.stream.cursor = state, int(data_state["cursor"])
     # Host 0 carries the counts so far; the others count from here (all_prompts sums them).
     self.prompts = data_state.get("prompts", {}) if self.host_index == 0 else {}
-    return int(data_state["step"])
 
   def close(self) -> None:
     self.reward_pool.shutdown(wait=False, cancel_futures=True)
@@ -423,4 +418,4 @@ def over_hosts(means: dict[str, list[float]],
   return out
 
 
-__all__ = ["DynamicSamplingError", "NonFiniteLossError", "TaskStream", "Trainer"]
+__all__ = ["DynamicSamplingError", "TaskStream", "Trainer"]

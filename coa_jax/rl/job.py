@@ -50,6 +50,7 @@ def run(config: Any) -> dict[str, Any]:
       f"{len(trainer.eval_tasks)} held-out tasks")
   loop = LoopConfig(steps=rl.steps, workdir=config.workdir, checkpoint=config.checkpoint,
                     log_every=rl.log_every, stop_after=rl.stop_after,
+                    nonfinite_skips=rl.nonfinite_skips,
                     export_dir=config.export_dir, export_dtype=config.export_dtype,
                     unit="samples", units_per_step=rl.batch_groups * trainer.n, shown=shown,
                     plot_keys=plot_keys, plot_file="dapo.png", title=name)

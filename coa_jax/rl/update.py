@@ -38,8 +38,8 @@ def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainSt
   The aggregation weights come from the whole mini-batch's masks before it is split into
   `micro_batches`, so the loss and its gradient do not depend on the split or the sharding.
   `batch.old_logp` must hold the rollout policy's teacher-forced log-probs and `batch.ref_logp`
-  (only when loss_config.kl_coef > 0) the reference policy's. A non-finite loss or gradient
-  leaves the state unchanged and reports is_finite=False.
+  (only when loss_config.kl_coef > 0) the reference policy's. A non-finite loss or gradient,
+  or a mini-batch without a trainable token, leaves the state unchanged (is_finite, applied).
   """
   weights_BxT = aggregation_weights(batch.loss_mask, batch.group, loss_config.aggregation,
                                     loss_config.norm_tokens)

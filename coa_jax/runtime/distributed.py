@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from coa_jax.model.config import ConfigError
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,31 @@ def gather_json(value: Any) -> list[Any]:
   padded[:data.size] = data
   rows = multihost_utils.process_allgather(padded)
   return [json.loads(bytes(row[:int(size)])) for row, size in zip(rows, sizes)]
+
+
+class HostFailure(RuntimeError):
+  """Another process failed before a collective; this one stops with it."""
+
+
+def agreed(fn: Callable[[], T], where: str) -> T:
+  """Collective: returns fn() once it has returned on every process. When it raised on any,
+  every process raises: those where it failed their own error (noting the others'), the rest
+  HostFailure naming each failure. So one host's error (a tool crash, a worker's error) ends
+  every host, where raising alone would leave the others waiting in the next collective.
+  `where` says what was being done."""
+  try:
+    result, error = fn(), None
+  except Exception as e:  # noqa: BLE001 - every process hears of it, then raises
+    result, error = None, e
+  reports = gather_json(None if error is None else f"{type(error).__name__}: {error}")
+  failures = [f"process {i}: {r}" for i, r in enumerate(reports) if r]
+  if error is not None:
+    if len(failures) > 1:
+      error.add_note(f"every process stopped ({where}): {'; '.join(failures)}")
+    raise error
+  if failures:
+    raise HostFailure(f"stopping: another process failed ({where}): {'; '.join(failures)}")
+  return result
 
 
 def say(*args: Any, **kwargs: Any) -> None:

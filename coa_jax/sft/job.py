@@ -42,7 +42,7 @@ class SFTJob:
   def step(self, step: int) -> dict[str, float]:
     batch = next(self.batches)  # StopIteration ends the run: the data are exhausted
     self.state, metrics = step_lib.run_step(self.step_fn, self.state,
-                                            sharding.shard_batch(batch, self.mesh), step)
+                                            sharding.shard_batch(batch, self.mesh))
     return metrics
 
   def checkpoint_state(self) -> Any:
@@ -52,10 +52,9 @@ class SFTJob:
     return {k: v for part in distributed.gather_json(self.batches.get_state())
             for k, v in part.items()}  # every process's shards
 
-  def restore(self, state: state_lib.TrainState, data_state: dict[str, Any]) -> int:
+  def restore(self, state: state_lib.TrainState, data_state: dict[str, Any]) -> None:
     self.state = state
     self.batches.set_state(data_state)
-    return int(state.step)
 
 
 def run(config: Any) -> dict[str, Any]:
@@ -91,7 +90,8 @@ def run(config: Any) -> dict[str, Any]:
   job = SFTJob(state, batches, step_fn, mesh)
   loop = LoopConfig(steps=config.train.steps, workdir=config.workdir,
                     checkpoint=config.checkpoint, log_every=config.train.log_every,
-                    stop_after=config.train.get("stop_after", 0), export_dir=config.export_dir,
+                    stop_after=config.train.stop_after,
+                    nonfinite_skips=config.train.nonfinite_skips, export_dir=config.export_dir,
                     export_dtype=config.export_dtype,
                     units_per_step=config.batch_size * config.seq_len,
                     plot_keys=("loss", "grad_norm", "lr"), plot_file="loss.png",

@@ -42,7 +42,7 @@ class _CountingJob:
   def step(self, step: int) -> dict[str, float]:
     rows = counting_sequences(self.rng, *self.shape)
     batch = sharding.shard_batch(step_lib.next_token_batch(rows), self.mesh)
-    self.state, metrics = step_lib.run_step(self.step_fn, self.state, batch, step)
+    self.state, metrics = step_lib.run_step(self.step_fn, self.state, batch)
     return metrics
 
   def checkpoint_state(self) -> Any:
@@ -51,7 +51,7 @@ class _CountingJob:
   def data_state(self, step: int) -> dict[str, Any]:
     return {}
 
-  def restore(self, state, data_state) -> int:
+  def restore(self, state, data_state) -> None:
     raise NotImplementedError("the demo keeps no checkpoints")
 
 

@@ -9,9 +9,16 @@ and what a checkpoint keeps beside the state) and a `LoopConfig`; `run_loop` doe
 - prints a progress line every `log_every` steps with its rate and ETA, and writes every
   step's metrics to workdir/metrics.jsonl and TensorBoard events (clu metric writers);
 - saves a checkpoint every `checkpoint.every` steps, at the last step, and on SIGTERM (then
-  stops cleanly); a non-finite loss stops with NonFiniteLossError, leaving the last good
-  checkpoint as it was;
+  stops cleanly, at a step every process agrees on);
+- a step whose update was not finite changed nothing (`train.step.run_step`); the run skips up
+  to `nonfinite_skips` such steps (counted in the metrics as nonfinite_skipped, kept across
+  resumes), and at the next one saves the state it holds (the last good one) and stops with
+  NonFiniteLossError;
 - plots the metrics (PNG) and, once all `steps` are done, exports an HF checkpoint.
+
+Every decision that leads to a collective (save, stop, restore) is the same on every process:
+the step counts are, the non-finite flag comes out of one global program, and preemption and
+restore agree through `runtime.checkpointing`.
 """
 
 from __future__ import annotations
@@ -42,15 +49,14 @@ class Job(Protocol):
     """Returns the arrays a checkpoint holds (the train state, or a tree of train states)."""
 
   def step(self, step: int) -> dict[str, float]:
-    """Runs step `step` (1-based) and returns its metrics; raises StopIteration when the data
-    are exhausted and NonFiniteLossError when the update was not applied."""
+    """Runs step `step` (1-based) and returns its metrics (metrics["nonfinite"] > 0: an update
+    was not applied, `run_step`); raises StopIteration when the data are exhausted."""
 
   def data_state(self, step: int) -> dict[str, Any]:
     """Returns what a checkpoint keeps beside the train state (may be a collective)."""
 
-  def restore(self, state: Any, data_state: dict[str, Any]) -> int:
-    """Takes a restored checkpoint (`checkpoint_state`'s arrays); returns the last step it
-    completed."""
+  def restore(self, state: Any, data_state: dict[str, Any]) -> None:
+    """Takes a restored checkpoint (`checkpoint_state`'s arrays and `data_state`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +69,7 @@ class LoopConfig:
   checkpoint: Any
   log_every: int = 10
   stop_after: int = 0  # end this invocation after this many steps (0: run to `steps`)
+  nonfinite_skips: int = 0  # non-finite steps skipped before the run stops
   export_dir: str = ""
   export_dtype: str = "bfloat16"
   unit: str = "tokens"  # what `units_per_step` counts, for the rate
@@ -127,10 +134,12 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
 
   ckpt = config.checkpoint
   checkpointer = ckpt and Checkpointer(ckpt.directory, ckpt.max_to_keep, ckpt.async_save)
-  start = 0
+  start, skipped = 0, 0
   restored = checkpointer and checkpointer.restore_latest(abstract_state)
   if restored is not None:
-    start = job.restore(*restored)
+    start, state, data_state = restored
+    skipped = data_state.pop("loop", {}).get("nonfinite_skipped", 0)
+    job.restore(state, data_state)
     say(f"resumed from step {start} in {checkpointer.directory}")
   last = min(config.steps, start + config.stop_after) if config.stop_after else config.steps
   os.makedirs(config.workdir, exist_ok=True)
@@ -140,21 +149,36 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
   rows: list[dict[str, float]] = []
   completed, stopped_by_signal = start, False
   t0 = previous = time.perf_counter()
+
+  def save(step: int, force: bool = False) -> None:
+    data_state = {**job.data_state(step), "loop": {"nonfinite_skipped": skipped}}
+    checkpointer.save(step, job.checkpoint_state(), data_state, force=force)
+
   try:
-    with PreemptionFlag() as preempted:
+    with PreemptionFlag() as preemption:
       for step in range(start + 1, last + 1):
         try:
           metrics = job.step(step)
         except StopIteration:
           say(f"data exhausted at step {step - 1}")
           break
-        except NonFiniteLossError as e:
-          if checkpointer:
-            raise NonFiniteLossError(f"{e}; the last good checkpoint in "
-                                     f"{checkpointer.directory} is intact") from None
-          raise
+        if metrics.get("nonfinite", 0.0) > 0:
+          skipped += 1
+          if skipped > config.nonfinite_skips:
+            if checkpointer:
+              save(step, force=True)
+            where = (f"; saved the state it holds (the last good one) as step {step} in "
+                     f"{checkpointer.directory}, which resumes after this batch"
+                     if checkpointer else "")
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient at step {step} ({metrics}); the update was not "
+                f"applied, and {skipped} such steps exceed nonfinite_skips="
+                f"{config.nonfinite_skips}{where}. Lower the learning rate, check the data, "
+                f"or allow more skips")
+          say(f"step {step}: non-finite loss or gradient, update skipped ({skipped} of "
+              f"{config.nonfinite_skips} allowed)")
         now = time.perf_counter()
-        row = {**metrics, "time": round(now - t0, 4)}
+        row = {**metrics, "nonfinite_skipped": skipped, "time": round(now - t0, 4)}
         if config.units_per_step:
           row[f"{config.unit}_per_s"] = round(config.units_per_step / max(now - previous, 1e-9),
                                              2)
@@ -162,11 +186,11 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
         rows.append(row)
         writer.write_scalars(step, row)
         progress.update(step, metrics, config.units_per_step)
-        if checkpointer and (step % ckpt.every == 0 or step == last or preempted.requested):
-          checkpointer.save(step, job.checkpoint_state(), job.data_state(step),
-                            force=preempted.requested)
+        stopping = preemption.reached(step)
+        if checkpointer and (step % ckpt.every == 0 or step == last or stopping):
+          save(step, force=stopping)
         completed = step
-        if preempted.requested:
+        if stopping:
           stopped_by_signal = True
           break
   finally:

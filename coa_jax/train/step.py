@@ -18,7 +18,8 @@ from coa_jax.train.state import TrainState, state_shardings
 
 
 class NonFiniteLossError(FloatingPointError):
-  """The loss or gradient became NaN/inf; the last good checkpoint is left as it was."""
+  """The loss or gradient was NaN/inf more often than the run allows; it stopped with the last
+  good state saved."""
 
 
 def lm_loss(model: nn.Module, params: Any, batch: TokenBatch):
@@ -65,18 +66,21 @@ def summed_grads(objective: Callable[[Any, Any], tuple[jax.Array, Any]], params:
 
 
 def apply_if_finite(tx: optax.GradientTransformation, state: TrainState, grads: Any,
-                    loss: jax.Array) -> tuple[TrainState, jax.Array, jax.Array]:
-  """Returns (state after one optimizer update, grad norm, is_finite); a non-finite loss or
-  gradient leaves the state unchanged (params, optimizer state and step)."""
+                    loss: jax.Array, tokens: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+  """Returns (state after one optimizer update, metrics: grad_norm, is_finite, applied). The
+  update is applied only when the loss and gradient are finite and the batch has a trainable
+  token: otherwise params, optimizer state (moments, count) and step are left as they were, so
+  an all-masked batch moves nothing (AdamW would still apply momentum and weight decay)."""
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
-  new_state = state.replace(step=jnp.where(finite, state.step + 1, state.step),
+  applied = finite & (tokens > 0)
+  keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(applied, n, o), new, old)
+  new_state = state.replace(step=jnp.where(applied, state.step + 1, state.step),
                             params=keep(params, state.params),
                             opt_state=keep(opt_state, state.opt_state))
-  return new_state, grad_norm, finite
+  return new_state, dict(grad_norm=grad_norm, is_finite=finite, applied=applied)
 
 
 def summed_update(objective: Callable[[Any, Any], tuple[jax.Array, Any]],
@@ -85,11 +89,11 @@ def summed_update(objective: Callable[[Any, Any], tuple[jax.Array, Any]],
                   ) -> tuple[TrainState, Any, dict[str, jax.Array]]:
   """Returns (state, aux, metrics) after one optimizer step on the gradient of
   `objective(params, micro) -> (loss sum, aux)` summed over the micro-batches of `batch`
-  (`summed_grads`; aux.loss is the loss), applied only if finite (`apply_if_finite`); metrics
-  hold grad_norm, is_finite and, with a schedule, the step's lr."""
+  (`summed_grads`; aux.loss is the loss and aux.tokens the trainable tokens), applied only if
+  finite and not empty (`apply_if_finite`); metrics hold grad_norm, is_finite, applied and,
+  with a schedule, the step's lr."""
   aux, grads = summed_grads(objective, state.params, batch, micro_batches)
-  new_state, grad_norm, finite = apply_if_finite(tx, state, grads, aux.loss)
-  metrics = dict(grad_norm=grad_norm, is_finite=finite)
+  new_state, metrics = apply_if_finite(tx, state, grads, aux.loss, aux.tokens)
   if schedule is not None:
     metrics["lr"] = schedule(state.step)
   return new_state, aux, metrics
@@ -102,8 +106,8 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
 
   The loss is the sum over unmasked tokens of the whole batch divided by their count, so
   accumulating gradients over `micro_batches` (a scan) is token-exact. A non-finite loss or
-  gradient leaves the state unchanged and reports is_finite=False, so the caller can stop
-  with the last good state intact.
+  gradient, or a batch without a trainable token, leaves the state unchanged (is_finite,
+  applied), so the caller can skip the batch or stop with the last good state.
   """
   def objective(params, micro):
     ce, z_total = _loss_sums(model, params, micro)
@@ -113,10 +117,9 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
   count = jnp.maximum(ce.count, 1.0)
   grads = jax.tree_util.tree_map(lambda g: g / count, grad_sums)
   loss = ce.mean()
-  new_state, grad_norm, finite = apply_if_finite(tx, state, grads, loss)
+  new_state, update = apply_if_finite(tx, state, grads, loss, ce.count)
   positions = jnp.maximum(jnp.sum(batch.segment_ids > 0), 1)
-  metrics = dict(loss=loss, tokens=ce.count, unmasked_fraction=ce.count / positions,
-                 grad_norm=grad_norm, is_finite=finite)
+  metrics = dict(loss=loss, tokens=ce.count, unmasked_fraction=ce.count / positions, **update)
   if z_loss:  # the z term is reported only when it is part of the loss
     metrics["z_loss"] = z_total / count
   if schedule is not None:
@@ -124,11 +127,13 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
   return new_state, metrics
 
 
-def run_step(step_fn: Callable, state: TrainState, batch: Any,
-             step: int) -> tuple[TrainState, dict[str, float]]:
+def run_step(step_fn: Callable, state: TrainState,
+             batch: Any) -> tuple[TrainState, dict[str, float]]:
   """Returns (state, metrics as floats) of one jitted `step_fn(state, batch)` once every device
-  has finished it; raises NonFiniteLossError when the loss or gradient was not finite (the
-  state is then unchanged).
+  has finished it. metrics["nonfinite"] is 1 when the loss or gradient was not finite: the
+  update was not applied and the returned state is the one before it (the argument was
+  donated, so the caller must keep the returned one either way). The flag comes out of one
+  program over the global batch, so every process sees the same value.
 
   Reading the metrics waits for one device only; waiting for every device keeps two programs
   from running at once. On the CPU backend, a program that started on some devices while the
@@ -138,9 +143,7 @@ def run_step(step_fn: Callable, state: TrainState, batch: Any,
   state, metrics = step_fn(state, batch)
   jax.block_until_ready(state)
   metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-  if not metrics.pop("is_finite"):
-    raise NonFiniteLossError(f"non-finite loss or gradient at step {step} ({metrics}); the "
-                             f"update was not applied")
+  metrics["nonfinite"] = 1.0 - metrics.pop("is_finite")
   return state, metrics
 
 
