@@ -13,6 +13,13 @@ Resume is exact or fails loudly, and every process takes the same decision:
 - a step that cannot be read (truncated or missing files) on any process is moved aside to
   `<step>.corrupt-<time>` with a warning, and every process goes on to the previous one.
 
+The fit is checked on the step's metadata before orbax reads an array, so a mismatch or an
+unreadable metadata file is agreed on before any collective. One hazard is left: orbax's
+restore synchronises the processes with device collectives of its own, so an array read that
+fails on some processes only leaves the others inside one. On the CPU (gloo) that ended both
+processes at once with a collective-mismatch abort: loud and bounded, but without the
+fallback to the previous step.
+
 A SIGTERM (TPU VM preemption) asks the loop to save and stop at a step every process agrees on
 (`PreemptionFlag`).
 """

@@ -1,0 +1,133 @@
+"""One of two processes of tests/test_host_agreement.py: decisions that precede a collective
+are the same on every process.
+
+usage: python tests/agreement_worker.py OUT_DIR PROCESS_ID PORT
+
+Scenarios, in order, each process writing OUT_DIR/<scenario>-<process>.json:
+- failure: process 1's host-side work raises; `distributed.agreed` ends both;
+- unreadable: a checkpoint step whose metadata only process 1 cannot read is set aside by both,
+  which restore the previous step;
+- mismatch: a checkpoint that does not fit the run raises on both and moves nothing;
+- preemption: process 1 alone gets SIGTERM; both save at one step and stop.
+"""
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+
+out, process_id, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump of a hang
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from coa_jax.runtime import distributed, sharding
+from coa_jax.runtime.checkpointing import Checkpointer
+from coa_jax.train.loop import LoopConfig, run_loop
+
+distributed.initialize(distributed.DistributedConfig(
+    mode="explicit", coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+    process_id=process_id))
+MESH = sharding.make_mesh((2, 1, 1))
+SHARDED = NamedSharding(MESH, P("data"))
+# Every step's program sums over both processes' shards: a process that stopped or saved alone
+# would leave the other waiting in it.
+ADD_ONE = jax.jit(lambda w: w + 1.0 + 0.0 * jnp.sum(w), out_shardings=SHARDED)
+
+
+def write(scenario: str, **result) -> None:
+  with open(os.path.join(out, f"{scenario}-{process_id}.json"), "w") as f:
+    json.dump(result, f)
+
+
+def outcome(fn) -> dict:
+  """Returns what fn() did: its value, or the type and message of what it raised."""
+  try:
+    return {"value": fn()}
+  except Exception as e:  # noqa: BLE001 - the test checks what each process raised
+    return {"error": type(e).__name__, "message": str(e)}
+
+
+def weights(value: float, size: int = 4) -> jax.Array:
+  return jax.make_array_from_callback((size,), SHARDED,
+                                      lambda index: np.full((size // 2,), value, np.float32))
+
+
+def abstract(size: int = 4) -> dict:
+  return {"w": jax.ShapeDtypeStruct((size,), jnp.float32, sharding=SHARDED)}
+
+
+def failing_work() -> str:
+  if process_id == 1:
+    raise ValueError("the code tool crashed")
+  time.sleep(1.0)  # the other process is still working when process 1 fails
+  return "done"
+
+
+write("failure", **outcome(lambda: distributed.agreed(failing_work, "a test")))
+
+directory = os.path.join(out, "ckpt")
+checkpointer = Checkpointer(directory, async_save=False)
+for step in (1, 2):
+  checkpointer.save(step, {"w": weights(float(step))}, {"position": step})
+checkpointer.close()
+checkpointer = Checkpointer(directory, async_save=False)
+if process_id == 1:  # only this process cannot read step 2's metadata (a truncated file)
+  item_metadata = checkpointer._manager.item_metadata
+
+  def flaky(step):
+    if step == 2:
+      raise OSError("truncated _METADATA")
+    return item_metadata(step)
+
+  checkpointer._manager.item_metadata = flaky
+
+
+def restored_step():
+  step, state, data = checkpointer.restore_latest(abstract())
+  return [step, float(np.asarray(state["w"].addressable_data(0))[0]), data["position"]]
+
+
+write("unreadable", **outcome(restored_step))
+checkpointer.close()
+write("mismatch", **outcome(lambda: Checkpointer(directory).restore_latest(abstract(size=8))),
+      steps=sorted(os.listdir(directory)))
+
+
+class Counter:
+  """A job whose every step is a global program; process 1 gets SIGTERM during step 3."""
+
+  def __init__(self):
+    self.state = {"w": weights(0.0)}
+
+  def step(self, step):
+    if process_id == 1 and step == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    self.state = {"w": ADD_ONE(self.state["w"])}
+    return {"loss": float(step)}
+
+  def checkpoint_state(self):
+    return self.state
+
+  def data_state(self, step):
+    return {}
+
+  def restore(self, state, data_state):
+    self.state = state
+
+
+checkpoint = ml_collections.ConfigDict(dict(directory=os.path.join(out, "preempt"), every=1000,
+                                            max_to_keep=3, async_save=False))
+result = run_loop(Counter(), LoopConfig(steps=200, workdir=os.path.join(out, "work"),
+                                        checkpoint=checkpoint, log_every=1000),
+                  abstract(), model_config=None)
+write("preemption", steps=result.steps, stopped_by_signal=result.stopped_by_signal,
+      saved=sorted(os.listdir(os.path.join(out, "preempt"))))
