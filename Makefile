@@ -21,12 +21,12 @@ LOCK_EXTRAS := $(EXTRAS),gpu-aot
 .PHONY: lock install demo lm-demo test sft rollout dapo pipeline rl-curves distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit clean
 
 $(STAMP): setup.py $(LOCK)
-	@# bubblewrap gives the code sandbox its strongest isolation; without it (or as non-root)
-	@# the sandbox falls back to `unshare`, then to resource limits only.
+	@# bubblewrap gives the code sandbox its strongest isolation; without it the sandbox falls
+	@# back, with a warning, to `unshare`, then to resource limits only (CI=true tests fail).
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; }; } || \
-	  echo "bubblewrap not installed: the code sandbox will use unshare or resource limits"
+	  echo "bubblewrap not installed: the code sandbox will fall back to unshare or resource limits"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c $(LOCK) -e ".[$(EXTRAS)]"

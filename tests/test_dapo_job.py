@@ -10,6 +10,7 @@ import pytest
 from coa_jax.rl import dapo
 from coa_jax.rl import job as rl_job
 from configs import common, dapo_tiny_cpu
+from tools_env.sandbox import CodeSandbox
 
 
 def _config(tmp_path, name, **rl):
@@ -41,6 +42,7 @@ def test_job_writes_metrics_plot_and_checkpoints(uninterrupted):
   tmp, summary = uninterrupted
   rows = [json.loads(line) for line in open(tmp / "whole" / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2] and summary["steps"] == 2
+  assert summary["sandbox_isolation"] == CodeSandbox().isolation  # what the code tool ran in
   for key in ("reward", "accuracy", "response_len", "entropy", "clip_high", "clip_low",
               "dual_clip", "approx_kl", "pg_loss", "grad_norm", "logp_diff_mean",
               "logp_diff_max", "kept", "rounds"):

@@ -7,6 +7,7 @@ import pytest
 
 from coa_jax.rollout import job as rollout_job
 from configs import rollout_tiny_cpu
+from tools_env.sandbox import CodeSandbox
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,8 @@ def test_run_writes_records_transcripts_and_summary(config):
     assert record["finish_reason"] in ("answer", "eos", "max_turns", "length")
     assert record["response_len"] <= config.rollout.max_response_tokens
   assert "=== task" in open(f"{config.output_dir}/transcripts.txt").read()
+  with open(f"{config.output_dir}/summary.json") as f:  # the code tool's isolation
+    assert json.load(f)["sandbox_isolation"] == CodeSandbox().isolation
 
 
 def test_interactive_session_answers_each_question(config):

@@ -1,22 +1,33 @@
 """The code sandbox contains hostile programs and reports each with a clear error kind."""
 
 import dataclasses
+import errno
+import json
 import logging
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import pytest
 
-from tools_env import base
+from tools_env import base, sandbox_boot
 from tools_env import sandbox as sandbox_module
-from tools_env.sandbox import CodeSandbox, SandboxLimits, extract_program
+from tools_env.sandbox import CodeSandbox, IsolationUnavailable, SandboxLimits, extract_program
 
 LIMITS = SandboxLimits(wall_timeout_s=4, cpu_time_s=2, max_processes=32, max_capture_bytes=2**16,
                        max_output_chars=2000)
+
+
+def unavailable(reason):
+  """Skips a test of an isolation mode this machine lacks; fails it under CI (CI=true), which
+  must never pass with an isolation mode untested."""
+  if os.environ.get("CI") == "true":
+    pytest.fail(f"CI=true, and {reason}")
+  pytest.skip(reason)
 
 
 @pytest.fixture(scope="module", params=["bwrap", "unshare"])
@@ -24,8 +35,8 @@ def sandbox(request):
   """The sandbox in each namespace mode this machine permits."""
   try:
     return CodeSandbox(LIMITS, isolation=request.param, workers=8)
-  except ValueError as e:
-    pytest.skip(str(e))
+  except IsolationUnavailable as e:
+    unavailable(str(e))
 
 
 def program(source, stdin=None):
@@ -203,12 +214,12 @@ def rlimit_python():
     return sys.executable
   system = shutil.which("python3", path="/usr/bin:/bin")
   if system is None or subprocess.run([system, "-c", "pass"]).returncode:
-    pytest.skip("no world-readable python for the rlimit mode")
+    unavailable("no world-readable python for the rlimit mode")
   return system
 
 
 def test_rlimit_mode_warns_and_still_limits(caplog, monkeypatch):
-  monkeypatch.setattr(sandbox_module, "_WARNED", [])
+  monkeypatch.setattr(sandbox_module, "_WARNED", set())
   with caplog.at_level(logging.WARNING, logger="tools_env.sandbox"):
     weak = CodeSandbox(LIMITS, isolation="rlimit", python=rlimit_python())
   assert "resource limits only" in caplog.text
@@ -237,3 +248,132 @@ def test_processes_on_one_host_lease_different_uids(tmp_path):
           pass
   with second.lease() as again:
     assert again in (a, b)  # released uids are free again
+
+
+def warnings_in(caplog):
+  return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_auto_falls_back_with_a_warning_that_gives_the_reason(caplog, monkeypatch):
+  monkeypatch.setattr(sandbox_module, "_WARNED", set())
+  monkeypatch.setattr(sandbox_module, "_PROBED", {("bwrap", sys.executable): "no user namespaces",
+                                                  ("unshare", sys.executable): None})
+  with caplog.at_level(logging.WARNING, logger="tools_env.sandbox"):
+    assert CodeSandbox(LIMITS, isolation="auto").isolation == "unshare"
+  assert warnings_in(caplog) == ["code sandbox: falling back to isolation 'unshare': 'bwrap' is "
+                                 "unusable: no user namespaces"]
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "unshare"])
+def test_a_named_mode_that_cannot_work_fails_closed(mode, monkeypatch, tmp_path):
+  monkeypatch.setattr(sandbox_module, "_PROBED", {})
+  monkeypatch.setenv("PATH", str(tmp_path))  # neither bwrap nor unshare is found
+  with pytest.raises(IsolationUnavailable) as raised:
+    CodeSandbox(LIMITS, isolation=mode)
+  assert str(raised.value) == (f"code sandbox isolation '{mode}' cannot work on this machine: "
+                               f"'{mode}' is unusable: {mode} is not installed; "
+                               f"isolation='auto' would accept a weaker mode")
+
+
+@pytest.mark.parametrize("keep, missing", [("nothing", "decimal"), ("stdlib", "numpy")])
+def test_self_test_rejects_a_mode_whose_programs_cannot_import(sandbox, keep, missing,
+                                                               monkeypatch):
+  prefixes, path, _ = sandbox_module._interpreter_paths(sys.executable)
+  kept = [] if keep == "nothing" else [p for p in path if "-packages" not in p]
+  monkeypatch.setattr(sandbox_module, "_interpreter_paths",
+                      lambda python: (prefixes, kept, True))  # numpy is expected
+  monkeypatch.setattr(sandbox_module, "_PROBED", {})
+  mode = sandbox.isolation
+  with pytest.raises(IsolationUnavailable) as raised:
+    CodeSandbox(LIMITS, isolation=mode)
+  assert str(raised.value) == (
+      f"code sandbox isolation '{mode}' cannot work on this machine: '{mode}' is unusable: its "
+      f"self-test (imports as the sandboxed user) failed with status 1: ModuleNotFoundError: No "
+      f"module named '{missing}'; isolation='auto' would accept a weaker mode")
+
+
+def test_as_root_the_rlimit_mode_refuses_an_interpreter_its_uid_cannot_reach(monkeypatch):
+  if os.geteuid() != 0:
+    pytest.skip("the rlimit mode runs programs under another uid only as root")
+  python = rlimit_python()
+  prefixes, path, numpy = sandbox_module._interpreter_paths(python)
+  private = os.path.realpath(tempfile.mkdtemp())  # mode 700, as /root usually is
+  try:
+    os.mkdir(f"{private}/lib")
+    monkeypatch.setattr(sandbox_module, "_interpreter_paths",
+                        lambda python: (prefixes, path + [f"{private}/lib"], numpy))
+    monkeypatch.setattr(sandbox_module, "_PROBED", {})
+    with pytest.raises(IsolationUnavailable) as raised:
+      CodeSandbox(LIMITS, isolation="rlimit", python=python)
+  finally:
+    shutil.rmtree(private)
+  assert str(raised.value) == (
+      f"code sandbox isolation 'rlimit' cannot work on this machine: 'rlimit' is unusable: as "
+      f"root it runs programs under an unprivileged uid, which cannot enter {private} (mode 700) "
+      f"to reach {private}/lib; use a python installed where every user can read it")
+
+
+def fake_mounts(monkeypatch, before, after, fail=None):
+  """Replaces the boot script's mount table (`before`, then `after` the hiding) and mount call
+  (raising for `fail`); returns the list of the mount points it is asked to remount."""
+  tables = iter([before, after])
+  monkeypatch.setattr(sandbox_boot, "_mounts", lambda: next(tables))
+  monkeypatch.setattr(sandbox_boot, "_mount_tmpfs", lambda libc, target: None)
+  remounted = []
+
+  def mount(libc, source, target, flags):
+    if target == fail:
+      raise OSError(errno.EPERM, f"mount {target.decode()}: Operation not permitted")
+    if flags & sandbox_boot._MS_REMOUNT:
+      remounted.append(target)
+
+  monkeypatch.setattr(sandbox_boot, "_mount", mount)
+  return remounted
+
+
+def test_unshare_mode_remounts_every_reachable_mount_read_only(monkeypatch, tmp_path):
+  home, venv, work = tmp_path / "home", tmp_path / "home" / "venv", tmp_path / "work"
+  for path in (venv, work):
+    path.mkdir(parents=True)
+  old = [(b"1", b"/", []), (b"2", bytes(home) + b"/data", []), (b"3", b"/proc", [])]
+  new = old + [(b"4", bytes(home), []), (b"5", bytes(venv), []), (b"6", bytes(work), [])]
+  remounted = fake_mounts(monkeypatch, old, new)
+  sandbox_boot.make_read_only(str(work), hide=[str(home)], expose=[str(venv)])
+  # home/data lies under the empty tmpfs now; /proc is the namespace's own; work stays writable.
+  assert remounted == [b"/", bytes(home), bytes(venv)]
+
+
+def test_a_mount_that_cannot_be_made_read_only_fails_the_setup(monkeypatch, tmp_path):
+  mounts = [(b"1", b"/", []), (b"2", b"/data", [b"nosuid"])]
+  fake_mounts(monkeypatch, mounts, mounts, fail=b"/data")
+  with pytest.raises(OSError, match="mount /data: Operation not permitted"):
+    sandbox_boot.make_read_only(str(tmp_path))
+
+
+def test_mountinfo_escapes_are_decoded():
+  assert sandbox_boot._unescape(b"/mnt/my\\040disk\\134x") == b"/mnt/my disk\\x"
+
+
+def test_outputs_of_several_hosts_report_the_weakest_isolation():
+  delayed = base.Delayed(CodeSandbox(LIMITS), 0.0, 0.0)
+  assert sandbox_module.isolation_of({"web_search": object(), "code": delayed}) == \
+      delayed.inner.isolation
+  assert sandbox_module.weakest(["bwrap", "unshare", None, "bwrap"]) == "unshare"
+  assert sandbox_module.weakest([None]) is None
+
+
+def test_the_evaluation_records_the_isolation_of_its_code_tool(tmp_path):
+  from coa_jax.data import World, WorldConfig
+  from coa_jax.evaluation import job as evaluation
+  from configs import evaluate_tiny
+
+  world = World(WorldConfig(seed=0, entities=4, train_tasks=0, heldout_tasks=2))
+  paths = world.write(str(tmp_path / "world"))
+  config = evaluate_tiny.get_config()
+  config.system, config.k, config.tasks = "teacher", 1, paths["heldout"]
+  config.tools = world.tools_spec(paths["corpus"])
+  config.output_dir = str(tmp_path / "eval")
+  expected = CodeSandbox(isolation="auto").isolation
+  assert evaluation.run(config)["sandbox_isolation"] == expected
+  with open(tmp_path / "eval" / "metrics.json") as f:
+    assert json.load(f)["sandbox_isolation"] == expected

@@ -5,18 +5,25 @@ a ```sh block whose text is fed to the program's stdin, as in the reference code
 program runs as `main.py` in a fresh temporary working directory, deleted afterwards; stdout
 and stderr are merged in order and cut to `max_output_chars` keeping head and tail.
 
-Isolation (`isolation=`), from strongest to weakest; "auto" takes the first that works on
-this machine (probed once per process):
+Isolation (`isolation=`), from strongest to weakest; "auto" takes the first that passes its
+self-test on this machine (probed once per process) and logs a warning naming why each stronger
+mode cannot be used; a named mode is required: if it cannot work, `IsolationUnavailable` says
+why, and nothing weaker is used. The self-test runs, as the sandboxed user, a program that
+imports the standard library and numpy (where the interpreter has it):
 
-- "bwrap": bubblewrap, new user/pid/network/ipc/uts namespaces, the filesystem bound
+- "bwrap": bubblewrap, new mount/pid/network/ipc/uts namespaces, the filesystem bound
   read-only with a private /tmp and only the working directory writable, running as uid
-  65534 inside the namespace. No network at all (a loopback of its own).
+  65534 in a user namespace (as root: under a dedicated uid per concurrent run). No network
+  at all (a loopback of its own).
 - "unshare": util-linux `unshare` into new pid/network/mount/ipc/uts namespaces (as root;
   otherwise with a user namespace); every mount remounted read-only except the working
-  directory; as root the program runs under a dedicated uid per concurrent run.
+  directory (a mount that cannot be remounted read-only makes the mode unusable); as root the
+  program runs under a dedicated uid per concurrent run.
 - "rlimit": resource limits only, with a warning: the program can reach the network and
   write wherever its user may. What is left where no namespace is permitted (e.g. a non-root
-  TPU VM without unprivileged user namespaces).
+  TPU VM without unprivileged user namespaces). As root the program runs under a dedicated
+  uid, so the mode is refused when that uid cannot reach the interpreter (e.g. a pyenv under a
+  root-only /root).
 
 In every mode the environment is scrubbed (PATH, HOME and TMPDIR pointing at the working
 directory, UTF-8 locale, one BLAS thread) and the limits in `SandboxLimits` apply. A run
@@ -45,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from tools_env import sandbox_boot
 from tools_env.base import (
@@ -69,6 +76,14 @@ HIDDEN_DIRS = ("/root", "/home")  # replaced by empty directories in the namespa
 _BOOT = os.path.abspath(sandbox_boot.__file__)
 _PYTHON_BLOCK_RE = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL)
 _STDIN_BLOCK_RE = re.compile(r"```(?:sh|bash|stdin|text)[ \t]*\n(.*?)```", re.DOTALL)
+# The self-test: imports the boot script has not made (so they run as the sandboxed user), a C
+# extension among them, and numpy where the interpreter has it, as real programs use them.
+_SELF_TEST = "import decimal, statistics\nassert statistics.median([decimal.Decimal(42)]) == 42\n"
+_SELF_TEST_NUMPY = "import numpy\nassert numpy.prod([6, 7]) == 42\n"
+
+
+class IsolationUnavailable(ValueError):
+  """The isolation asked for cannot work on this machine; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +174,15 @@ class _UidPool:
 
 
 _UIDS = _UidPool()
-_PROBED: dict[tuple[str, str], bool] = {}
+_PROBED: dict[tuple[str, str], str | None] = {}  # (mode, python) -> why unusable, or None
 _PROBE_LOCK = threading.Lock()
-_WARNED: list[str] = []  # the rlimit-only warning is given once per process
+_WARNED: set[str] = set()  # each warning is given once per process
+
+
+def _warn_once(message: str) -> None:
+  if message not in _WARNED:
+    _WARNED.add(message)
+    log.warning(message)
 
 
 def _processes_of(uid: int) -> Iterator[int]:
@@ -203,22 +224,37 @@ def _user_task_count(uid: int) -> int:
   return count
 
 
-def _interpreter_paths(python: str) -> tuple[list[str], list[str]]:
-  """Returns `python -I`'s ([sys.prefix, sys.base_prefix], sys.path)."""
-  query = "import json, sys; print(json.dumps([[sys.prefix, sys.base_prefix], sys.path]))"
-  prefixes, path = json.loads(subprocess.run([python, "-I", "-c", query], capture_output=True,
-                                             check=True, timeout=60).stdout)
-  return prefixes, path
+def _interpreter_paths(python: str) -> tuple[list[str], list[str], bool]:
+  """Returns `python -I`'s ([sys.prefix, sys.base_prefix], sys.path, whether numpy is there)."""
+  query = ("import importlib.util, json, sys; print(json.dumps([[sys.prefix, sys.base_prefix], "
+           "sys.path, importlib.util.find_spec('numpy') is not None]))")
+  prefixes, path, numpy = json.loads(subprocess.run(
+      [python, "-I", "-c", query], capture_output=True, check=True, timeout=60).stdout)
+  return prefixes, path, numpy
 
 
-def _hidden_and_exposed(python: str, paths: list[str]) -> tuple[list[str], list[str]]:
-  """Returns the home directories to hide from programs, and the paths within them or /tmp
-  (private in the bwrap mode) that `python` (with its prefixes and module `paths`) and the
-  boot script need: e.g. a pyenv under /root, a virtualenv or this checkout under /tmp."""
+def _needed_paths(python: str, paths: list[str]) -> list[str]:
+  """Returns the directories that `python` (with its prefixes and module `paths`) and the boot
+  script need, symlinks resolved."""
+  return sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)}
+                | {os.path.dirname(os.path.dirname(os.path.realpath(python))),
+                   os.path.dirname(_BOOT)})
+
+
+def _untraversable(path: str) -> str | None:
+  """Returns the first directory on the way to `path` that other users cannot enter, or None."""
+  parts = path.split("/")
+  for i in range(1, len(parts) + 1):
+    directory = "/".join(parts[:i]) or "/"
+    if not os.stat(directory).st_mode & 0o001:
+      return directory
+  return None
+
+
+def _hidden_and_exposed(needed: list[str]) -> tuple[list[str], list[str]]:
+  """Returns the home directories to hide from programs, and the `needed` paths within them or
+  /tmp (private in the bwrap mode): e.g. a pyenv under /root, a virtualenv under /tmp."""
   hidden = [path for path in HIDDEN_DIRS if os.path.isdir(path)]
-  needed = sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)}
-                  | {os.path.dirname(os.path.dirname(os.path.realpath(python))),
-                     os.path.dirname(_BOOT)})
   exposed = []
   for path in needed:
     inside = any(path == h or path.startswith(h + "/") for h in (*hidden, "/tmp"))
@@ -242,43 +278,66 @@ class CodeSandbox(Tool):
     self._slots = threading.BoundedSemaphore(workers)
     # Programs start with `-S` (skipping site's .pth files, which import the editable install's
     # finder: 10 of a start's 17 ms) and get the interpreter's module path from the boot script.
-    prefixes, self.module_path = _interpreter_paths(python)
-    self.hidden, self.exposed = _hidden_and_exposed(python, prefixes + self.module_path)
+    prefixes, self.module_path, numpy = _interpreter_paths(python)
+    self.needed = _needed_paths(python, prefixes + self.module_path)
+    self.hidden, self.exposed = _hidden_and_exposed(self.needed)
+    self.self_test = _SELF_TEST + (_SELF_TEST_NUMPY if numpy else "") + "print(6 * 7)\n"
     self.isolation = self._choose_isolation(isolation)
 
   # --- isolation -----------------------------------------------------------------------
 
   def _choose_isolation(self, requested: str) -> str:
+    """Returns `requested` if it works here (else raises IsolationUnavailable), or for "auto"
+    the strongest mode that works, with a warning naming why each stronger one does not."""
     if requested not in ISOLATION_MODES + ("auto",):
       raise ValueError(f"isolation must be one of {ISOLATION_MODES + ('auto',)}, "
                        f"got {requested!r}")
+    reasons = []
     for mode in ISOLATION_MODES if requested == "auto" else (requested,):
-      if self._works(mode):
-        if mode == "rlimit" and not _WARNED:
-          _WARNED.append(mode)
-          log.warning("code sandbox: neither bubblewrap nor unshare can isolate programs here; "
-                      "running with resource limits only (no network or filesystem isolation)")
-        return mode
-    raise ValueError(f"code sandbox isolation {requested!r} does not work on this machine "
-                     f"(is {'bubblewrap' if requested == 'bwrap' else requested} installed and "
-                     f"permitted?); use isolation='auto'")
+      reason = self._unusable(mode)
+      if reason is None:
+        break
+      reasons.append(f"{mode!r} is unusable: {reason}")
+    else:
+      weaker = requested in ISOLATION_MODES[:-1]
+      hint = "; isolation='auto' would accept a weaker mode" if weaker else ""
+      raise IsolationUnavailable(f"code sandbox isolation {requested!r} cannot work on this "
+                                 f"machine: {'; '.join(reasons)}{hint}")
+    if reasons:
+      _warn_once(f"code sandbox: falling back to isolation {mode!r}: {'; '.join(reasons)}")
+    if mode == "rlimit":
+      _warn_once("code sandbox: isolation 'rlimit' runs programs with resource limits only "
+                 "(no network or filesystem isolation)")
+    return mode
 
-  def _works(self, mode: str) -> bool:
-    """Whether `mode` runs a trivial program here (probed once per process and python)."""
-    if mode == "bwrap" and shutil.which("bwrap") is None:
-      return False
-    if mode == "unshare" and shutil.which("unshare") is None:
-      return False
+  def _unusable(self, mode: str) -> str | None:
+    """Returns why `mode` cannot run programs here, or None (probed once per process and
+    python)."""
     with _PROBE_LOCK:
       if (mode, self.python) not in _PROBED:
-        try:
-          run = self._execute("print(6 * 7)", None, mode)
-          _PROBED[mode, self.python] = run.returncode == 0 and run.output.strip() == b"42"
-        except OSError:
-          _PROBED[mode, self.python] = False
-        if not _PROBED[mode, self.python]:
-          log.info("code sandbox: isolation %r unavailable here", mode)
+        _PROBED[mode, self.python] = self._probe(mode)
       return _PROBED[mode, self.python]
+
+  def _probe(self, mode: str) -> str | None:
+    """Returns why `mode` fails its self-test, or None if the test program ran."""
+    if mode != "rlimit" and shutil.which(mode) is None:
+      return f"{mode} is not installed"
+    if mode == "rlimit" and os.geteuid() == 0:  # programs run as a dedicated unprivileged uid
+      for path in self.needed:
+        blocked = _untraversable(path)
+        if blocked:
+          return (f"as root it runs programs under an unprivileged uid, which cannot enter "
+                  f"{blocked} (mode {os.stat(blocked).st_mode & 0o777:o}) to reach {path}; "
+                  f"use a python installed where every user can read it")
+    try:
+      run = self._execute(self.self_test, None, mode)
+    except OSError as e:
+      return f"its self-test could not start: {e}"
+    if run.returncode == 0 and run.stopped is None and run.output.strip() == b"42":
+      return None
+    lines = run.output.decode("utf-8", errors="replace").strip().splitlines()
+    return (f"its self-test (imports as the sandboxed user) failed with status {run.returncode}"
+            f"{f' ({run.stopped})' if run.stopped else ''}: {lines[-1] if lines else 'no output'}")
 
   def _environment(self, workdir: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
@@ -445,3 +504,18 @@ class CodeSandbox(Tool):
     """Returns the results of many calls, run through the pool (in the order given)."""
     with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
       return list(pool.map(lambda body: self(body, goal), bodies))
+
+
+def isolation_of(tools: Mapping[str, Tool]) -> str | None:
+  """Returns the isolation mode of the code sandbox among `tools` (by tag), or None."""
+  for tool in tools.values():
+    tool = getattr(tool, "inner", tool)  # a base.Delayed wrapper
+    if isinstance(tool, CodeSandbox):
+      return tool.isolation
+  return None
+
+
+def weakest(modes: Sequence[str | None]) -> str | None:
+  """Returns the weakest of several isolation modes (e.g. one per host); None if all are."""
+  known = [mode for mode in modes if mode is not None]
+  return max(known, key=ISOLATION_MODES.index) if known else None

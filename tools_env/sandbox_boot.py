@@ -6,8 +6,9 @@ skipped for speed, so the program gets it and site's `exit`/`quit` from here), `
 ({name: value}), `uid` (drop to this uid/gid, or null), `read_only` (remount every other
 mount read-only, after hiding the `hide` directories under empty tmpfs except for the
 `expose` paths in them: the `unshare` mode, which runs this as root in fresh mount and pid
-namespaces) and `init` (stay as pid 1 and run the program in a child, so the namespace dies
-with this process and signals reach the program normally).
+namespaces; a mount that cannot be made read-only fails the setup) and `init` (stay as pid 1
+and run the program in a child, so the namespace dies with this process and signals reach the
+program normally).
 
 Exit status: the program's, 128 + N when it died of signal N, or one of the codes below.
 """
@@ -25,7 +26,7 @@ SETUP_FAILED, SYNTAX_ERROR, MEMORY_ERROR, PROCESS_LIMIT = 250, 251, 252, 253
 
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC = 32, 4096, 16384
-_KEPT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC}
+_KEPT_FLAGS = {b"nosuid": _MS_NOSUID, b"nodev": _MS_NODEV, b"noexec": _MS_NOEXEC}
 
 
 def _mount_tmpfs(libc, target):
@@ -35,35 +36,50 @@ def _mount_tmpfs(libc, target):
 
 
 def _mount(libc, source, target, flags):
-  if libc.mount(source, target.encode(), None, flags, None) != 0:
+  if libc.mount(source, os.fsencode(target), None, flags, None) != 0:
     code = ctypes.get_errno()
-    raise OSError(code, f"mount {target}: {os.strerror(code)}")
+    raise OSError(code, f"mount {os.fsdecode(target)}: {os.strerror(code)}")
+
+
+def _unescape(field):
+  """Returns a mountinfo path with its octal escapes (of space, tab, newline, backslash) decoded."""
+  head, *rest = field.split(b"\\")
+  return head + b"".join(bytes([int(part[:3], 8)]) + part[3:] for part in rest)
+
+
+def _mounts():
+  """Returns (mount id, mount point, per-mount options) of each mount this process sees."""
+  with open("/proc/self/mountinfo", "rb") as f:
+    return [(fields[0], _unescape(fields[4]), fields[5].split(b","))
+            for fields in (line.split() for line in f)]
+
+
+def _under(path, roots):
+  return any(path == root or path.startswith(root.rstrip(b"/") + b"/") for root in roots)
 
 
 def make_read_only(workdir, hide=(), expose=()):
   """Hides the `hide` directories under empty tmpfs, re-exposes the `expose` paths within
-  them, bind-mounts workdir onto itself, then remounts every other mount read-only."""
+  them, bind-mounts workdir onto itself, then remounts every other mount read-only; raises
+  OSError if one cannot be (a mount left writable would be a way out)."""
   libc = ctypes.CDLL(None, use_errno=True)
   keep = {path: os.open(path, os.O_PATH) for path in (*expose, workdir)}
+  before = {mount_id for mount_id, _, _ in _mounts()}
   for path in hide:
     _mount_tmpfs(libc, path)
   for path, fd in keep.items():
     os.makedirs(path, exist_ok=True)
     _mount(libc, f"/proc/self/fd/{fd}".encode(), path, _MS_BIND | _MS_REC)
     os.close(fd)
-  with open("/proc/self/mountinfo") as f:
-    mounts = [line.split() for line in f]
-  for fields in mounts:
-    target, options = fields[4], fields[5].split(",")
-    if target == workdir or target == "/proc" or target.startswith("/proc/"):
+  hidden, exposed = [os.fsencode(p) for p in hide], [os.fsencode(p) for p in expose]
+  for mount_id, target, options in _mounts():
+    if target == os.fsencode(workdir) or _under(target, [b"/proc"]):
       continue
+    if mount_id in before and _under(target, hidden) and not _under(target, exposed):
+      continue  # under an empty tmpfs now: no path reaches it
     flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
     flags |= sum(bit for name, bit in _KEPT_FLAGS.items() if name in options)
-    try:
-      _mount(libc, None, target, flags)
-    except OSError:
-      if target == "/":
-        raise
+    _mount(libc, None, target, flags)
 
 
 def apply_limits(rlimits, uid):

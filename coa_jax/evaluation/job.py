@@ -173,11 +173,13 @@ def _copy_probe(engine: Any, tokenizer: Any, path: str, max_len: int,
 
 def run(config: Any) -> dict[str, Any]:
   """Evaluates config.system ("model": a checkpoint with tools, or "teacher") on config.tasks
-  with k samples per task; prints the table and writes metrics.json and samples.jsonl."""
+  with k samples per task; prints the table and writes metrics.json (with `sandbox_isolation`,
+  the weakest isolation the code tool ran under) and samples.jsonl."""
   from coa_jax.distill.teacher import ScriptedTeacher, TeacherConfig
   from coa_jax.rollout import job as rollout_job
   from coa_jax.runtime.distributed import say
   from tools_env import registry as tools_registry
+  from tools_env import sandbox
 
   tasks = load_tasks(config.tasks, config.max_tasks)
   rewarder = rewards.build_rewarder(config.rewards.to_dict())
@@ -189,6 +191,7 @@ def run(config: Any) -> dict[str, Any]:
                 for seed in range(k)]
     outcomes = evaluate_teacher(teachers, tasks, config.system_prompt, rewarder,
                                 load_tokenizer(config))
+    isolation = sandbox.isolation_of(tools.tools)
   elif config.system == "model":
     config.rollout.group_size = k
     tokenizer = load_tokenizer(config)  # checked before the model loads
@@ -205,12 +208,14 @@ def run(config: Any) -> dict[str, Any]:
                 for part in distributed.gather_json(
                     {t: [dataclasses.asdict(s) for s in v] for t, v in outcomes.items()})
                 for task_id, samples in part.items()}
+    isolation = sandbox.weakest(distributed.gather_json(
+        sandbox.isolation_of(engine.tools.tools)))
   else:
     raise ConfigError(f"evaluate system={config.system!r}: expected 'model' or 'teacher'")
   # In task-file order: groups finish in an order that tool and thread timing move, and the
   # metrics' float sums (and samples.jsonl) must not depend on it.
   outcomes = {task.id: outcomes[task.id] for task in tasks if task.id in outcomes}
-  metrics = summarize(outcomes, k)
+  metrics = {**summarize(outcomes, k), "sandbox_isolation": isolation}
   families = {task.id: task.data["family"] for task in tasks if "family" in task.data}
   if families:
     metrics["pass@1_by_family"] = pass_at_1_by(outcomes, families)

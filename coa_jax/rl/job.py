@@ -19,9 +19,10 @@ import numpy as np
 
 from coa_jax.rl import async_trainer, dapo
 from coa_jax.rl import critic as critic_lib
-from coa_jax.runtime import hf_checkpoint
+from coa_jax.runtime import distributed, hf_checkpoint
 from coa_jax.runtime.distributed import say
 from coa_jax.train import LoopConfig, run_loop
+from tools_env import sandbox
 
 
 def critic_export_dir(export_dir: str) -> str:
@@ -58,7 +59,9 @@ def run(config: Any) -> dict[str, Any]:
     result = run_loop(trainer, loop, trainer.abstract_checkpoint(), trainer.model_config)
   finally:
     trainer.close()
-  summary = dict(result.summary(), state=trainer.state)
+  summary = dict(result.summary(), state=trainer.state,
+                 sandbox_isolation=sandbox.weakest(distributed.gather_json(
+                     sandbox.isolation_of(trainer.engine.tools.tools))))
   if trainer.critic is not None:
     summary["critic_state"] = trainer.critic.state
   if "critic_state" in summary and result.export_dir:

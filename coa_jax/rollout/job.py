@@ -1,7 +1,8 @@
 """The rollout job: a policy from a checkpoint, tools from the config, tasks from a file.
 
 `run(config)` writes `records.jsonl` (one RolloutRecord per sample, token in, token out),
-`transcripts.txt` (the first few samples as readable text) and `summary.json` under
+`transcripts.txt` (the first few samples as readable text) and `summary.json` (with
+`sandbox_isolation`: the weakest isolation any host's code tool ran under) under
 config.output_dir, printing progress with rate and ETA. On several hosts, each decodes its share
 of the tasks on its own devices and writes `records-<host>.jsonl`; the summary covers all.
 `interactive(config)` reads questions from stdin and streams each step of the agent as it is
@@ -31,6 +32,7 @@ from coa_jax.runtime.distributed import say
 from coa_jax.runtime.hf_checkpoint import load_model
 from coa_jax.runtime.sharding import init_params, param_shardings
 from tools_env import registry as tools_registry
+from tools_env import sandbox
 
 
 def build(config: Any, tokenizer: Any = None) -> tuple[Rollout, Any]:
@@ -101,9 +103,11 @@ def run(config: Any) -> dict[str, Any]:
   fields = ("finish_reason", "tool_calls", "tool_errors", "response_len", "turns")
   every = [types.SimpleNamespace(**row) for part in distributed.gather_json(
       [{f: getattr(r, f) for f in fields} for r in records]) for row in part]
+  isolation = distributed.gather_json(sandbox.isolation_of(engine.tools.tools))
   summary = {**summarize(every), "wall_s": time.perf_counter() - start,
              "decode_s": engine.decode_s, "tool_wait_s": engine.tool_wait_s,
-             "chunks": engine.chunks, "compilations": engine.sampler.compilations()}
+             "chunks": engine.chunks, "compilations": engine.sampler.compilations(),
+             "sandbox_isolation": sandbox.weakest(isolation)}
   if host == 0:
     with open(paths["summary.json"], "w") as f:
       json.dump(summary, f, indent=2)
