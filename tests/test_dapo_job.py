@@ -67,6 +67,7 @@ def test_resumed_run_equals_the_uninterrupted_one(uninterrupted, tmp_path):
   assert second["resumed_from"] == 1 and second["steps"] == 2
   rows = [json.loads(line) for line in open(tmp_path / "split" / "metrics.jsonl")]
   whole_rows = [json.loads(line) for line in open(whole["metrics"])]
+  assert [a["step"] for a in rows] == [b["step"] for b in whole_rows] == [1, 2]
   for a, b in zip(rows, whole_rows):
     assert a["reward"] == b["reward"] and a["response_len"] == b["response_len"]
     np.testing.assert_allclose(a["pg_loss"], b["pg_loss"], rtol=1e-6)

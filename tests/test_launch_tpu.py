@@ -34,8 +34,12 @@ def test_dry_run_for_a_4_worker_slice_prints_the_exact_commands(capsys):
 
 
 def test_a_missing_experiment_or_bad_worker_count_is_a_usage_error(capsys):
-  with pytest.raises(SystemExit):
+  with pytest.raises(SystemExit) as exited:
     launch_tpu.main(_FLAGS + ["--dry-run"])
+  assert exited.value.code == 2  # argparse's usage error
   assert "give the experiment after --" in capsys.readouterr().err
-  with pytest.raises(SystemExit):
-    launch_tpu.main(_FLAGS[:3] + ["--workers=0", "--", "experiments/sft.py"])
+  with pytest.raises(SystemExit) as exited:
+    launch_tpu.main(_FLAGS[:3] + ["--workers=0", "--dry-run", "--", "experiments/sft.py"])
+  assert exited.value.code == 2
+  captured = capsys.readouterr()
+  assert "--workers must be >= 1, got 0" in captured.err and not captured.out  # nothing to run

@@ -17,7 +17,8 @@ def test_quick_pipeline_runs_every_stage(tmp_path):
   rows = results["per_seed"][config.seed]
   assert list(rows) == ["teacher", "sft", "dapo"]
   assert rows["teacher"]["pass@1"] > 0.5  # the scripted teacher solves them
-  assert 0.0 <= rows["sft"]["copy_exact"] <= 1.0 and rows["sft"]["copy_steps"] > 0
+  copied = rows["sft"]["copy_exact"] * rows["sft"]["copy_steps"]  # the copy probe ran on SFT
+  assert rows["sft"]["copy_steps"] > 0 and copied == round(copied)  # of whole copy steps
   for name in ("distill/trajectories.jsonl", "distill/heldout_trajectories.jsonl",
                "seed-0/sft/hf_export/config.json", "seed-0/dapo/hf_export/config.json",
                "results.png"):
@@ -58,7 +59,14 @@ def test_copy_curve_probes_each_segment_of_sft(tmp_path):
   config.mesh = common.mesh(data=2, fsdp=2, tensor=2)
   curves = pipeline.copy_curve(config, pipeline_tiny_cpu.stage_configs, seeds=1, every=2)
   assert [p["step"] for p in curves[config.seed]] == [2, 4]  # config.sft.steps is 4
-  assert all(0.0 <= p["copy_exact"] <= 1.0 and p["copy_steps"] > 0 for p in curves[0])
+  first, last = curves[config.seed]
+  # Both points probe the same held-out copy steps (8), each with its own segment's params:
+  # the chance of sampling the copies moves as SFT trains (9e-14 at step 2, 3e-12 at step 4).
+  assert first["copy_steps"] == last["copy_steps"] > 0
+  assert first["copy_sampled"] != last["copy_sampled"] and first["loss"] != last["loss"]
+  for point in (first, last):
+    copied = point["copy_exact"] * point["copy_steps"]
+    assert copied == round(copied)
   saved = json.load(open(tmp_path / "run" / "copy_curve" / "copy_curve.json"))
   assert saved["curves"]["0"] == curves[0] and saved["every"] == 2
   assert (tmp_path / "run" / "copy_curve" / "copy_curve.png").exists()

@@ -77,7 +77,9 @@ def test_resumed_run_equals_the_uninterrupted_one(uninterrupted, tmp_path):
   assert first["steps"] == 2
   second = rl_job.run(config)  # resumes from step 2's checkpoint (actor and critic), runs 3
   assert second["resumed_from"] == 2 and second["steps"] == 3
-  for a, b in zip(_rows(tmp_path / "split" / "metrics.jsonl"), _rows(whole["metrics"])):
+  rows, whole_rows = _rows(tmp_path / "split" / "metrics.jsonl"), _rows(whole["metrics"])
+  assert [a["step"] for a in rows] == [b["step"] for b in whole_rows] == [1, 2, 3]
+  for a, b in zip(rows, whole_rows):
     for key in ("reward", "value_loss", "explained_variance", "advantage_std"):
       np.testing.assert_array_equal(a[key], b[key], err_msg=key)  # bit for bit (NaN == NaN)
   for params in (lambda s: s["state"].params, lambda s: s["critic_state"].params):

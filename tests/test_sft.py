@@ -44,17 +44,28 @@ def _batch(rows=8, seq=16, seed=0):
                        .astype(np.int32))  # very different token counts per row
 
 
-def _step(mesh, micro_batches, z_loss=0.0):
+def _initial(mesh):
   model = Transformer(get_preset("tiny", num_heads=4, num_kv_heads=4))
   tx = optimizer.make_optimizer(common.optimizer(learning_rate=1e-2, eps=1e-3))
-  state = state_lib.init_state(model, tx, mesh, jax.random.key(0))
+  return model, tx, state_lib.init_state(model, tx, mesh, jax.random.key(0))
+
+
+def _step(mesh, micro_batches, z_loss=0.0):
+  model, tx, state = _initial(mesh)
   step = step_lib.jit_train_step(model, tx, mesh, micro_batches=micro_batches, z_loss=z_loss)
   return step(state, sharding.shard_batch(_batch(), mesh))
 
 
 @pytest.fixture(scope="module")
 def one_device_step(single_device_mesh):
-  return jax.device_get(_step(single_device_mesh, 1))
+  """The reference: one applied step that moves every parameter."""
+  state, metrics = jax.device_get(_step(single_device_mesh, 1))
+  initial = jax.device_get(_initial(single_device_mesh)[2])
+  assert metrics["applied"] and int(state.step) == 1
+  for moved, before in zip(jax.tree_util.tree_leaves(state.params),
+                           jax.tree_util.tree_leaves(initial.params)):
+    assert np.abs(moved - before).max() > 1e-4
+  return state, metrics
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
@@ -80,7 +91,10 @@ def test_accumulated_step_sharded_on_8_devices_equals_one_device(one_device_step
 
 def test_non_finite_step_leaves_the_state_unchanged(single_device_mesh):
   state, metrics = _step(single_device_mesh, 1, z_loss=float("nan"))
-  assert not metrics["is_finite"] and int(state.step) == 0
+  assert not metrics["is_finite"] and not metrics["applied"]
+  for got, want in zip(jax.tree_util.tree_leaves(state),  # params, moments, count, step
+                       jax.tree_util.tree_leaves(_initial(single_device_mesh)[2])):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _config(tmp_path, steps, **changes):

@@ -107,6 +107,25 @@ def test_sharded_forward_backward_and_step_equal_single_device(shape, reference)
   _assert_trees_close(state.params, after, atol=1e-6)
 
 
+def test_the_reference_step_is_one_clipped_adamw_step(reference):
+  """What the meshes above are compared to, against NumPy: the gradient clipped to global norm
+  1, then AdamW's first step, lr * (g / (|g| + eps) + weight_decay * w on matrices)."""
+  before, (_, grads), after, metrics = reference
+  norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree_util.tree_leaves(
+      grads)))
+  np.testing.assert_allclose(metrics["grad_norm"], norm, rtol=1e-6)
+  assert norm > 1.0  # 1.59: the clip is exercised
+
+  def adamw(name, w, g):
+    g = np.asarray(g, np.float64) / norm
+    decayed = name.split("/")[-1] in ("kernel", "embedding")  # not norm scales or biases
+    return w - 1e-2 * (g / (np.abs(g) + 1e-3) + (0.1 * w if decayed else 0.0))
+
+  want = {name: adamw(name, w, _flat(grads)[name]) for name, w in _flat(before).items()}
+  for name, w in _flat(after).items():
+    np.testing.assert_allclose(w, want[name], atol=1e-6, err_msg=name)
+
+
 def test_optimizer_moments_are_sharded_like_their_params():
   mesh = sharding.make_mesh((2, 2, 2))
   model, tx = Transformer(CONFIG), optimizer.make_optimizer(_opt_config())
