@@ -7,7 +7,8 @@ checkpoint both processes wrote (each process reads its own data shard), then on
 whose rollouts each host decodes on its own devices with its own tools, then an evaluation of
 the DAPO export (each host its share of the tasks), then one PPO step (a critic beside the
 policy, both sharded over both processes), then 2 steps of asynchronous DAPO (each host decodes
-on half its devices; the other halves train). Process 0 writes OUT_DIR/result.json; SFT, DAPO
+on half its devices; the other halves train) with staleness 1, and 2 with staleness 0 (whose
+batches do not depend on timing, so one process is its reference). Process 0 writes OUT_DIR/result.json; SFT, DAPO
 and PPO (its critic too) export HF folders.
 """
 
@@ -83,14 +84,14 @@ def ppo_config():
   return config
 
 
-def async_dapo_config():
+def async_dapo_config(staleness: int, name: str):
   """Asynchronous DAPO: each host decodes on half its devices, every host's other half train."""
   config = dapo_config()
   config.mesh = common.mesh(data=1, fsdp=2, tensor=2)
   config.rl.steps = 2
-  config.rl["async"].update(enabled=True, staleness=1)
-  config.checkpoint = common.checkpoint(f"{out}/async/ckpt", every=2, async_save=False)
-  config.workdir, config.export_dir = f"{out}/async", f"{out}/async/hf_export"
+  config.rl["async"].update(enabled=True, staleness=staleness)
+  config.checkpoint = common.checkpoint(f"{out}/{name}/ckpt", every=2, async_save=False)
+  config.workdir, config.export_dir = f"{out}/{name}", f"{out}/{name}/hf_export"
   return config
 
 
@@ -99,7 +100,9 @@ second = sft.run(sft_config(stop_after=0))
 rl = rl_job.run(dapo_config())
 metrics = evaluate.run(evaluate_config())
 ppo = rl_job.run(ppo_config())
-asynchronous = rl_job.run(async_dapo_config())
+rl_job.run(async_dapo_config(staleness=1, name="async"))
+# With staleness 0 which groups make a batch does not depend on timing: a reference to compare.
+rl_job.run(async_dapo_config(staleness=0, name="async0"))
 if jax.process_index() == 0:
   rows = lambda path: [json.loads(line) for line in open(path)]
   with open(f"{out}/result.json", "w") as f:
@@ -109,5 +112,6 @@ if jax.process_index() == 0:
                "sft_loss": [r["loss"] for r in rows(f"{out}/sft/metrics.jsonl")],
                "dapo": rows(f"{out}/dapo/metrics.jsonl"), "eval": metrics,
                "ppo": rows(f"{out}/ppo/metrics.jsonl"),
-               "async": rows(f"{out}/async/metrics.jsonl")}, f)
+               "async": rows(f"{out}/async/metrics.jsonl"),
+               "async0": rows(f"{out}/async0/metrics.jsonl")}, f)
 print(f"process {jax.process_index()} done", flush=True)

@@ -101,6 +101,37 @@ def test_reference_kl_and_entropy_terms_are_added_per_token():
   np.testing.assert_allclose(sums.metrics()["ref_kl"], k3.mean(), rtol=1e-5)
 
 
+def _kl_metric(tokens, old, new, sampler=None, cap=2.0):
+  """Returns approx_kl over one row of sampled token ids, under distributions old and new (and
+  the behaviour policy `sampler`, whose tokens are then all stale)."""
+  mask = jnp.ones((1, len(tokens)))
+  logp_of = lambda p: jnp.log(jnp.asarray(p, jnp.float32)[np.asarray(tokens)])[None]
+  weights = aggregation_weights(mask, jnp.zeros(1, jnp.int32), "token-mean")
+  stale = None if sampler is None else mask
+  sums = policy_loss(logp_of(new), logp_of(old), jnp.ones_like(mask), mask, weights,
+                     PolicyLossConfig(behaviour_weight_cap=cap),
+                     sampler_logp_BxT=None if sampler is None else logp_of(sampler),
+                     stale_BxT=stale)
+  return float(sums.metrics()["approx_kl"])
+
+
+OLD, NEW = np.array([0.5, 0.25, 0.25]), np.array([0.2, 0.3, 0.5])
+KL_OLD_NEW = float(np.sum(OLD * np.log(OLD / NEW)))  # closed form, 0.2350...
+
+
+def test_approx_kl_is_kl_old_to_new_on_tokens_drawn_from_old():
+  # Tokens in proportion to old (1/2, 1/4, 1/4): the sample mean of k3 is its expectation.
+  assert abs(_kl_metric([0, 0, 1, 2], OLD, NEW) - KL_OLD_NEW) < 1e-6
+  reverse = float(np.sum(NEW * np.log(NEW / OLD)))  # KL(new || old), 0.2218...: not reported
+  assert abs(reverse - KL_OLD_NEW) > 0.01
+
+
+def test_approx_kl_weights_stale_tokens_back_to_the_old_policy():
+  # Tokens in proportion to a behaviour policy (1/4, 1/4, 1/2), weighted by old / behaviour.
+  behaviour = np.array([0.25, 0.25, 0.5])
+  assert abs(_kl_metric([0, 1, 2, 2], OLD, NEW, behaviour, cap=4.0) - KL_OLD_NEW) < 1e-6
+
+
 def _decoupled(stale, sampler, cfg=CONFIG):
   """Returns (loss, d loss / d logp) of the decoupled objective on _inputs()."""
   logp, old, adv, mask, groups = _inputs()
@@ -180,8 +211,27 @@ def scaled_mask_aggregation():
   AGGREGATIONS.unregister("test-scaled-mask")
 
 
-def test_a_registered_aggregation_is_a_valid_setting(scaled_mask_aggregation):
-  assert PolicyLossConfig(aggregation=scaled_mask_aggregation).aggregation == "test-scaled-mask"
+def test_an_aggregation_is_a_valid_setting_exactly_while_registered():
+  AGGREGATIONS.register("test-while-registered")(lambda mask_BxT, group_B, norm_tokens: mask_BxT)
+  PolicyLossConfig(aggregation="test-while-registered")  # accepted
+  AGGREGATIONS.unregister("test-while-registered")
+  with pytest.raises(ValueError, match="aggregation='test-while-registered'"):
+    PolicyLossConfig(aggregation="test-while-registered")
+
+
+# Row 2 has no trainable token, and it is group 1's only row: it counts in no denominator.
+EMPTY_ROW_MASK = [[1, 1, 0], [1, 0, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("aggregation, expected", [
+    ("token-mean", [[1 / 3, 1 / 3, 0], [1 / 3, 0, 0], [0, 0, 0]]),
+    ("seq-mean-token-mean", [[1 / 4, 1 / 4, 0], [1 / 2, 0, 0], [0, 0, 0]]),
+    ("seq-mean-token-sum-norm", [[1 / 6, 1 / 6, 0], [1 / 6, 0, 0], [0, 0, 0]]),  # T=3, 2 rows
+    ("group-token-mean", [[1 / 3, 1 / 3, 0], [1 / 3, 0, 0], [0, 0, 0]]),
+])
+def test_empty_rows_and_groups_count_in_no_denominator(aggregation, expected):
+  weights = aggregation_weights(jnp.array(EMPTY_ROW_MASK), jnp.array([0, 0, 1]), aggregation)
+  np.testing.assert_allclose(weights, expected, rtol=1e-6)
 
 
 def test_aggregation_weights_use_a_registered_aggregation(scaled_mask_aggregation):

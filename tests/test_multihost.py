@@ -3,7 +3,8 @@ collectives, a 127.0.0.1 coordinator). In it: SFT where each process reads only 
 shard, an orbax checkpoint written by both and restored by both, a DAPO step whose rollouts
 each host decodes on its own devices with its own tools, and an evaluation split over hosts.
 Everything equals one process with 8 devices. Then asynchronous DAPO, whose rollouts each host
-runs on half its devices while the other halves train. The processes run under a deadline: if one dies
+runs on half its devices while the other halves train: with staleness 1 (within the bound), and
+with staleness 0, equal to one process. The processes run under a deadline: if one dies
 or hangs, all are killed and the test fails with their logs."""
 
 import json
@@ -135,3 +136,18 @@ def test_asynchronous_dapo_trains_across_processes_while_each_host_decodes(runs)
     assert np.isfinite(row["pg_loss"]) and row["trainer_tokens_per_s"] > 0
   weights = _weights(two / "async" / "hf_export")
   assert all(np.isfinite(w).all() for w in weights.values())
+
+
+def test_asynchronous_dapo_with_staleness_0_on_two_processes_equals_one(runs):
+  two, one = (_result(folder)["async0"] for folder in runs)
+  assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2]
+  for row_two, row_one in zip(two, one):
+    assert row_two["staleness_0"] == row_one["staleness_0"] == 4 and row_two["stale"] == 0
+    for key in ("reward", "accuracy", "response_len", "truncated"):
+      assert row_two[key] == row_one[key], key  # the same samples, decoded per host
+    for key in ("pg_loss", "entropy", "grad_norm"):
+      np.testing.assert_allclose(row_two[key], row_one[key], rtol=1e-4, err_msg=key)
+  a, b = (_weights(folder / "async0" / "hf_export") for folder in runs)
+  assert a.keys() == b.keys()
+  for name in a:
+    np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=name)

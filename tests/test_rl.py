@@ -2,6 +2,7 @@
 sampling, rollout batches, and an update that micro-batching and sharding leave unchanged."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -35,7 +36,8 @@ def test_negative_advantages_are_scaled_by_their_weight():
   full = group_advantages(rewards)
   np.testing.assert_allclose(group_advantages(rewards, negative_weight=0.25),
                              np.where(full < 0, 0.25 * full, full))
-  assert (group_advantages(rewards, negative_weight=0.0) >= 0).all()
+  np.testing.assert_array_equal(group_advantages(rewards, negative_weight=0.0),
+                                np.maximum(full, 0.0))
   with pytest.raises(ValueError, match="negative_weight=2"):
     group_advantages(rewards, negative_weight=2)
 
@@ -124,16 +126,24 @@ def test_rollout_batch_shifts_ids_masks_and_logprobs():
   np.testing.assert_array_equal(batch.advantages[1, :4], [-1.5] * 4)
 
 
-def test_rollout_batch_marks_tokens_an_older_policy_sampled_as_stale():
-  # Prompt (version 0), tokens sampled by versions 0 and 1, an observation, one by version 2.
+def test_rollout_batch_marks_tokens_sampled_over_an_older_cache_as_stale():
+  # Prompt (version 0), tokens sampled by versions 0 and 1, an observation, one by version 2:
+  # those of versions 1 and 2 attend to the prompt's KV cache, which version 0 wrote.
   record = RolloutRecord("t", 0, [5, 6, 7, 8, 9, 10], [0, 1, 1, 0, 1, 0],
                          [0, -0.1, -0.2, 0, -0.3, 0], 1, [0, 0, 1, 1, 2, 2])
   stale = lambda version: rollout_batch([record], [1.0], [0], seq_len=6,
                                         proximal_version=version).stale_mask[0]
-  np.testing.assert_array_equal(stale(2), [1, 1, 0, 0, 0, 0])  # only sampled tokens
-  np.testing.assert_array_equal(stale(1), [1, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(stale(2), [1, 1, 0, 1, 0, 0])  # only sampled tokens
+  np.testing.assert_array_equal(stale(1), [1, 1, 0, 1, 0, 0])
   np.testing.assert_array_equal(stale(0), [0] * 6)
   np.testing.assert_array_equal(stale(None), [0] * 6)  # synchronous: all on-policy
+
+
+def test_rollout_batch_weights_every_sampled_token_of_a_truncated_sampler():
+  record = RolloutRecord("t", 0, [5, 6, 7, 8, 9], [0, 0, 1, 0, 1], [0, 0, -0.5, 0, -0.25], 2,
+                         [0] * 5)
+  batch = rollout_batch([record], [1.0], [0], seq_len=6, truncated_sampling=True)
+  np.testing.assert_array_equal(batch.stale_mask[0], [0, 1, 0, 1, 0, 0])
 
 
 def test_rollout_batch_rejects_records_longer_than_the_update():
@@ -173,7 +183,17 @@ def _step(tiny, mesh, micro_batches):
 
 def test_update_is_unchanged_by_micro_batching_and_sharding(tiny, single_device_mesh):
   reference, ref_metrics = _step(tiny, single_device_mesh, 1)
-  assert ref_metrics["is_finite"] and ref_metrics["tokens"] > 0
+  assert ref_metrics["is_finite"]
+  assert ref_metrics["tokens"] == _random_batch(tiny[0]).loss_mask.sum()  # 63
+  # SGD at learning rate 1 moves the params by exactly the gradient: an update that was not
+  # applied would leave every run below equal to the others too.
+  model_config, model, tx = tiny
+  init = jax.device_get(state_lib.init_state(model, tx, single_device_mesh,
+                                             jax.random.key(0)).params)
+  moved = np.sqrt(sum(np.sum((np.asarray(a) - b) ** 2) for a, b in zip(
+      jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(init))))
+  np.testing.assert_allclose(moved, ref_metrics["grad_norm"], rtol=1e-4)
+  assert moved > 1e-2  # 0.051: far above the 1e-6 the runs are compared to
   mesh8 = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
   for mesh, micro in [(single_device_mesh, 4), (mesh8, 2)]:
     params, metrics = _step(tiny, mesh, micro)
@@ -247,3 +267,20 @@ def test_teacher_forced_logprobs_are_the_samplers_at_its_temperature(tiny, singl
     got, _ = fn(state.params, sharding.shard_batch(batch, mesh))
     gaps[temperature] = np.abs(np.asarray(got) - batch.sampler_logp)[batch.loss_mask > 0].max()
   assert gaps[0.6] < 1e-5 and gaps[1.0] > 0.05  # 4.8e-7 and 0.17
+
+
+def test_an_all_masked_mini_batch_applies_no_update(tiny, single_device_mesh):
+  """Not even AdamW's momentum and weight decay, which zero gradients would still apply."""
+  model_config, model, _ = tiny
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  step = update.jit_dapo_step(model, tx, single_device_mesh, donate=False,
+                              loss_config=PolicyLossConfig())
+  batch = sharding.shard_batch(_random_batch(model_config), single_device_mesh)
+  moved, metrics = step(state_lib.init_state(model, tx, single_device_mesh, jax.random.key(0)),
+                        batch)
+  assert metrics["applied"] and int(moved.step) == 1
+  masked = batch.replace(loss_mask=jnp.zeros_like(batch.loss_mask))
+  after, metrics = step(moved, masked)
+  assert metrics["is_finite"] and not metrics["applied"] and metrics["tokens"] == 0
+  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(after),
+                         jax.device_get(moved))

@@ -14,12 +14,13 @@ from coa_jax.data.tokenize import step_ids
 from coa_jax.data.tokenizer import default_tokenizer
 from coa_jax.model import ConfigError, build_config
 from coa_jax.model.transformer import Transformer
-from coa_jax.rollout.sampler import Chunk, Sampler, SamplingConfig
+from coa_jax.rollout.sampler import Chunk, Sampler, SamplingConfig, token_keys
 from coa_jax.rollout.tool_loop import (
   Rollout,
   RolloutConfig,
   Task,
   check_prompt_lengths,
+  sample_seed,
   stop_ids,
   summarize,
 )
@@ -140,8 +141,10 @@ def test_scripted_tool_episode_has_exact_ids_and_masks():
   assert record.ids == prompt + think + call + obs + answer
   assert record.loss_mask == ([0] * len(prompt) + [1] * len(think + call) + [0] * len(obs) +
                               [1] * len(answer))
-  assert all(lp == 0 for lp, m in zip(record.logprobs, record.loss_mask) if not m)
-  assert all(lp < 0 for lp, m in zip(record.logprobs, record.loss_mask) if m)
+  # The scripted sampler's log-prob of a token is -(its position) / 1000: each sampled token
+  # keeps its own, and the prompt and observation tokens, which no policy sampled, have 0.
+  np.testing.assert_allclose(record.logprobs, [-p / 1000 if m else 0.0
+                                               for p, m in enumerate(record.loss_mask)], rtol=1e-6)
   assert (record.finish_reason, record.turns, record.tool_calls) == ("answer", 1, {"code": 1})
   assert TOKENIZER.decode(obs).startswith("\n<observation>\n")
 
@@ -251,7 +254,11 @@ def test_an_observation_overflowing_the_budget_is_cut_and_finishes_the_row():
                tools=ToolRegistry({"code": Echo("code", padding=100)}), config=config)[0]["q"]
   assert record.finish_reason == "length"
   assert len(record.ids) == record.prompt_len + config.max_response_tokens
-  assert record.loss_mask[-1] == 0
+  call = steps(("code", "x"))  # then the observation up to the budget, none of it trained
+  cut = config.max_response_tokens - len(call)
+  assert record.ids[record.prompt_len:] == call + observation(
+      "code says: x" + " and more" * 100)[:cut]
+  assert record.loss_mask[record.prompt_len:] == [1] * len(call) + [0] * cut
 
 
 def test_repeated_calls_get_a_notice():
@@ -285,9 +292,11 @@ def real():
 def test_real_rollout_records_are_token_exact_and_do_not_recompile(real):
   engine, full_logits = real
   tasks = [Task(f"t{i}", f"What is {i} + {i}?") for i in range(9)]
-  first = [r for g in engine.run(tasks[:6]) for r in g]
+  # Five tasks in two group slots: the warm-up fills two groups and one at a time, whichever
+  # finish first.
+  first = [r for g in engine.run(tasks[:5]) for r in g]
   warm = engine.sampler.compilations()
-  second = [r for g in engine.run(tasks[6:]) for r in g]
+  second = [r for g in engine.run(tasks[5:]) for r in g]
   assert engine.sampler.compilations() == warm
   records = first + second
   assert sum(r.turns for r in records) > 0  # the random policy did call tools
@@ -306,10 +315,12 @@ class RecordingSampler(ScriptedSampler):
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    self.decoded_with, self.seeds = [], []
+    self.decoded_with, self.seeds, self.task_seeds = [], [], {}
 
   def prefill_groups(self, params, state, groups, budgets, seeds=None):
     self.seeds += [list(s) for s in seeds]
+    for (_, prompt), s in zip(groups, seeds):
+      self.task_seeds[TOKENIZER.decode(prompt).split("\n\n")[1]] = list(s)
     return super().prefill_groups(params, state, groups, budgets, seeds)
 
   def decode_chunk(self, params, state, key):
@@ -317,10 +328,10 @@ class RecordingSampler(ScriptedSampler):
     return super().decode_chunk(params, state, key)
 
 
-def _recording_rollout(scripts, batch_size=1):
+def _recording_rollout(scripts, batch_size=1, config=CONFIG):
   sampler = RecordingSampler(scripts, batch_size, stop_ids=stop_ids(TOKENIZER))
   tools = ToolRegistry({"code": Echo("code")})
-  return Rollout(sampler, "v0", TOKENIZER, tools, CONFIG, SYSTEM), sampler
+  return Rollout(sampler, "v0", TOKENIZER, tools, config, SYSTEM), sampler
 
 
 def test_weights_swapped_between_chunks_continue_the_sample_and_tag_its_tokens():
@@ -359,3 +370,33 @@ def test_a_task_drawn_again_in_one_run_gets_fresh_sampling_seeds():
   list(engine.run([Task("q", "q"), Task("q", "q")]))
   first, second = sampler.seeds
   assert first != second
+
+
+def test_row_seeds_number_the_rows_of_the_source_every_host_shares():
+  scripts = {f"q{i}": steps(("answer", f"q{i}")) for i in range(5)}
+  tasks = [Task(q, q) for q in scripts]
+  pairs = dataclasses.replace(CONFIG, group_size=2)
+  one, sampler = _recording_rollout(scripts, batch_size=4, config=pairs)
+  list(one.run(tasks))
+  assert sampler.task_seeds == {f"q{i}": [2 * i, 2 * i + 1] for i in range(5)}
+  for host in range(2):  # two hosts, each its share tasks[host::2]: the same seeds
+    engine, part = _recording_rollout(scripts, batch_size=4, config=pairs)
+    engine.shard = (host, 2)
+    list(engine.run(tasks[host::2]))
+    assert part.task_seeds == {q: sampler.task_seeds[q] for q in list(scripts)[host::2]}
+
+
+def test_distinct_rows_never_share_a_sampling_key():
+  tasks, group = 1 << 14, 16  # 262,144 rows of one run, at two cache positions each
+  seeds = np.array([sample_seed(t, i, group) for t in range(tasks) for i in range(group)])
+  assert len(np.unique(seeds)) == tasks * group
+  keys = [jax.random.key_data(token_keys(jax.random.key(0), jnp.asarray(seeds),
+                                         jnp.full(seeds.shape, t))) for t in (5, 6)]
+  bits = np.concatenate([np.asarray(k) for k in keys]).view(np.uint64)
+  assert len(np.unique(bits)) == 2 * tasks * group
+
+
+def test_a_run_past_2_31_rows_is_refused_rather_than_reusing_seeds():
+  assert sample_seed((2**31 - 1) // 16, 15, 16) == 2**31 - 1
+  with pytest.raises(ValueError, match="2\\*\\*31 rows"):
+    sample_seed(2**31 // 16, 0, 16)

@@ -78,7 +78,7 @@ def test_greedy_cached_decoding_equals_full_forward_argmax_across_an_extend(
   seqs, sampled, _ = run_episode(sampler(mesh1, cache_heads_first=cache_heads_first,
                                          extend_tokens=extend_tokens), params)
   for row, seq in enumerate(seqs):
-    assert len(sampled[row]) == 12 if row in (0, 2) else 6 + 6
+    assert len(sampled[row]) == 12  # rows 1 and 3: 6 tokens, the extend, 6 more
     for position, _ in sampled[row]:
       assert seq[position] == int(np.argmax(full_logits(seq[:position])[-1])), (row, position)
   assert len(set(seqs[0][5:11])) > 1  # the model does not just repeat one token
@@ -171,6 +171,40 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
   logits = jnp.log(jnp.array([0.05, 0.5, 0.15, 0.3]))
   freq = frequencies(logits, SamplingConfig(temperature=1.0, top_p=0.7))
   np.testing.assert_allclose(freq, [0, 0.5 / 0.8, 0, 0.3 / 0.8], atol=0.01)
+
+
+def numpy_filtered_logp(logits_V, sampling):
+  """The log-probs of the distribution sampled from, written from the definitions: softmax of
+  logits / temperature over the top_k largest, then over the fewest most likely of those whose
+  probability reaches top_p, renormalised (-inf off the kept set)."""
+  z = logits_V.astype(np.float64) / sampling.temperature
+  keep = np.ones(len(z), bool)
+  if sampling.top_k:
+    keep &= z >= np.sort(z)[-sampling.top_k]
+  if sampling.top_p < 1.0:
+    p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]  # mass of the likelier tokens
+    keep[order[before >= sampling.top_p]] = False
+  return np.where(keep, z - np.log(np.sum(np.exp(z[keep]))), -np.inf)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.7, top_k=4),
+                                      SamplingConfig(temperature=1.3, top_p=0.6),
+                                      SamplingConfig(temperature=0.9, top_k=5, top_p=0.7),
+                                      SamplingConfig(temperature=0.8)])
+def test_recorded_logprobs_are_of_the_truncated_renormalised_distribution(sampling):
+  logits = np.asarray(jax.random.normal(jax.random.key(2), (64, 12))) * 2.0
+  tokens, logprobs = sample_tokens(jnp.asarray(logits), jax.random.split(jax.random.key(3), 64),
+                                   sampling)
+  expected = [numpy_filtered_logp(row, sampling)[t] for row, t in zip(logits, np.asarray(tokens))]
+  np.testing.assert_allclose(logprobs, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_only_top_k_or_top_p_truncate_the_sampled_distribution():
+  assert SamplingConfig(top_k=5).truncates and SamplingConfig(top_p=0.9).truncates
+  assert not SamplingConfig(temperature=0.6).truncates and not GREEDY.truncates
 
 
 def test_temperature_scales_the_logits():

@@ -5,13 +5,15 @@ max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)) with decoupled clip rat
 ("clip-higher"); for negative advantages a dual clip caps it at -A c. Optional terms: a k3
 KL to a reference policy and an entropy bonus (both off by default, as in the reference).
 
-Off-policy tokens (asynchronous RL) use the decoupled objective: old_logp is the proximal
-policy (the trainer's weights when the batch is formed), which the ratio is clipped against,
-and a token that an older policy sampled (stale mask 1) has its surrogate weighted by the
-behaviour importance weight min(p_proximal / p_sampler, cap), a constant to the gradient. Every
-other token gets weight exactly 1, so with no stale token the loss and its gradient are the
-synchronous ones bit for bit: the sampler's and the teacher-forced log-probs of one policy
-differ only by rounding, which is not off-policyness.
+Off-policy tokens use the decoupled objective: old_logp is the proximal policy (the trainer's
+weights when the batch is formed), which the ratio is clipped against, and a token whose
+sampling distribution was not the proximal policy's (stale mask 1: an older policy sampled it
+or wrote the KV cache it was sampled over, or top-k / top-p truncated it; `coa_jax.rl.batch`)
+has its surrogate weighted by the behaviour importance weight min(p_proximal / p_sampler, cap),
+p_sampler the probability it was drawn with, a constant to the gradient. Every other token gets
+weight exactly 1, so with no stale token the loss and its gradient are the synchronous ones
+bit for bit: the sampler's and the teacher-forced log-probs of one policy differ only by
+rounding, which is not off-policyness.
 
 How per-token losses combine is the aggregation, expressed as a weight per token that
 `aggregation_weights` computes from the masks of the whole (global) mini-batch before it is
@@ -26,7 +28,9 @@ micro-batching and sharding leave it, and its gradient, exactly unchanged:
 - `group-token-mean` (the DAPO paper's formula read literally): a token mean within each
   prompt's group of samples, averaged over groups.
 
-Sequences (or groups) without any unmasked token (e.g. overlong-filtered) count in no mean.
+Sequences (or groups) without any unmasked token (e.g. overlong-filtered) count in no mean, so
+that a filter removes samples without rescaling the update of the others (verl's current
+`agg_loss` divides the seq-mean modes by every row instead; docs/dapo.md, "Empty rows").
 
 The config's `aggregation` names a function in the `AGGREGATIONS` registry. A new mode is a
 function and a name: `@AGGREGATIONS.register("name")` on a function
@@ -94,7 +98,10 @@ class PolicyLossSums:
   clip_high: jax.Array  # A > 0 and ratio > 1 + eps_high (the gradient is cut)
   clip_low: jax.Array  # A < 0 and ratio < 1 - eps_low
   dual_clip: jax.Array  # A < 0 and ratio > c
-  approx_kl: jax.Array  # k3 estimate of KL(old || new)
+  # KL(old || new), old the proximal policy (the ratio's denominator): the k3 estimate
+  # (r - 1) - log r, r = new / old, at tokens drawn from old. A stale token, drawn from
+  # another distribution, counts with its behaviour weight (importance sampling).
+  approx_kl: jax.Array
   ratio: jax.Array
   entropy: jax.Array
   ref_kl: jax.Array
@@ -212,7 +219,7 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: ja
       clip_high=masked_sum((adv > 0) & (ratio > 1.0 + config.eps_high)),
       clip_low=masked_sum((adv < 0) & (ratio < 1.0 - config.eps_low)),
       dual_clip=masked_sum(dual),
-      approx_kl=masked_sum(_k3(-log_ratio)),
+      approx_kl=masked_sum(behaviour * _k3(log_ratio)),
       ratio=masked_sum(ratio),
       entropy=masked_sum(entropy),
       ref_kl=masked_sum(ref_kl),

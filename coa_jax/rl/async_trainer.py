@@ -10,14 +10,16 @@ hosts an all-gather first), where the worker picks them up before its next decod
 
 Partial rollouts: an unfinished sample continues with the new weights at once. Its KV cache,
 computed by the older weights, is kept (recomputing it would cost a prefill of every row at
-every push); every token is tagged with the version that sampled it, and the sampler's own
-log-probabilities are what the importance weight divides by, so the kept cache is accounted
-for exactly: the behaviour policy of a token is whatever produced its recorded log-prob.
+every push). Every token is tagged with the version that sampled it, and the importance weight
+divides by the sampler's own log-probability, the distribution it actually drew from. A token
+sampled over a cache that older weights wrote had a distribution that neither version gives, so
+its behaviour version is the oldest among its row's tokens so far (`rl.batch.rollout_batch`).
 
 The update is the decoupled objective (`coa_jax.losses.dapo`): the ratio is clipped against
 the proximal policy (the trainer's weights when it takes the batch: the same teacher-forced
-old log-probs as the synchronous step), and tokens sampled by an older version are weighted
-by min(p_proximal / p_sampler, rl.async.weight_cap). With staleness 0 the worker starts one
+old log-probs as the synchronous step), and tokens whose behaviour version is older are
+weighted by min(p_proximal / p_sampler, rl.async.weight_cap) (docs/async_rl.md says what that
+leaves approximate). With staleness 0 the worker starts one
 batch per version and no token is stale, so an update is the synchronous step's, bit for bit
 on the same data and mesh. Dynamic sampling, overlong shaping and the format penalty work as
 in the synchronous job (uniform groups give their place back; after rl.max_rounds x

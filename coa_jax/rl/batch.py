@@ -14,16 +14,22 @@ def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
                   groups: Sequence[int], seq_len: int,
                   drop_mask: Sequence[bool] | None = None,
                   proximal_version: int | None = None,
-                  outcomes: tuple[Sequence[float], Sequence[bool]] | None = None) -> PolicyBatch:
+                  outcomes: tuple[Sequence[float], Sequence[bool]] | None = None,
+                  truncated_sampling: bool = False) -> PolicyBatch:
   """Returns the (B, seq_len) next-token arrays of `records`, right-padded.
 
   Row b predicts ids[1:] from ids[:-1]; its loss mask is the record's mask on the predicted
   tokens (sampled tokens only) and 0 where `drop_mask[b]` (e.g. overlong filtering);
   sampler_logp holds the sampler's log-probs there; every token gets the row's advantage;
-  `group` is the row's prompt-group id. stale_mask is 1 on the predicted sampled tokens that a
-  policy older than `proximal_version` sampled (None: every token is on-policy, the synchronous
-  case). `outcomes` (PPO: each row's reward and bootstrap flag, `coa_jax.rl.critic.outcomes`)
-  fill `rewards` and `bootstrap`. old_logp is left for the update to recompute.
+  `group` is the row's prompt-group id. stale_mask is 1 on the predicted sampled tokens whose
+  sampling distribution was not the proximal policy's, to be importance-weighted: every one
+  when `truncated_sampling` (top-k / top-p cut the policy), else those whose distribution a
+  policy older than `proximal_version` shaped (None: none, the synchronous case). A token was
+  sampled over a KV cache that its row's earlier tokens' versions wrote (partial rollouts), so
+  its behaviour version is the oldest of its own and theirs; versions only grow, so that is
+  the prompt's. `outcomes` (PPO: each row's reward and bootstrap flag,
+  `coa_jax.rl.critic.outcomes`) fill `rewards` and `bootstrap`. old_logp is left for the
+  update to recompute.
   """
   rows = len(records)
   if not rows == len(advantages) == len(groups):
@@ -50,8 +56,11 @@ def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
     arrays["segment_ids"][b, :n] = 1
     arrays["sampler_logp"][b, :n] = record.logprobs[1:]
     arrays["advantages"][b, :n] = advantages[b]
-    if proximal_version is not None:
-      arrays["stale_mask"][b, :n] = (np.asarray(record.versions[1:]) < proximal_version) & (
+    if truncated_sampling:
+      arrays["stale_mask"][b, :n] = arrays["loss_mask"][b, :n] > 0
+    elif proximal_version is not None:
+      behaviour = np.minimum.accumulate(np.asarray(record.versions))
+      arrays["stale_mask"][b, :n] = (behaviour[1:] < proximal_version) & (
           arrays["loss_mask"][b, :n] > 0)
   if outcomes is not None:
     arrays["rewards"] = np.asarray(outcomes[0], np.float32)

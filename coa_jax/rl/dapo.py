@@ -259,7 +259,8 @@ class Trainer:
     """Updates once per mini-batch of this host's `kept` groups, rl.ppo_epochs times over them
     (every host calls it with its share); returns the updates' mean metrics and the log-prob
     health. `proximal_version` (asynchronous RL) is the policy version of the current params:
-    tokens an older one sampled are importance-weighted (None: every token is on-policy).
+    tokens an older one shaped are importance-weighted (None: none is), as is every token when
+    top-k / top-p truncate the sampling (`rollout_batch`).
     With a critic (PPO), the critic updates on every mini-batch too, and the actor only after
     the critic's warm-up and pre-training."""
     rl = self.config.rl
@@ -283,7 +284,8 @@ class Trainer:
       part = slice(start, start + rows)
       batch = rollout_batch(records[part], advantages[part], groups, self.seq_len, drop[part],
                             proximal_version,
-                            None if outcomes is None else (outcomes[0][part], outcomes[1][part]))
+                            None if outcomes is None else (outcomes[0][part], outcomes[1][part]),
+                            truncated_sampling=self.engine.sampler.sampling.truncates)
       mini_batches.append(sharding.shard_batch(batch, self.mesh))
     mini_batches, health = self._with_old_logprobs(mini_batches)
     actor_trains, critic_metrics = True, {}

@@ -16,18 +16,22 @@ A `DecodeState` holds B rows ("slots"). Row r has `cache.lengths_B[r]` tokens in
   makes their last token pending.
 
 Randomness is per row: the token a row samples at cache position t is drawn with the key
-fold_in(fold_in(key, seed of the row), t). A row's samples therefore depend on the key, its seed
-and its own tokens only, not on which slot it holds, what else is in the batch, how the batch is
-split over devices and hosts, or where chunk boundaries fall.
+fold_in(fold_in(key, seed of the row), t) (`token_keys`). A row's samples therefore depend on the
+key, its seed and its own tokens only, not on which slot it holds, what else is in the batch, how
+the batch is split over devices and hosts, or where chunk boundaries fall. For one key, fold_in
+is one-to-one in its 32-bit data (a block cipher), so rows with distinct seeds never share a
+row key; their token keys coincide only as two random 64-bit keys would.
 
 Shapes are static: B, the cache size S and K are fixed; the token and row counts of prefill
 and extend are padded up to power-of-two buckets (rows past the real ones point at index B
 and are dropped, as are padding tokens past slot S), so a rollout compiles each function once
 per bucket it uses.
 
-Log-probabilities are those of the policy at the sampling temperature,
-log_softmax(logits / temperature) (raw logits when greedy), before top-k/top-p truncation,
-which is what a policy-gradient update recomputes.
+Log-probabilities are those of the distribution each token was drawn from: softmax(logits /
+temperature) restricted to the tokens that top-k and top-p keep and renormalised, i.e.
+log_softmax(logits / temperature) minus the log of the kept tokens' total probability (which is
+1 with neither on). Greedy decoding records log_softmax(logits). The update's own log-probs are
+of the tempered policy without truncation (`coa_jax.rl.update.policy_logprobs`; docs/dapo.md).
 """
 
 from __future__ import annotations
@@ -55,6 +59,11 @@ class SamplingConfig:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+
+  @property
+  def truncates(self) -> bool:
+    """Returns whether top-k or top-p cut the tempered policy before tokens are drawn."""
+    return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
 
   def __post_init__(self):
     if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
@@ -84,14 +93,14 @@ class Chunk:
 
 def sample_tokens(logits_BxV: jax.Array, keys_B: jax.Array,
                   sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-  """Returns (token_B, logprob_B) drawn from `logits_BxV` under `sampling`, row b with keys_B[b]."""
+  """Returns (token_B, logprob_B) drawn from `logits_BxV` under `sampling`, row b with keys_B[b]:
+  logprob_B under the distribution drawn from (see the module docstring)."""
   logits_BxV = logits_BxV.astype(jnp.float32)
   if sampling.temperature == 0:
     token_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
   else:
     scaled_BxV = logits_BxV / sampling.temperature
-    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
     kept_BxV = scaled_BxV
     if sampling.top_k:
       kth_Bx1 = jax.lax.top_k(scaled_BxV, sampling.top_k)[0][:, -1:]
@@ -105,8 +114,16 @@ def sample_tokens(logits_BxV: jax.Array, keys_B: jax.Array,
                            keepdims=True)
       kept_BxV = jnp.where(kept_BxV < cutoff_Bx1, -jnp.inf, kept_BxV)
     token_B = jax.vmap(jax.random.categorical)(keys_B, kept_BxV).astype(jnp.int32)
+    # The distribution the token was drawn from: the kept tokens' renormalised softmax.
+    logp_BxV = jax.nn.log_softmax(kept_BxV, axis=-1)
   logprob_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
   return token_B, logprob_B
+
+
+def token_keys(key: jax.Array, seed_B: jax.Array, position_B: jax.Array) -> jax.Array:
+  """Returns the (B,) keys rows draw their tokens at cache positions position_B with."""
+  return jax.vmap(lambda seed, t: jax.random.fold_in(jax.random.fold_in(key, seed), t))(
+      seed_B, position_B)
 
 
 def bucket(n: int, smallest: int = 8) -> int:
@@ -263,8 +280,7 @@ class Sampler:
       cache = state.cache
       logits, cache = self._run(params, cache, state.pending_B[:, None], cache.lengths_B[:, None],
                                 model=self.decode_model)
-      keys_B = jax.vmap(lambda seed, t: jax.random.fold_in(jax.random.fold_in(key, seed), t))(
-          state.seed_B, cache.lengths_B)
+      keys_B = token_keys(key, state.seed_B, cache.lengths_B)
       token_B, logprob_B = sample_tokens(logits[:, -1], keys_B, self.sampling)
       active_B = state.active_B
       out = Chunk(out.tokens_BxK.at[:, i].set(jnp.where(active_B, token_B, 0)),

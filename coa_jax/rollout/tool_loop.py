@@ -20,6 +20,11 @@ their KV cache, computed by the older weights, is kept, and every token is tagge
 version that sampled it (or encoded it, for prompt and observation tokens). The task source of
 such a run may yield None when it has no task for now (see `run`).
 
+Randomness: each run splits a key off `key`; row r of the i-th task taken from the source
+samples with the seed (shard index + shard count x i) x group_size + r (`sample_seed`), its row
+number in the source every host shares (`shard`), so no two rows of a run share a seed (a task
+drawn again gets a new number), and a sample does not depend on its slot or the host split.
+
 Records are token in, token out: the ids the sampler produced and consumed, with the loss
 mask (1 on sampled tokens; 0 on prompt and observation tokens, tags included) and the
 sampler's log-probabilities (0 where the mask is 0).
@@ -31,7 +36,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-import zlib
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
@@ -173,6 +177,9 @@ class Rollout:
     self.sampler, self.params, self.tokenizer = sampler, params, tokenizer
     self.tools, self.config, self.system_prompt = tools, config, system_prompt
     self.key = jax.random.key(seed)
+    # (index, count): this host's source is tasks[index::count] of one that `count` hosts share
+    # (as every job splits its tasks); rows are numbered in the shared source (`sample_seed`).
+    self.shard = (jax.process_index(), jax.process_count())
     self.listener: Callable[[RolloutRecord], None] | None = None  # sees every record update
     self.before_chunk: Callable[[], None] | None = None  # may swap params and version
     self.version = 0  # the policy version of `params`, tagged on every token appended
@@ -194,9 +201,9 @@ class Rollout:
     exhausted = False
     rows: dict[int, _Row] = {}
     free = list(range(0, self.sampler.batch_size, n))
-    # One key per run: a sample depends on it, its task and its index only (not on its slot).
+    # One key per run: a sample depends on it, its row number and its tokens only (module doc).
     key, self.key = jax.random.split(self.key)
-    self._draws: collections.Counter = collections.Counter()  # task id -> times started
+    self._taken = 0
     state = self.sampler.init_state()
     pool = concurrent.futures.ThreadPoolExecutor(cfg.tool_workers, "rollout-tool")
     try:
@@ -241,6 +248,8 @@ class Rollout:
       ended = task is _END
       if task is None or ended:
         break
+      number = self.shard[0] + self.shard[1] * self._taken
+      self._taken += 1
       prompt = self.tokenizer.prompt_ids(self.system_prompt, task.question)
       records = [RolloutRecord(task.id, i, [], [], [], len(prompt), task_data=dict(task.data))
                  for i in range(n)]
@@ -259,10 +268,8 @@ class Rollout:
       self.in_flight = len(rows)
       groups.append((list(range(start, start + n)), prompt))
       budgets.append(len(prompt) + cfg.max_response_tokens)
-      # A task drawn again within one run (a long-running source) gets fresh samples.
-      draw = f"{task.id}@{self._draws[task.id]}" if self._draws[task.id] else task.id
-      self._draws[task.id] += 1
-      seeds.append([sample_seed(draw, i) for i in range(n)])
+      # A task drawn again within one run (a long-running source) has a new number.
+      seeds.append([sample_seed(number, i, n) for i in range(n)])
     if groups:
       state = self.sampler.prefill_groups(self.params, state, groups, budgets, seeds)
     return state, rejected, ended
@@ -387,9 +394,14 @@ class Rollout:
     return ids
 
 
-def sample_seed(task_id: str, sample: int) -> int:
-  """Returns the sampling seed of a task's sample-th sample (a non-negative int32)."""
-  return zlib.crc32(f"{task_id}#{sample}".encode()) & 0x7FFFFFFF
+def sample_seed(number: int, sample: int, group_size: int) -> int:
+  """Returns the sampling seed of the sample-th sample of a run's task `number`: its row number
+  in the run, distinct for every (task, sample) and a non-negative int32."""
+  seed = number * group_size + sample
+  if not 0 <= sample < group_size or not 0 <= seed < 2**31:
+    raise ValueError(f"no int32 seed for sample {sample} of task {number} in groups of "
+                     f"{group_size}: start a new run (a new key) before 2**31 rows")
+  return seed
 
 
 def summarize(records: Iterable[RolloutRecord]) -> dict[str, Any]:

@@ -41,8 +41,9 @@ class PolicyBatch(TokenBatch):
   sampler_logp: the log-probs the sampler drew each token with; old_logp: the rollout policy's
   teacher-forced log-probs, recomputed before the update (the ratio's denominator); ref_logp:
   the reference policy's (only with a KL term); group: each row's prompt-group id; stale_mask: 1
-  on tokens sampled by an older policy than old_logp's (asynchronous RL), which the loss
-  importance-weights by old_logp vs sampler_logp.
+  on tokens whose sampling distribution was not old_logp's policy (asynchronous RL: an older
+  version sampled them or wrote their KV cache; any sampling truncated by top-k / top-p), which
+  the loss importance-weights by old_logp vs sampler_logp.
 
   PPO with a critic (rl.advantage = "gae") adds: rewards, each row's outcome reward (GAE puts
   it on the row's last trainable token); bootstrap, 1 where GAE bootstraps the row from its
