@@ -94,10 +94,7 @@ class Checkpointer:
         try:
           restored = self._manager.restore(step, args=ocp.args.Composite(
               state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-          # Every shard in place before the first step. An 8-device CPU resume under load hung
-          # in the first step's collectives with one device missing from every rendezvous;
-          # likely the devices whose shards landed first ran ahead and held every executor
-          # thread.
+          # Every shard in place (and any read error raised here, where it is caught).
           jax.block_until_ready(restored["state"])
         except Exception as e:  # noqa: BLE001 - any unreadable step is set aside the same way
           problem = f"{type(e).__name__}: {str(e)[:300]}"

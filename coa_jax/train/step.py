@@ -135,10 +135,9 @@ def run_step(step_fn: Callable, state: TrainState,
   donated, so the caller must keep the returned one either way). The flag comes out of one
   program over the global batch, so every process sees the same value.
 
-  Reading the metrics waits for one device only; waiting for every device keeps two programs
-  from running at once. On the CPU backend, a program that started on some devices while the
-  previous one still ran on others deadlocked in their collectives (an 8-device resume and a
-  2-device DAPO update, each under load, once).
+  Reading the metrics waits for one device only; waiting for the whole state keeps two steps
+  from running at once. (The CPU hangs once blamed on overlapping steps came from collectives
+  inside the scanned layer loop: `hf_checkpoint.unroll_layers_on_cpu_meshes`.)
   """
   state, metrics = step_fn(state, batch)
   jax.block_until_ready(state)
