@@ -211,3 +211,14 @@ def test_fine_tuning_an_hf_checkpoint_grows_its_vocabulary_for_the_tags(tmp_path
   assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
   exported = json.loads((tmp_path / "export" / "config.json").read_text())
   assert exported["vocab_size"] == 1024 and exported["hidden_size"] == 32
+
+
+def test_the_run_ends_when_the_data_are_exhausted(tmp_path):
+  source = os.path.join(ROOT, "coa_jax", "assets", "coa_sample.jsonl")
+  with open(source) as f, open(tmp_path / "few.jsonl", "w") as out:
+    out.writelines(f.readlines()[:12])
+  summary = sft.run(_config(tmp_path, 50, **{"data.path": str(tmp_path / "few.jsonl"),
+                                             "data.num_epochs": 1}))
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert 1 <= summary["steps"] == len(rows) < 50
+  assert sorted(os.listdir(tmp_path / "ckpt"))[-1] == str(summary["steps"])  # saved at the end

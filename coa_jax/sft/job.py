@@ -40,7 +40,11 @@ class SFTJob:
     self.state, self.batches, self.step_fn, self.mesh = state, batches, step_fn, mesh
 
   def step(self, step: int) -> dict[str, float]:
-    batch = next(self.batches)  # StopIteration ends the run: the data are exhausted
+    batch = next(self.batches, None)
+    # Shards pack into different numbers of batches: the run ends when any process's data
+    # are exhausted, on every process at once (one alone would leave the others in the step).
+    if any(distributed.gather_json(batch is None)):
+      raise StopIteration
     self.state, metrics = step_lib.run_step(self.step_fn, self.state,
                                             sharding.shard_batch(batch, self.mesh))
     return metrics

@@ -5,7 +5,7 @@ and what a checkpoint keeps beside the state) and a `LoopConfig`; `run_loop` doe
 
 - resumes from the newest checkpoint in `checkpoint.directory` (train state and job data);
 - runs steps until `steps`, or `stop_after` more of them (a time-limited invocation), or the
-  job's data run out;
+  job's data run out (which ends the run: its last state is saved and exported);
 - prints a progress line every `log_every` steps with its rate and ETA, and writes every
   step's metrics to workdir/metrics.jsonl and TensorBoard events (clu metric writers);
 - saves a checkpoint every `checkpoint.every` steps, at the last step, and on SIGTERM (then
@@ -14,7 +14,8 @@ and what a checkpoint keeps beside the state) and a `LoopConfig`; `run_loop` doe
   to `nonfinite_skips` such steps (counted in the metrics as nonfinite_skipped, kept across
   resumes), and at the next one saves the state it holds (the last good one) and stops with
   NonFiniteLossError;
-- plots the metrics (PNG) and, once all `steps` are done, exports an HF checkpoint.
+- plots the metrics (PNG) and, once all `steps` are done or the data ran out, exports an HF
+  checkpoint.
 
 Every decision that leads to a collective (save, stop, restore) is the same on every process:
 the step counts are, the non-finite flag comes out of one global program, and preemption and
@@ -147,7 +148,7 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
   writer = writers.open_writer(config.workdir, append=restored is not None, active=active)
   progress = _Progress(config.steps, config.log_every, config.unit, config.shown)
   rows: list[dict[str, float]] = []
-  completed, stopped_by_signal = start, False
+  completed, stopped_by_signal, exhausted, saved = start, False, False, start
   t0 = previous = time.perf_counter()
 
   def save(step: int, force: bool = False) -> None:
@@ -161,6 +162,9 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
           metrics = job.step(step)
         except StopIteration:
           say(f"data exhausted at step {step - 1}")
+          exhausted = True
+          if checkpointer and saved != completed:  # the run ends here: keep its last state
+            save(completed)
           break
         if metrics.get("nonfinite", 0.0) > 0:
           skipped += 1
@@ -189,6 +193,7 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
         stopping = preemption.reached(step)
         if checkpointer and (step % ckpt.every == 0 or step == last or stopping):
           save(step, force=stopping)
+          saved = step
         completed = step
         if stopping:
           stopped_by_signal = True
@@ -203,7 +208,7 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
   if rows and active:
     result.plot = plot_metrics(result.metrics, os.path.join(config.workdir, config.plot_file),
                                config.plot_keys, config.title)
-  if config.export_dir and completed == config.steps:
+  if config.export_dir and (completed == config.steps or exhausted):
     hf_checkpoint.save_checkpoint(config.export_dir, model_config, job.state.params,
                                   dtype=config.export_dtype)
     result.export_dir = config.export_dir
