@@ -199,15 +199,3 @@ def test_a_model_config_contradicting_the_checkpoint_is_named(tmp_path, single_d
   config, _ = hf_checkpoint.load_checkpoint(str(tmp_path / "hf"), single_device_mesh,
                                             num_layers=2, remat="full", vocab_size=128)
   assert (config.num_layers, config.remat, config.vocab_size) == (2, "full", 128)
-
-
-def test_layers_are_unrolled_on_multi_device_cpu_meshes_only(single_device_mesh):
-  """XLA:CPU can deadlock collectives inside a scanned layer loop (see
-  `unroll_layers_on_cpu_meshes`); one device keeps the scan."""
-  from coa_jax.model.config import build_config
-  from configs import common
-
-  config = build_config(common.model("tiny", num_layers=3))
-  several = hf_checkpoint.unroll_layers_on_cpu_meshes(config, sharding.make_mesh((2, 2, 2)))
-  one = hf_checkpoint.unroll_layers_on_cpu_meshes(config, single_device_mesh)
-  assert (config.scan_unroll, several.scan_unroll, one.scan_unroll) == (1, 3, 1)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from coa_jax.model import ConfigError, Transformer, get_preset
+from coa_jax.runtime import sharding
 from coa_jax.runtime.sharding import abstract_params
 
 
@@ -87,6 +88,20 @@ def test_scanned_program_size_does_not_grow_with_depth():
     return len(jax.jit(model.apply).lower(params, ids).as_text())
 
   assert abs(hlo_size(2) - hlo_size(12)) < 200  # only a loop bound changes
+
+
+def test_layers_are_unrolled_only_in_programs_over_several_cpu_devices():
+  """XLA:CPU can deadlock collectives inside the layer loop (`transformer.layer_unroll`)."""
+  model = Transformer(get_preset("tiny", num_layers=3))
+  ids = jnp.zeros((8, 16), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids))
+
+  def layer_loops(mesh):
+    with sharding.activate(mesh):
+      return jax.jit(model.apply).lower(params, ids).as_text().count("stablehlo.while")
+
+  assert layer_loops(sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])) == 1
+  assert layer_loops(sharding.make_mesh((2, 2, 2))) == 0
 
 
 @pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])

@@ -251,6 +251,21 @@ class DecoderLayer(nn.Module):
 HEADS = ("lm", "value")
 
 
+def layer_unroll(cfg: ModelConfig) -> int:
+  """Returns how many layers one step of the layer scan runs: all of them in a program over
+  several CPU devices (the current mesh), else `cfg.scan_unroll` (the same values either way).
+
+  XLA:CPU (jaxlib 0.10.2) can deadlock a program whose collectives sit inside a while loop
+  beside independent collectives outside it: one device enters the loop and blocks in its
+  all-gather while its peers block in an all-reduce before the loop that it never joins
+  (docs/testing.md). An 8-device tiny SFT step loop hung in 8 of 10 runs, 0 of 20 unrolled.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and mesh.size > 1 and target_platform() == "cpu":
+    return cfg.num_layers
+  return cfg.scan_unroll
+
+
 class Transformer(nn.Module):
   """Decoder-only language model; `__call__` returns float32 logits (B, T, V), or with
   head="value" (a critic) float32 values (B, T): a bias-free linear map of the last hidden
@@ -294,7 +309,7 @@ class Transformer(nn.Module):
       layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     layers = nn.scan(
         layer, variable_axes={"params": 0}, split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers, unroll=cfg.scan_unroll,
+        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers, unroll=layer_unroll(cfg),
         metadata_params={nn.PARTITION_NAME: "layers"})(
             cfg, cache_heads_first=cache is not None and cache.heads_first, name="layers")
     if cache is None:

@@ -324,27 +324,10 @@ def load_model(config: Any, tokenizer, mesh) -> tuple[ModelConfig, Any]:
   sharding_lib.check_attention(config.model.get("attention_impl", "xla"), mesh)
   if config.model.get("checkpoint"):
     overrides = {k: v for k, v in config.model.items() if k not in ("preset", "checkpoint")}
-    model_config, params = load_checkpoint(config.model.checkpoint, mesh,
-                                           vocab_size=tokenizer.vocab_size, **overrides)
-    return unroll_layers_on_cpu_meshes(model_config, mesh), params
+    return load_checkpoint(config.model.checkpoint, mesh,
+                           vocab_size=tokenizer.vocab_size, **overrides)
   model_config = build_config(config.model)
   if model_config.vocab_size < tokenizer.vocab_size:
     model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   sharding_lib.check_model_fits_mesh(model_config, mesh)
-  return unroll_layers_on_cpu_meshes(model_config, mesh), None
-
-
-def unroll_layers_on_cpu_meshes(model_config: ModelConfig, mesh: Mesh) -> ModelConfig:
-  """Returns `model_config` with the layer scan fully unrolled when `mesh` is several CPU
-  devices, else unchanged (the losses are bit-identical either way).
-
-  XLA:CPU (jaxlib 0.10.2) can deadlock a program whose collectives sit inside a while loop
-  (the scanned layers' all-gathers and all-reduces) beside independent collectives outside it:
-  one device enters the loop and blocks in its all-gather while its peers block in an
-  all-reduce that precedes the loop and that it never joins (every rendezvous missing one
-  device; more threads do not help). Without the loop the step cannot reorder them.
-  """
-  devices = np.asarray(mesh.devices).reshape(-1)
-  if devices.size > 1 and devices[0].platform == "cpu":
-    return model_config.replace(scan_unroll=model_config.num_layers)
-  return model_config
+  return model_config, None

@@ -137,7 +137,7 @@ def run_step(step_fn: Callable, state: TrainState,
 
   Reading the metrics waits for one device only; waiting for the whole state keeps two steps
   from running at once. (The CPU hangs once blamed on overlapping steps came from collectives
-  inside the scanned layer loop: `hf_checkpoint.unroll_layers_on_cpu_meshes`.)
+  inside the scanned layer loop: `model.transformer.layer_unroll`.)
   """
   state, metrics = step_fn(state, batch)
   jax.block_until_ready(state)
