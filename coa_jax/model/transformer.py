@@ -253,7 +253,8 @@ HEADS = ("lm", "value")
 
 def layer_unroll(cfg: ModelConfig) -> int:
   """Returns how many layers one step of the layer scan runs: all of them in a program over
-  several CPU devices (the current mesh), else `cfg.scan_unroll` (the same values either way).
+  several CPU devices (the current mesh), else `cfg.scan_unroll` (the same computation; the
+  tiny SFT step's losses matched to every printed digit).
 
   XLA:CPU (jaxlib 0.10.2) can deadlock a program whose collectives sit inside a while loop
   beside independent collectives outside it: one device enters the loop and blocks in its
