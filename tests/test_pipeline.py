@@ -2,6 +2,7 @@
 results over seeds (mean and sample standard deviation)."""
 
 import json
+import os
 
 import pytest
 
@@ -70,3 +71,12 @@ def test_copy_curve_probes_each_segment_of_sft(tmp_path):
   saved = json.load(open(tmp_path / "run" / "copy_curve" / "copy_curve.json"))
   assert saved["curves"]["0"] == curves[0] and saved["every"] == 2
   assert (tmp_path / "run" / "copy_curve" / "copy_curve.png").exists()
+
+
+def test_the_readme_table_is_the_committed_results_table():
+  """The README's main-result table is the `table` of the committed results file."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "docs", "results", "pipeline_tiny", "results.json")) as f:
+    table = json.load(f)["table"].strip()
+  with open(os.path.join(root, "README.md")) as f:
+    assert table in f.read()
