@@ -20,6 +20,11 @@ def test_quick_pipeline_runs_every_stage(tmp_path):
   assert rows["teacher"]["pass@1"] > 0.5  # the scripted teacher solves them
   copied = rows["sft"]["copy_exact"] * rows["sft"]["copy_steps"]  # the copy probe ran on SFT
   assert rows["sft"]["copy_steps"] > 0 and copied == round(copied)  # of whole copy steps
+  curves = rows["sft"]["curves"]  # test-time scaling, k = 1..samples per task
+  k = len(curves["k"])
+  assert curves["k"] == list(range(1, k + 1)) and k == rows["sft"]["samples_per_task"]
+  assert curves["pass@k"][0] == pytest.approx(rows["sft"]["pass@1"])
+  assert curves["pass@k"][-1] == pytest.approx(rows["sft"][f"pass@{k}"])
   for name in ("distill/trajectories.jsonl", "distill/heldout_trajectories.jsonl",
                "seed-0/sft/hf_export/config.json", "seed-0/dapo/hf_export/config.json",
                "results.png"):

@@ -1,6 +1,7 @@
 """Evaluation: run a policy (a checkpoint with tools, or the teacher system) on tasks, k samples
 each, and report pass@1, avg@k, pass@k (unbiased), majority-vote best-of-k, tokens and tool
-calls per task, the format-error rate and finish reasons.
+calls per task, the format-error rate and finish reasons, and the test-time scaling curves
+(pass@j and maj@j for j = 1..k, `scaling.curves`).
 
 Task files: `coa_jax.data.tasks`.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 import os
 from typing import Any, Sequence
 
@@ -19,6 +19,7 @@ import jax
 from coa_jax.data import coa_format, rewards
 from coa_jax.data.tasks import Task, load_tasks
 from coa_jax.data.tokenizer import load_tokenizer
+from coa_jax.evaluation.scaling import curves, pass_at_k
 from coa_jax.model import ConfigError
 from coa_jax.rollout.tool_loop import check_prompt_lengths
 from coa_jax.runtime import distributed
@@ -35,16 +36,6 @@ class Sample:
   format_errors: int
   finish_reason: str = "answer"
   text: str = ""  # the response, for reading failures in samples.jsonl
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-  """Returns the unbiased estimate of pass@k from n samples of which c are correct:
-  1 - C(n - c, k) / C(n, k)."""
-  if not 0 <= c <= n or not 1 <= k <= n:
-    raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-  if n - c < k:
-    return 1.0
-  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def majority_correct(samples: Sequence[Sample]) -> bool:
@@ -215,7 +206,8 @@ def run(config: Any) -> dict[str, Any]:
   # In task-file order: groups finish in an order that tool and thread timing move, and the
   # metrics' float sums (and samples.jsonl) must not depend on it.
   outcomes = {task.id: outcomes[task.id] for task in tasks if task.id in outcomes}
-  metrics = {**summarize(outcomes, k), "sandbox_isolation": isolation}
+  metrics = {**summarize(outcomes, k), "sandbox_isolation": isolation,
+             "curves": curves(outcomes, range(1, k + 1))}  # test-time scaling
   families = {task.id: task.data["family"] for task in tasks if "family" in task.data}
   if families:
     metrics["pass@1_by_family"] = pass_at_1_by(outcomes, families)

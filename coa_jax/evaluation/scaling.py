@@ -3,7 +3,7 @@
 Each value is the exact expectation over the k-subsets of a task's n samples, so a curve from n
 samples has no subset-sampling noise:
 
-- pass@k: some sample of the k is correct (the unbiased estimator, `job.pass_at_k`);
+- pass@k: some sample of the k is correct (the unbiased estimator, `pass_at_k`);
 - maj@k: the most frequent normalized answer among the k is correct. Ties are broken uniformly
   at random among the tied answers (the expectation of "the first seen" over the subsets'
   orders); samples without an answer cast no vote, and k of them score 0.
@@ -13,10 +13,22 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 from coa_jax.data import rewards
-from coa_jax.evaluation.job import Sample, pass_at_k
+
+# A sample is an `evaluation.job.Sample`: read here are `.correct` and `.answer` (None: none).
+Sample = Any
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Returns the unbiased estimate of pass@k from n samples of which c are correct:
+  1 - C(n - c, k) / C(n, k)."""
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def maj_at_k(samples: Sequence[Sample], k: int) -> float:
