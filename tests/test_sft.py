@@ -156,6 +156,10 @@ def test_non_finite_steps_are_skipped_up_to_the_configured_count(tmp_path):
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [(r["step"], r["nonfinite"], r["nonfinite_skipped"]) for r in rows] == [
       (1, 0, 0), (2, 0, 0), (3, 1, 1)]
+  # The count is kept in the checkpoint saved at step 4: a resumed run goes on from it.
+  sft.run(_config(tmp_path, 5, **{"train.z_loss": float("nan"), "train.nonfinite_skips": 5}))
+  last = json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])
+  assert (last["step"], last["nonfinite_skipped"]) == (5, 3)
 
 
 @pytest.mark.parametrize("content,message", [(None, "does not exist"), ("", "is empty"),
