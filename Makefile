@@ -18,7 +18,7 @@ EXTRAS := test,tpu,plots,tfds
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline rl-curves distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline experiment distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit clean
 
 $(STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it the sandbox falls
@@ -67,10 +67,10 @@ rollout: $(STAMP)
 pipeline: $(STAMP)
 	$(BIN)/python experiments/pipeline.py $(ARGS)
 
-# DAPO and PPO side by side from the main job's SFT models: held-out learning curves over
-# seeds (docs/ppo.md); needs `make pipeline ARGS="--seeds 3"` first.
-rl-curves: $(STAMP)
-	$(BIN)/python experiments/rl_curves.py $(ARGS)
+# One of the paper's experiments in miniature (configs/experiments.py, docs/experiments.md):
+# make experiment NAME=rl-ceiling [ARGS="--publish"]; needs `make pipeline ARGS="--seeds 3"`.
+experiment: $(STAMP)
+	$(BIN)/python experiments/experiment.py --name=$(NAME) $(ARGS)
 
 distill: $(STAMP)
 	$(BIN)/python experiments/distill.py $(ARGS)

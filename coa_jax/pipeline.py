@@ -22,9 +22,11 @@ import ml_collections
 import numpy as np
 
 from coa_jax import distill, evaluation, rl, sft
-from coa_jax.data import DropCounter, load_source, load_tokenizer
+from coa_jax.data import DropCounter, load_source, load_tasks, load_tokenizer
 from coa_jax.model import Transformer
+from coa_jax.rl import query_selection
 from coa_jax.runtime import load_model, sharding
+from coa_jax.runtime.cache import file_fingerprint, fingerprint
 from coa_jax.runtime.distributed import say
 
 SYSTEMS = {"teacher": "teacher system", "sft": "AFM after SFT", "dapo": "AFM after DAPO"}
@@ -122,7 +124,7 @@ def format_summary(summary: dict[str, dict[str, dict[str, Any]]], k: int) -> str
   return "\n".join(lines)
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
   """Returns matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
   try:
     import matplotlib
@@ -138,7 +140,7 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], k: int, seeds: int,
   """Writes bar charts (mean over seeds, sd as error bars, values on the bars) of pass@1 and
   pass@k, tokens and tool calls per task and format errors to `path`; returns it (None
   without matplotlib)."""
-  plt = _pyplot()
+  plt = pyplot()
   if plt is None:
     return None
   names = list(summary)
@@ -174,6 +176,53 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], k: int, seeds: int,
 StageConfigs = Callable[..., dict[str, ml_collections.ConfigDict]]
 
 
+def _sample_pass(evaluate: ml_collections.ConfigDict, folder: str):
+  """Returns a query-selection sampler (coa_jax.rl.query_selection.Sampler) that evaluates
+  the model of `evaluate` on the given tasks (written to `folder`) and reads each sample's
+  correctness from the evaluation's samples.jsonl."""
+
+  def sample(tasks, k):
+    cfg = ml_collections.ConfigDict(evaluate.to_dict())
+    cfg.tasks = query_selection.write_tasks(tasks, os.path.join(folder, "pool.jsonl"))
+    cfg.max_tasks, cfg.k, cfg.copy_probe, cfg.output_dir = 0, k, "", folder
+    cfg.batch_size = max(cfg.batch_size // k, 1) * k
+    evaluation.run(cfg)
+    with open(os.path.join(folder, "samples.jsonl")) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+    return {row["task_id"]: [s["correct"] for s in row["samples"]] for row in rows}
+
+  return sample
+
+
+def rl_tasks(config: Any, configs: dict[str, ml_collections.ConfigDict],
+             stage: str = "dapo") -> tuple[str, dict[str, Any]]:
+  """Returns the task file the RL `stage` trains on and the query-selection report: the
+  stage's own task file, or with config.selection on (coa_jax.rl.query_selection), the tasks
+  whose pass rate under the SFT model lies in [low, high], written beside the SFT model. The
+  pass rates are cached there under the model, the task file, k and the sampling."""
+  selection = query_selection.SelectionConfig(**config.selection)
+  tasks_path = configs[stage].tasks
+  if not selection.enabled:
+    return tasks_path, {"sampled": 0, "low": 0.0, "high": 1.0}
+  evaluate = configs["eval_sft"]
+  key = {"model": file_fingerprint(evaluate.model.checkpoint),
+         "tasks": file_fingerprint(tasks_path), "max_tasks": selection.max_tasks,
+         "sampling": evaluate.sampling.to_dict(), "rollout": evaluate.rollout.to_dict(),
+         "system_prompt": evaluate.system_prompt, "seed": evaluate.seed}
+  folder = os.path.join(os.path.dirname(configs["sft"].workdir.rstrip("/")),
+                        "selection", f"k{selection.k}-{fingerprint(key)}")
+  tasks = load_tasks(tasks_path)
+  kept, report = query_selection.select_tasks(
+      selection, tasks, _sample_pass(evaluate, os.path.join(folder, "samples")),
+      os.path.join(folder, "pass_rates.json"), key)
+  path = query_selection.write_tasks(
+      kept, os.path.join(folder, f"tasks-{selection.low:g}-{selection.high:g}.jsonl"))
+  say(f"query selection: kept {len(kept)} of {report['sampled']} tasks with pass rate in "
+      f"[{selection.low:g}, {selection.high:g}] over {selection.k} samples (pass rates "
+      f"{report['pass_rates']}) -> {path}")
+  return path, report
+
+
 def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, Any]:
   """Distils once, then trains and evaluates `seeds` seeds (config.seed, config.seed + 1,
   ...); returns the results (also written as results.json and results.png).
@@ -198,7 +247,12 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
     times.run(f"seed {seed} sft", configs["sft"].export_dir, lambda: sft.run(configs["sft"]))
     rows = {"teacher": teacher,
             "sft": _metrics(configs["eval_sft"], times, f"seed {seed} eval sft")}
-    times.run(f"seed {seed} dapo", configs["dapo"].export_dir, lambda: rl.run(configs["dapo"]))
+
+    def train_rl(configs=configs):
+      configs["dapo"].tasks, _ = rl_tasks(config, configs)  # query selection, when on
+      rl.run(configs["dapo"])
+
+    times.run(f"seed {seed} dapo", configs["dapo"].export_dir, train_rl)
     rows["dapo"] = _metrics(configs["eval_dapo"], times, f"seed {seed} eval dapo")
     per_seed[seed] = rows
   k = config.eval.k
@@ -269,7 +323,7 @@ def copy_curve(config: Any, stage_configs: StageConfigs, seeds: int,
 
 def _plot_copy_curve(curves: dict[int, list[dict[str, float]]], path: str) -> None:
   """Plots each seed's copy_exact (solid) and copy_sampled (dashed) against the step."""
-  plt = _pyplot()
+  plt = pyplot()
   if plt is None:
     return
   fig, ax = plt.subplots(figsize=(6, 3.8))

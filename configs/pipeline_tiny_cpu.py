@@ -91,6 +91,10 @@ def get_config() -> ml_collections.ConfigDict:
       # uses (arithmetic fell). Successes alone move the policy to the code tool.
       rl=dict(steps=16, batch_groups=8, prompts_per_round=8, max_rounds=1, mini_batch_groups=4,
               overlong_cache=64, eval_every=1000, dynamic_sampling=False, negative_weight=0.0)))
+  # RL query selection (coa_jax.rl.query_selection): before DAPO, the SFT model samples k
+  # solutions of each of the first max_tasks training tasks, and DAPO trains on the tasks whose
+  # pass rate lies in [low, high]. [0, 1]: off (every task, nothing sampled).
+  config.selection = ml_collections.ConfigDict(dict(k=4, low=0.0, high=1.0, max_tasks=1000))
   # PPO with a critic (rl.advantage = "gae"), the side-by-side of `make rl-curves`
   # (docs/ppo.md): the DAPO stage turned into PPO at the same budget (`common.as_ppo`: 32
   # sampled responses and 2 updates a step, one response per prompt as verl's PPO samples,

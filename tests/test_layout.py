@@ -15,10 +15,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIRST_PARTY = ("coa_jax", "configs", "tools_env")
 # The order of coa_jax's packages: each may import only packages of a lower rank (and itself).
 # model, losses and runtime are the foundations; data -> distill -> sft | rollout -> rl ->
-# evaluation are the pipeline's stages; the main job (pipeline), the RL side-by-side (rl_curves)
-# and perf tooling come last.
+# evaluation are the pipeline's stages; perf tooling, the main job (pipeline) and the
+# experiments over it come last.
 RANKS = {"model": 0, "losses": 1, "runtime": 1, "train": 2, "data": 3, "distill": 4, "sft": 5,
-         "rollout": 5, "rl": 6, "evaluation": 7, "perf": 8, "pipeline": 9, "rl_curves": 9}
+         "rollout": 5, "rl": 6, "evaluation": 7, "perf": 8, "pipeline": 9, "experiments": 10}
 
 
 def _python_files(*folders: str) -> list[pathlib.Path]:

@@ -6,15 +6,22 @@ import os
 
 import pytest
 
-from coa_jax import pipeline
+from coa_jax import experiments, pipeline
 from configs import common, pipeline_tiny_cpu
 
 
-def test_quick_pipeline_runs_every_stage(tmp_path):
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+  """The main job's --quick variant on the 8 fake devices: its config and results."""
+  tmp_path = tmp_path_factory.mktemp("pipeline")
   config = pipeline_tiny_cpu.quick(pipeline_tiny_cpu.get_config())
   config.output_dir = str(tmp_path / "run")
   config.mesh = common.mesh(data=2, fsdp=2, tensor=2)  # the 8 fake devices
-  results = pipeline.run(config, pipeline_tiny_cpu.stage_configs)
+  return tmp_path, config, pipeline.run(config, pipeline_tiny_cpu.stage_configs)
+
+
+def test_quick_pipeline_runs_every_stage(quick_run):
+  tmp_path, config, results = quick_run
   rows = results["per_seed"][config.seed]
   assert list(rows) == ["teacher", "sft", "dapo"]
   assert rows["teacher"]["pass@1"] > 0.5  # the scripted teacher solves them
@@ -39,6 +46,43 @@ def test_quick_pipeline_runs_every_stage(tmp_path):
   again = pipeline.run(config, pipeline_tiny_cpu.stage_configs)
   assert again["per_seed"] == results["per_seed"]
   assert again["stage_seconds"] == results["stage_seconds"]  # the times they took when they ran
+
+
+def test_experiments_run_on_the_main_job_outputs(quick_run):
+  """Each experiment kind on the quick main job: RL curves with query selection on, the filter
+  ablation reusing the main job's SFT where its data are the main job's, and test-time
+  scaling; a re-run reuses everything."""
+  _, config, results = quick_run
+  cells = {"rl": {"selected": {"selection.k": 2, "selection.max_tasks": 6,
+                               "selection.high": 0.5}},
+           "sft": {"quality": {"options.data": "quality"}},
+           "scaling": {"teacher": {"options.system": "teacher"},
+                       "dapo": {"options.system": "dapo"}}}
+  options = {"rl": {"every": 1}, "sft": {}, "scaling": {"k": 2}}
+  reports = {kind: experiments.run(experiments.Experiment(kind, kind, cells[kind], seeds=1,
+                                                          options=options[kind]),
+                                   config, pipeline_tiny_cpu.stage_configs, experiments.KINDS)
+             for kind in cells}
+  curve = reports["rl"]["results"]["selected"]["0"]
+  assert curve["points"]["0"]["pass@1"] == results["per_seed"][0]["sft"]["pass@1"]
+  assert list(curve["points"]) == ["0", "1"] and len(curve["training"]) == 1
+  selection = curve["selection"]  # pass rates of the 6 tasks sampled twice each
+  assert selection["sampled"] == 6 and sum(selection["pass_rates"].values()) == 6
+  assert selection["kept"] == sum(n for rate, n in selection["pass_rates"].items()
+                                  if int(rate[0]) <= 1)
+  ablation = reports["sft"]["results"]["quality"]["0"]
+  assert ablation["main_job"] and ablation["pass@1"] == results["per_seed"][0]["sft"]["pass@1"]
+  scaling = reports["scaling"]["results"]
+  assert scaling["teacher"]["0"]["curves"]["k"] == [1, 2]
+  pass_1, pass_2 = scaling["dapo"]["0"]["curves"]["pass@k"]
+  assert 0 <= pass_1 <= pass_2 <= 1
+  for kind in cells:
+    assert reports[kind]["table"] in open(os.path.join(
+        config.output_dir, "experiments", kind, "results.md")).read()
+  again = experiments.run(experiments.Experiment("rl", "rl", cells["rl"], seeds=1,
+                                                 options=options["rl"]),
+                          config, pipeline_tiny_cpu.stage_configs, experiments.KINDS)
+  assert again["results"] == reports["rl"]["results"]
 
 
 def test_results_over_seeds_are_mean_and_sample_sd():

@@ -22,7 +22,7 @@ import json
 import os
 import re
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from coa_jax.data import coa_format, rewards
 from coa_jax.data.coa_format import OBSERVATION, Step, Trajectory
@@ -109,10 +109,11 @@ class Distiller:
       return "too_many_steps" if len(trajectory.steps) > self.filters.max_steps else None
     return quality_problem(trajectory)
 
-  def filter(self, trajectories: Iterable[Trajectory]) -> tuple[list[Trajectory], dict]:
-    """Returns the trajectories that pass every stage, and per stage: kept, dropped, reasons."""
+  def progressive(self, trajectories: Iterable[Trajectory]
+                  ) -> Iterator[tuple[str, list[Trajectory], dict[str, int]]]:
+    """Yields, stage by stage, the stage, the trajectories that passed it and every stage
+    before, and why the others were dropped (the trajectory-quality ablation trains on each)."""
     kept = list(trajectories)
-    report = {"input": len(kept), "stages": []}
     for stage in STAGES:
       survivors, reasons = [], {}
       for trajectory in kept:
@@ -121,6 +122,14 @@ class Distiller:
           survivors.append(trajectory)
         else:
           reasons[problem] = reasons.get(problem, 0) + 1
+      yield stage, survivors, reasons
+      kept = survivors
+
+  def filter(self, trajectories: Iterable[Trajectory]) -> tuple[list[Trajectory], dict]:
+    """Returns the trajectories that pass every stage, and per stage: kept, dropped, reasons."""
+    kept = list(trajectories)
+    report = {"input": len(kept), "stages": []}
+    for stage, survivors, reasons in self.progressive(kept):
       report["stages"].append({"stage": stage, "in": len(kept), "kept": len(survivors),
                                "dropped": len(kept) - len(survivors), "reasons": reasons})
       kept = survivors

@@ -105,6 +105,15 @@ class Trace:
   def to_json(self) -> dict[str, Any]:
     return {**dataclasses.asdict(self), "tokens": self.tokens}
 
+  @classmethod
+  def from_json(cls, record: dict[str, Any]) -> "Trace":
+    """Returns the trace `to_json` wrote (distillation's traces.jsonl)."""
+    fields = {k: v for k, v in record.items() if k != "tokens"}
+    fields["activations"] = [
+        Activation(**{**a, "inputs": [Message(**m) for m in a["inputs"]],
+                      "output": Message(**a["output"])}) for a in record["activations"]]
+    return cls(**fields)
+
 
 class TeacherError(RuntimeError):
   """The scripted teacher could not read the question or a page (not a world question)."""

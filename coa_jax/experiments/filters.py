@@ -1,0 +1,142 @@
+"""The "sft" experiment kind: the trajectory-quality ablation. A cell trains the main job's SFT
+stage (same model, steps and schedule) on the output of one progressive filter stage
+(options "data": "all" for every teacher trace including the wrong ones, or a stage of
+`coa_jax.distill.job.STAGES`: each keeps what passed it and every stage before), then evaluates
+it like the main job.
+
+The stage's data are rebuilt from distillation's traces.jsonl (no teacher is re-run). Data with
+the same bytes train the same model: a stage that drops nothing shares the run of the stage
+before it (runs are named after their settings and their data's digest), and the data the main
+job trained on reuse the main job's SFT model and evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import ml_collections
+
+from coa_jax import evaluation, pipeline, sft
+from coa_jax.distill import job as distill
+from coa_jax.distill.teacher import Trace
+from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, shared_dir
+from coa_jax.model import ConfigError
+from coa_jax.runtime.cache import file_fingerprint
+from coa_jax.runtime.distributed import say
+
+DATA = ("all",) + distill.STAGES
+COLUMNS = ("trajectories", "pass@1", "format_error_rate", "tokens_per_task")
+
+
+def stage_data(config: Any, traces: str, stage: str) -> str:
+  """Returns the path of the trajectories that pass the filter stages up to `stage` ("all":
+  every trace), written once from `traces` (a distillation's traces.jsonl)."""
+  if stage not in DATA:
+    raise ConfigError(f"sft experiment: data {stage!r} is not one of {DATA}")
+  settings = {"traces": file_fingerprint(traces), "filters": config.filters.to_dict(),
+              "system_prompt": config.system_prompt, "stage": stage}
+  path = os.path.join(shared_dir(config, "data", settings), "trajectories.jsonl")
+  if os.path.exists(path):
+    return path
+  with open(traces) as f:
+    trajectories = [distill.to_trajectory(Trace.from_json(json.loads(line)),
+                                          config.system_prompt) for line in f if line.strip()]
+  kept = trajectories
+  if stage != "all":
+    filters = distill.Distiller(distill.FilterConfig(**config.filters))
+    kept = next(survivors for name, survivors, _ in filters.progressive(trajectories)
+                if name == stage)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    f.writelines(json.dumps(t.to_json()) + "\n" for t in kept)
+  os.replace(path + ".tmp", path)
+  say(f"filter stage {stage}: {len(kept)} of {len(trajectories)} trajectories -> {path}")
+  return path
+
+
+def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
+             options: Mapping[str, Any]) -> dict[str, Any]:
+  """Returns one seed's held-out metrics after SFT on options["data"]'s trajectories."""
+  stages = stage_configs(config, seed)
+  main_data = stages["sft"].data.path
+  data = stage_data(config, os.path.join(os.path.dirname(main_data), "traces.jsonl"),
+                    options["data"])
+  with open(data) as f:
+    count = sum(1 for line in f if line.strip())
+  evaluate = ml_collections.ConfigDict(stages["eval_sft"].to_dict())
+  reused = file_fingerprint(data) == file_fingerprint(main_data)
+  if not reused:  # a run of its own, named after its settings
+    train = ml_collections.ConfigDict(stages["sft"].to_dict())
+    settings = train.to_dict()
+    for path in ("workdir", "export_dir", "checkpoint"):
+      settings.pop(path)
+    settings["data"] = {**settings["data"], "path": file_fingerprint(data)}
+    settings["eval"] = {k: v for k, v in evaluate.to_dict().items()
+                        if k not in ("output_dir", "model")}
+    folder = shared_dir(config, "sft", settings)
+    train.data.path, train.workdir = data, folder
+    train.export_dir = os.path.join(folder, "hf_export")
+    # saved every 250 steps: a run cut short resumes
+    train.checkpoint.update(directory=os.path.join(folder, "checkpoints"), every=250)
+    if not os.path.isdir(train.export_dir):
+      say(f"== SFT on {options['data']} ({count} trajectories) in {folder}")
+      sft.run(train)
+    evaluate.model.checkpoint = train.export_dir
+    evaluate.output_dir = os.path.join(folder, "eval")
+  metrics_path = os.path.join(evaluate.output_dir, "metrics.json")
+  if not os.path.exists(metrics_path):
+    if reused and not os.path.isdir(evaluate.model.checkpoint):
+      raise ConfigError(f"{evaluate.model.checkpoint} is missing: run the main job first (make "
+                        f"pipeline ARGS=\"--seeds 3\")")
+    evaluation.run(evaluate)
+  with open(metrics_path) as f:
+    metrics = json.load(f)
+  return {"trajectories": count, "main_job": reused,
+          **{c: metrics[c] for c in COLUMNS[1:]},
+          "pass@1_by_family": metrics.get("pass@1_by_family", {})}
+
+
+def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+  """Returns, per cell, the mean +- sd over seeds of each column."""
+  return {name: {c: mean_sd([r[c] for r in by_seed.values()]) for c in COLUMNS}
+          for name, by_seed in results.items()}
+
+
+def table(summary: Mapping[str, Any]) -> str:
+  """Returns the markdown table: per filter stage, its trajectories and the held-out pass@1,
+  format-error rate and tokens per task of the SFT model (mean +- sd over seeds)."""
+  lines = ["| data | trajectories | pass@1 | format errors | tokens per task |",
+           "|---|---|---|---|---|"]
+  for name, row in summary.items():
+    lines.append(f"| {name} | {row['trajectories']['mean']:.0f} | {cell(row['pass@1'])} | "
+                 f"{cell(row['format_error_rate'])} | {cell(row['tokens_per_task'], 1)} |")
+  return "\n".join(lines)
+
+
+def plot(report: Mapping[str, Any], path: str) -> str | None:
+  """Writes held-out pass@1 and the format-error rate against each stage's trajectory count
+  (mean +- sd over seeds); returns the path, or None without matplotlib."""
+  plt = pipeline.pyplot()
+  if plt is None:
+    return None
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for ax, metric, label in ((axes[0], "pass@1", "held-out pass@1"),
+                            (axes[1], "format_error_rate", "held-out format-error rate")):
+    for name, row in report["summary"].items():
+      x = row["trajectories"]["mean"]
+      ax.errorbar([x], [row[metric]["mean"]], yerr=[row[metric]["sd"]], marker="o", capsize=3,
+                  label=name)
+      ax.annotate(name, (x, row[metric]["mean"]), fontsize=7, xytext=(4, 4),
+                  textcoords="offset points")
+    ax.set(xlabel="SFT trajectories (filter stage's output)", ylabel=label)
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=7)
+  fig.suptitle(f"{report['name']}: {report['about']} (mean +- sd over seeds "
+               f"{report['seeds']})", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+

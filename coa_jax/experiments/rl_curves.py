@@ -1,0 +1,190 @@
+"""The "rl" experiment kind: held-out learning curves of an RL stage from the main job's SFT
+models.
+
+A cell and seed takes the main job's SFT export and its held-out evaluation (`make pipeline`
+first; the evaluation is the curve's point at update 0), selects the RL tasks when the cell
+turns query selection on (`pipeline.rl_tasks`), then trains the cell's RL stage (options
+"stage": the pipeline's "dapo" or "ppo" stage config) in segments of options "every" updates,
+resuming from its checkpoint. Resuming is exact (the learning rate is constant), so a run of
+96 updates passes through the run of 48 with the same settings: the run's folder is named after
+its settings without the number of updates (`runner.shared_dir`), and a shorter or longer
+experiment reuses every segment and evaluation on disk. After each segment the exported policy
+is evaluated like the main job's models (every held-out task, config.eval.k samples).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import ml_collections
+import numpy as np
+
+from coa_jax import evaluation, pipeline, rl
+from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, shared_dir
+from coa_jax.model import ConfigError
+from coa_jax.runtime.cache import file_fingerprint
+from coa_jax.runtime.distributed import say
+
+STAGES = {"dapo": "DAPO", "ppo": "PPO (critic, GAE)"}
+COLUMNS = ("pass@1", "tokens_per_task", "tool_calls_per_task", "format_error_rate")
+TRAINING = ("reward", "accuracy", "explained_variance", "value_loss")
+
+
+def _read(path: str) -> dict[str, Any]:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _settings(train: ml_collections.ConfigDict, evaluate: ml_collections.ConfigDict,
+              every: int) -> dict[str, Any]:
+  """Returns what decides a run's curve: the stage config without its length and paths, the
+  SFT model's and the task file's contents, the evaluation and the segment length."""
+  stage = train.to_dict()
+  stage["rl"] = {k: v for k, v in stage["rl"].items() if k != "steps"}
+  for path in ("workdir", "export_dir", "checkpoint"):
+    stage.pop(path, None)
+  stage["model"]["checkpoint"] = file_fingerprint(train.model.checkpoint)
+  stage["tasks"] = file_fingerprint(train.tasks)
+  held_out = {k: v for k, v in evaluate.to_dict().items() if k not in ("output_dir", "model")}
+  return {"stage": stage, "eval": held_out, "every": every}
+
+
+def _point(train: ml_collections.ConfigDict, evaluate: ml_collections.ConfigDict, steps: int,
+           every: int, folder: str) -> dict[str, Any]:
+  """Returns the held-out metrics after `steps` updates, training the segment that ends there
+  and evaluating its export unless they are on disk."""
+  done = os.path.join(folder, f"eval-{steps}", "metrics.json")
+  if os.path.exists(done):
+    return _read(done)
+  export = os.path.join(folder, f"export-{steps}")
+  if not os.path.isdir(export):
+    segment = ml_collections.ConfigDict(train.to_dict())
+    segment.rl.steps = steps
+    segment.workdir, segment.export_dir = folder, export
+    segment.checkpoint.update(directory=os.path.join(folder, "checkpoints"), every=every,
+                              max_to_keep=1)
+    say(f"== updates {steps - every + 1}-{steps} in {folder}")
+    rl.run(segment)
+  cfg = ml_collections.ConfigDict(evaluate.to_dict())
+  cfg.model.checkpoint, cfg.output_dir, cfg.copy_probe = export, os.path.dirname(done), ""
+  evaluation.run(cfg)
+  return _read(done)
+
+
+def _training_rows(folder: str, steps: int) -> list[dict[str, float]]:
+  """Returns each step's training metrics up to `steps` (the last row of a step run twice)."""
+  rows: dict[int, dict[str, float]] = {}
+  path = os.path.join(folder, "metrics.jsonl")
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        if line.strip():
+          row = json.loads(line)
+          if int(row["step"]) <= steps:
+            rows[int(row["step"])] = {k: row[k] for k in ("step", *TRAINING) if k in row}
+  return [rows[s] for s in sorted(rows)]
+
+
+def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
+             options: Mapping[str, Any]) -> dict[str, Any]:
+  """Returns one seed's curve: the held-out metrics (and pass@1 by task family) after every
+  options["every"] updates of the options["stage"] stage, the training metrics per update and
+  the query-selection report."""
+  every, stage = int(options.get("every", 4)), options.get("stage", "dapo")
+  stages = stage_configs(config, seed)
+  if stage not in STAGES:
+    raise ConfigError(f"rl experiment: stage {stage!r} is not one of {sorted(STAGES)}")
+  sft_metrics = os.path.join(stages["eval_sft"].output_dir, "metrics.json")
+  if not os.path.exists(sft_metrics):
+    raise ConfigError(f"{sft_metrics} is missing: run the main job first (make pipeline "
+                      f"ARGS=\"--seeds 3\")")
+  train = ml_collections.ConfigDict(stages[stage].to_dict())
+  total = train.rl.steps
+  if total % every:
+    raise ConfigError(f"{stage} runs {total} updates: not a multiple of every={every}")
+  train.tasks, selection = pipeline.rl_tasks(config, stages, stage)
+  folder = os.path.join(shared_dir(config, stage, _settings(train, stages["eval_sft"], every)),
+                        f"seed-{seed}")
+  points = {0: _read(sft_metrics)}
+  for steps in range(every, total + 1, every):
+    points[steps] = _point(train, stages["eval_sft"], steps, every, folder)
+    say(f"seed {seed} {stage} after {steps} updates: pass@1 {points[steps]['pass@1']:.3f}")
+  keep = (*COLUMNS, "pass@1_by_family")
+  return {"points": {k: {c: p[c] for c in keep if c in p} for k, p in points.items()},
+          "training": _training_rows(folder, total), "selection": selection, "run": folder}
+
+
+def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+  """Returns, per cell and number of updates, the mean +- sd over seeds of each column and of
+  each task family's pass@1."""
+  summary = {}
+  for name, by_seed in results.items():
+    runs = list(by_seed.values())
+    updates = sorted({int(k) for r in runs for k in r["points"]})
+    summary[name] = {}
+    for k in updates:
+      points = [r["points"][str(k)] for r in runs]
+      row = {c: mean_sd([p[c] for p in points]) for c in COLUMNS}
+      families = points[0].get("pass@1_by_family", {})
+      row["by_family"] = {f: mean_sd([p["pass@1_by_family"][f] for p in points])
+                          for f in families}
+      summary[name][k] = row
+  return summary
+
+
+def table(summary: Mapping[str, Any]) -> str:
+  """Returns the markdown table: held-out pass@1 (mean +- sd over seeds) after each number of
+  updates, then the last point's tokens, tool calls and format errors per task."""
+  updates = sorted({int(k) for rows in summary.values() for k in rows})
+  head = ["cell"] + [f"pass@1 after {k}" for k in updates] + [
+      c.replace("_", " ") for c in COLUMNS[1:]]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for name, rows in summary.items():
+    rows = {int(k): v for k, v in rows.items()}
+    last = rows[max(rows)]
+    lines.append("| " + " | ".join(
+        [name] + [cell(rows[k]["pass@1"]) if k in rows else "-" for k in updates] +
+        [cell(last[c], 1 if c == "tokens_per_task" else 3) for c in COLUMNS[1:]]) + " |")
+  return "\n".join(lines)
+
+
+def plot(report: Mapping[str, Any], path: str) -> str | None:
+  """Writes the curves (held-out pass@1 per cell; each task family's pass@1, one line style
+  per family; training reward), mean +- sd over seeds against updates; returns the path, or
+  None without matplotlib."""
+  plt = pipeline.pyplot()
+  if plt is None:
+    return None
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+  styles = ["-", "--", ":", "-."]
+  for name, rows in report["summary"].items():
+    rows = {int(k): v for k, v in rows.items()}
+    updates = np.array(sorted(rows))
+    mean = np.array([rows[k]["pass@1"]["mean"] for k in updates])
+    sd = np.array([rows[k]["pass@1"]["sd"] for k in updates])
+    line, = axes[0].plot(updates, mean, marker="o", label=name)
+    axes[0].fill_between(updates, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
+    for style, family in zip(styles, rows[int(updates[0])]["by_family"]):
+      axes[1].plot(updates, [rows[k]["by_family"][family]["mean"] for k in updates],
+                   linestyle=style, color=line.get_color(), label=f"{name}: {family}")
+    runs = [[r.get("reward", np.nan) for r in result["training"]]
+            for result in report["results"][name].values()]
+    if runs and all(len(r) == len(runs[0]) for r in runs) and runs[0]:
+      steps = np.arange(1, len(runs[0]) + 1)
+      axes[2].plot(steps, np.nanmean(runs, axis=0), color=line.get_color(), label=name)
+      axes[2].fill_between(steps, np.nanmean(runs, axis=0) - np.nanstd(runs, axis=0),
+                           np.nanmean(runs, axis=0) + np.nanstd(runs, axis=0),
+                           color=line.get_color(), alpha=0.2)
+  labels = ("held-out pass@1", "held-out pass@1 by task family", "training reward")
+  for ax, label in zip(axes, labels):
+    ax.set(xlabel="updates", ylabel=label)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.suptitle(f"{report['name']}: {report['about']} (mean +- sd over seeds {report['seeds']})",
+               fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path

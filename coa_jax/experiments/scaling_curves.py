@@ -1,0 +1,113 @@
+"""The "scaling" experiment kind: test-time scaling. A cell evaluates one of the main job's
+systems (options "system": "teacher", "sft" or "dapo") with options "k" samples of every
+held-out task and reports pass@j and maj@j for j = 1..k (`coa_jax.evaluation.scaling`, exact
+expectations over the j-subsets of the k samples) with the tokens a sample costs.
+
+The evaluation's folder is named after its settings; the scripted teacher does not depend on
+the seed, so its seeds share one evaluation (its sd is 0 by construction, not by luck).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import ml_collections
+import numpy as np
+
+from coa_jax import evaluation, pipeline
+from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, shared_dir
+from coa_jax.model import ConfigError
+from coa_jax.runtime.cache import file_fingerprint
+
+SYSTEMS = ("teacher", "sft", "dapo")
+SHOWN = (1, 2, 4, 8, 16)  # the table's columns (those <= k)
+
+
+def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
+             options: Mapping[str, Any]) -> dict[str, Any]:
+  """Returns one seed's scaling curves of options["system"] with options["k"] samples."""
+  system, k = options.get("system"), int(options.get("k", 16))
+  if system not in SYSTEMS:
+    raise ConfigError(f"scaling experiment: system {system!r} is not one of {SYSTEMS}")
+  cfg = ml_collections.ConfigDict(stage_configs(config, seed)[f"eval_{system}"].to_dict())
+  cfg.k, cfg.copy_probe = k, ""
+  cfg.batch_size = max(cfg.batch_size // k, 1) * k
+  settings = {key: v for key, v in cfg.to_dict().items() if key not in ("output_dir", "model")}
+  if system == "teacher":
+    settings.pop("seed")  # the teacher's k samples are its seeds 0..k-1
+  else:
+    if not os.path.isdir(cfg.model.checkpoint):
+      raise ConfigError(f"{cfg.model.checkpoint} is missing: run the main job first (make "
+                        f"pipeline ARGS=\"--seeds 3\")")
+    settings["model"] = file_fingerprint(cfg.model.checkpoint)
+  cfg.output_dir = shared_dir(config, "eval", settings)
+  path = os.path.join(cfg.output_dir, "metrics.json")
+  if not os.path.exists(path):
+    evaluation.run(cfg)
+  with open(path) as f:
+    metrics = json.load(f)
+  return {"curves": metrics["curves"], "tokens_per_task": metrics["tokens_per_task"],
+          "tool_calls_per_task": metrics["tool_calls_per_task"]}
+
+
+def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+  """Returns, per cell, mean +- sd over seeds of pass@j and maj@j for each j, and of the
+  tokens and tool calls a sample costs."""
+  summary = {}
+  for name, by_seed in results.items():
+    runs = list(by_seed.values())
+    ks = runs[0]["curves"]["k"]
+    summary[name] = {
+        "k": ks,
+        **{curve: [mean_sd([r["curves"][curve][i] for r in runs]) for i in range(len(ks))]
+           for curve in ("pass@k", "maj@k")},
+        **{c: mean_sd([r[c] for r in runs]) for c in ("tokens_per_task", "tool_calls_per_task")}}
+  return summary
+
+
+def table(summary: Mapping[str, Any]) -> str:
+  """Returns the markdown table: pass@j and maj@j at j = 1, 2, 4, 8, 16 (those sampled) and the
+  tokens per sample, mean +- sd over seeds."""
+  shown = [j for j in SHOWN if all(j in row["k"] for row in summary.values())]
+  head = ["system"] + [f"pass@{j}" for j in shown] + [f"maj@{j}" for j in shown[1:]] + [
+      "tokens per sample", "tool calls per sample"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for name, row in summary.items():
+    at = lambda curve, j: cell(row[curve][row["k"].index(j)])
+    lines.append("| " + " | ".join(
+        [name] + [at("pass@k", j) for j in shown] + [at("maj@k", j) for j in shown[1:]] +
+        [cell(row["tokens_per_task"], 1), cell(row["tool_calls_per_task"], 2)]) + " |")
+  return "\n".join(lines)
+
+
+def plot(report: Mapping[str, Any], path: str) -> str | None:
+  """Writes pass@j (solid) and maj@j (dashed) against j and against the tokens j samples cost
+  (mean +- sd over seeds); returns the path, or None without matplotlib."""
+  plt = pipeline.pyplot()
+  if plt is None:
+    return None
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+  for name, row in report["summary"].items():
+    ks = np.array(row["k"])
+    for ax, x in ((axes[0], ks), (axes[1], ks * row["tokens_per_task"]["mean"])):
+      color = None
+      for curve, style in (("pass@k", "-"), ("maj@k", "--")):
+        mean = np.array([p["mean"] for p in row[curve]])
+        sd = np.array([p["sd"] for p in row[curve]])
+        line, = ax.plot(x, mean, linestyle=style, marker=".", color=color,
+                        label=f"{name} {curve.replace('k', 'j')}")
+        color = line.get_color()
+        ax.fill_between(x, mean - sd, mean + sd, color=color, alpha=0.15)
+  axes[0].set(xlabel="samples per task j", ylabel="held-out score", xscale="log", )
+  axes[1].set(xlabel="tokens per task for j samples", ylabel="held-out score", xscale="log")
+  for ax in axes:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.suptitle(f"{report['name']}: {report['about']} (mean +- sd over seeds "
+               f"{report['seeds']})", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path

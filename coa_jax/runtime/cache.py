@@ -1,0 +1,71 @@
+"""Results cached on disk under the settings that decide them.
+
+`cached_json(path, key, compute)` returns the value stored at `path` when it was stored under
+an equal `key`, else computes it and stores it (atomically, so an interrupted run leaves no
+half-written file). `fingerprint(value)` names a folder after its settings, so two runs of the
+same settings share it and different settings never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Callable
+
+from coa_jax.runtime.distributed import say
+
+
+def canonical(value: Any) -> Any:
+  """Returns `value` as JSON would read it back (tuples as lists, keys as strings), so a key
+  compares equal to the stored copy of itself."""
+  return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def fingerprint(value: Any, length: int = 12) -> str:
+  """Returns a short hex digest of `value`'s canonical JSON."""
+  text = json.dumps(canonical(value), sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def file_fingerprint(path: str) -> str:
+  """Returns a digest of a file's bytes, or of a folder's file names, sizes and modification
+  times (a model export: hashing its weights would cost as much as reading them)."""
+  if os.path.isfile(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+      for block in iter(lambda: f.read(1 << 20), b""):
+        digest.update(block)
+    return digest.hexdigest()[:16]
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"{path} does not exist")
+  entries = []
+  for root, _, files in sorted(os.walk(path)):
+    for name in sorted(files):
+      stat = os.stat(os.path.join(root, name))
+      entries.append([os.path.relpath(os.path.join(root, name), path), stat.st_size,
+                      stat.st_mtime_ns])
+  return fingerprint(entries, 16)
+
+
+def write_json(path: str, value: Any) -> None:
+  """Writes `value` as JSON to `path` atomically (a temporary file, then a rename)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(value, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
+def cached_json(path: str, key: Any, compute: Callable[[], Any]) -> Any:
+  """Returns the value stored at `path` under `key`, or computes, stores and returns it. A file
+  stored under another key is recomputed (and says so)."""
+  key = canonical(key)
+  if os.path.exists(path):
+    with open(path) as f:
+      stored = json.load(f)
+    if stored.get("key") == key:
+      return stored["value"]
+    say(f"{path} was computed under other settings: recomputing")
+  value = canonical(compute())
+  write_json(path, {"key": key, "value": value})
+  return value

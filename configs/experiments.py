@@ -1,0 +1,35 @@
+"""The named experiments of `make experiment NAME=...` (docs/experiments.md), each a sweep over
+the main job's config (configs/pipeline_tiny_cpu.py): cells of config overrides (dotted paths;
+"options.<name>" sets the kind's option for one cell) times seeds. A new ablation is a few
+lines here, as the learning-rate search "dapo-lr" below. Cell names are folder names.
+"""
+
+from coa_jax.experiments import Experiment, filters
+
+_SELECTION = {"selection.max_tasks": 1000, "selection.k": 4}
+
+EXPERIMENTS = {e.name: e for e in [
+    Experiment(
+        "rl-ceiling", "rl", {"dapo": {"dapo.rl.steps": 96}}, options={"every": 12},
+        about="DAPO from the main job's SFT models until the held-out curve flattens"),
+    Experiment(
+        "rl-curves", "rl", {"dapo": {"options.stage": "dapo"}, "ppo": {"options.stage": "ppo"}},
+        options={"every": 4}, about="DAPO and PPO (critic, GAE) at the same sample budget"),
+    Experiment(
+        "query-selection", "rl",
+        {"all-tasks": {"dapo.rl.steps": 48},
+         "drop-solved": {"dapo.rl.steps": 48, **_SELECTION, "selection.high": 0.75},
+         "mixed-only": {"dapo.rl.steps": 48, **_SELECTION, "selection.low": 0.25,
+                        "selection.high": 0.75}},
+        options={"every": 12},
+        about="RL query selection by the SFT model's pass rate over 4 samples, 48 DAPO updates"),
+    Experiment(
+        "ablate-filters", "sft", {stage: {"options.data": stage} for stage in filters.DATA},
+        about="SFT on each progressive filter stage's output, equal steps"),
+    Experiment(
+        "scaling", "scaling", {s: {"options.system": s} for s in ("teacher", "sft", "dapo")},
+        options={"k": 16}, about="pass@k and maj@k, k = 1..16, teacher system vs AFM"),
+    Experiment(
+        "dapo-lr", "rl", {f"lr-{lr:g}": {"dapo.learning_rate": lr} for lr in (2e-5, 5e-5, 1e-4)},
+        options={"every": 8}, about="DAPO's learning rate, 16 updates"),
+]}

@@ -1,0 +1,239 @@
+"""The experiment runner (overrides, per-cell caching, results files), RL query selection on a
+fake sampler, and the experiment kinds' summaries and tables on hand-made results."""
+
+import json
+import types
+
+import ml_collections
+import pytest
+
+from coa_jax.data import load_tasks
+from coa_jax.data.tasks import Task
+from coa_jax.experiments import Experiment, filters, publish, rl_curves, run, scaling_curves
+from coa_jax.experiments import with_overrides
+from coa_jax.model import ConfigError
+from coa_jax.rl import query_selection
+from coa_jax.rl.query_selection import SelectionConfig, select_tasks
+from configs.experiments import EXPERIMENTS
+from configs import pipeline_tiny_cpu
+
+
+def _config(tmp_path):
+  return ml_collections.ConfigDict(dict(
+      seed=0, output_dir=str(tmp_path / "run"),
+      dapo=dict(learning_rate=5e-5, rl=dict(steps=16)), selection=dict(low=0.0, high=1.0)))
+
+
+def test_overrides_set_dotted_paths_and_reject_unknown_ones(tmp_path):
+  config = _config(tmp_path)
+  out = with_overrides(config, {"dapo.rl.steps": 48, "selection.high": 0.75})
+  assert out.dapo.rl.steps == 48 and out.selection.high == 0.75
+  assert config.dapo.rl.steps == 16  # the base is untouched
+  with pytest.raises(ConfigError, match="'step' is not a field of dapo.rl"):
+    with_overrides(config, {"dapo.rl.step": 48})
+  with pytest.raises(ConfigError, match="dapo.learning_rate is not a section"):
+    with_overrides(config, {"dapo.learning_rate.peak": 1.0})
+
+
+class FakeKind:
+  """An experiment kind whose cell result is a function of the config, seed and options."""
+
+  def __init__(self):
+    self.calls = []
+
+  def run_cell(self, config, stage_configs, seed, options):
+    self.calls.append((config.dapo.learning_rate, seed, options.get("stage")))
+    return {"score": config.dapo.learning_rate * 1e5 + seed, "stage": options.get("stage")}
+
+  def summarize(self, results):
+    return {name: [r["score"] for r in by_seed.values()] for name, by_seed in results.items()}
+
+  def table(self, summary):
+    return "\n".join(f"| {name} | {scores} |" for name, scores in summary.items())
+
+  def plot(self, report, path):
+    open(path, "w").write("png")
+
+
+def test_runner_caches_each_cell_and_seed_under_its_settings(tmp_path):
+  kind = FakeKind()
+  experiment = Experiment("lr", "fake", {"low": {"dapo.learning_rate": 1e-5},
+                                         "high": {"dapo.learning_rate": 1e-4,
+                                                  "options.stage": "ppo"}},
+                          seeds=2, options={"stage": "dapo"})
+  report = run(experiment, _config(tmp_path), None, {"fake": kind})
+  assert kind.calls == [(1e-5, 0, "dapo"), (1e-5, 1, "dapo"), (1e-4, 0, "ppo"), (1e-4, 1, "ppo")]
+  assert report["summary"] == {"low": [1.0, 2.0], "high": [10.0, 11.0]}
+  out = tmp_path / "run" / "experiments" / "lr"
+  saved = json.loads((out / "results.json").read_text())
+  assert saved["results"]["high"]["1"] == {"score": 11.0, "stage": "ppo"}
+  assert (out / "results.md").read_text() == report["table"] + "\n"
+  # a re-run reuses every cell; a new seed runs only that seed; a changed cell only that cell
+  run(experiment, _config(tmp_path), None, {"fake": kind})
+  assert len(kind.calls) == 4
+  run(Experiment("lr", "fake", experiment.cells, seeds=3, options={"stage": "dapo"}),
+      _config(tmp_path), None, {"fake": kind})
+  assert kind.calls[4:] == [(1e-5, 2, "dapo"), (1e-4, 2, "ppo")]
+  changed = {**experiment.cells, "high": {"dapo.learning_rate": 2e-4}}
+  again = run(Experiment("lr", "fake", changed, seeds=2, options={"stage": "dapo"}),
+              _config(tmp_path), None, {"fake": kind})
+  assert kind.calls[6:] == [(2e-4, 0, "dapo"), (2e-4, 1, "dapo")]
+  assert again["summary"]["high"] == [20.0, 21.0]
+  copied = publish(str(out), str(tmp_path / "docs"))
+  assert sorted(p.split("/")[-1] for p in copied) == ["results.json", "results.md", "results.png"]
+
+
+def test_runner_checks_every_cell_before_running_any(tmp_path):
+  kind = FakeKind()
+  bad = Experiment("bad", "fake", {"ok": {}, "typo": {"dapo.lr": 1.0}}, seeds=1)
+  with pytest.raises(ConfigError, match="'lr' is not a field"):
+    run(bad, _config(tmp_path), None, {"fake": kind})
+  assert kind.calls == []
+  with pytest.raises(ConfigError, match="kind 'nope'"):
+    run(Experiment("x", "nope", {"a": {}}), _config(tmp_path), None, {"fake": kind})
+
+
+def test_every_named_experiment_applies_to_the_main_job_config():
+  config = pipeline_tiny_cpu.get_config()
+  for experiment in EXPERIMENTS.values():
+    for overrides in experiment.cells.values():
+      with_overrides(config, {k: v for k, v in overrides.items()
+                              if not k.startswith("options.")})
+
+
+# --- query selection ------------------------------------------------------------------------
+
+
+def _tasks(n):
+  return [Task(f"t{i}", f"Question: {i}?", {"ground_truth": str(i), "family": "x"})
+          for i in range(n)]
+
+
+def _fake_sampler(calls):
+  """Task t<i> is solved by the samples j < i % 5 (pass rate (i % 5) / k for k = 4)."""
+
+  def sample(tasks, k):
+    calls.append((len(tasks), k))
+    return {t.id: [j < int(t.id[1:]) % 5 for j in range(k)] for t in tasks}
+
+  return sample
+
+
+def test_query_selection_keeps_tasks_in_the_pass_rate_range(tmp_path):
+  calls = []
+  tasks = _tasks(20)
+  cache = str(tmp_path / "rates.json")
+  mixed = SelectionConfig(k=4, low=0.25, high=0.75, max_tasks=15)
+  kept, report = select_tasks(mixed, tasks, _fake_sampler(calls), cache, {"model": "m"})
+  # rates (i % 5) / 4 capped at 1: i % 5 in {1, 2, 3} is kept, among the first 15 tasks
+  assert [t.id for t in kept] == [f"t{i}" for i in range(15) if i % 5 in (1, 2, 3)]
+  assert report["sampled"] == 15 and report["kept"] == 9
+  assert report["pass_rates"] == {"0/4": 3, "1/4": 3, "2/4": 3, "3/4": 3, "4/4": 3}
+  # another range over the same pass rates samples nothing; another model samples again
+  solved = SelectionConfig(k=4, low=1.0, high=1.0, max_tasks=15)
+  kept, _ = select_tasks(solved, tasks, _fake_sampler(calls), cache, {"model": "m"})
+  assert [t.id for t in kept] == ["t4", "t9", "t14"] and calls == [(15, 4)]
+  select_tasks(mixed, tasks, _fake_sampler(calls), cache, {"model": "other"})
+  assert calls == [(15, 4), (15, 4)]
+
+
+def test_query_selection_off_samples_nothing_and_an_empty_range_is_an_error(tmp_path):
+  calls = []
+  kept, report = select_tasks(SelectionConfig(), _tasks(6), _fake_sampler(calls),
+                              str(tmp_path / "r.json"), {})
+  assert len(kept) == 6 and report["sampled"] == 0 and calls == []
+  always = lambda tasks, k: {t.id: [True] * k for t in tasks}
+  with pytest.raises(ConfigError, match="kept no task"):
+    select_tasks(SelectionConfig(high=0.5), _tasks(6), always, str(tmp_path / "r.json"), {})
+  with pytest.raises(ConfigError, match="low <= high"):
+    SelectionConfig(low=0.8, high=0.2)
+
+
+def test_selected_tasks_are_written_as_a_task_file_that_reads_back(tmp_path):
+  source = tmp_path / "train.jsonl"
+  rows = [{"id": f"train-{i}", "question": f"Question: What is {i} * 2?",
+           "metadata": {"domain": "math", "ground_truth": str(2 * i), "family": "arithmetic"}}
+          for i in range(4)]
+  source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  tasks = load_tasks(str(source))
+  path = query_selection.write_tasks(tasks[1:3], str(tmp_path / "sel" / "tasks.jsonl"))
+  assert load_tasks(path) == tasks[1:3]
+
+
+# --- the kinds' summaries and tables -------------------------------------------------------
+
+
+def _stat(mean):
+  return {"mean": mean, "sd": 0.0}
+
+
+def test_rl_curves_summary_and_table():
+  def result(scores):
+    points = {str(k): {"pass@1": s, "tokens_per_task": 200.0, "tool_calls_per_task": 2.0,
+                       "format_error_rate": 0.0, "pass@1_by_family": {"lookup": s}}
+              for k, s in zip((0, 12, 24), scores)}
+    return {"points": points, "training": []}
+
+  summary = rl_curves.summarize({"dapo": {"0": result([0.8, 0.9, 0.94]),
+                                          "1": result([0.8, 0.92, 0.96])}})
+  row = summary["dapo"][24]
+  assert row["pass@1"]["mean"] == pytest.approx(0.95)
+  assert row["pass@1"]["sd"] == pytest.approx(0.02 ** 0.5 * 0.1)
+  assert row["by_family"]["lookup"]["values"] == [0.94, 0.96]
+  lines = rl_curves.table(summary).splitlines()
+  assert lines[0].startswith("| cell | pass@1 after 0 | pass@1 after 12 | pass@1 after 24 |")
+  assert lines[2].startswith("| dapo | 0.800 +- 0.000 | 0.910 +- 0.014 | 0.950 +- 0.014 |")
+
+
+def test_scaling_summary_and_table():
+  def result(p):
+    return {"curves": {"k": [1, 2, 4], "pass@k": [p, p + 0.05, p + 0.1],
+                       "maj@k": [p, p, p + 0.02]},
+            "tokens_per_task": 100.0, "tool_calls_per_task": 2.0}
+
+  summary = scaling_curves.summarize({"sft": {"0": result(0.8), "1": result(0.9)}})
+  assert summary["sft"]["pass@k"][2]["mean"] == pytest.approx(0.95)
+  lines = scaling_curves.table(summary).splitlines()
+  assert lines[0] == ("| system | pass@1 | pass@2 | pass@4 | maj@2 | maj@4 | tokens per sample "
+                      "| tool calls per sample |")
+  assert lines[2].startswith("| sft | 0.850 +- 0.071 | 0.900 +- 0.071 | 0.950 +- 0.071 | "
+                             "0.850 +- 0.071 | 0.870 +- 0.071 | 100.0 +- 0.0 |")
+
+
+def test_filter_ablation_table():
+  summary = filters.summarize({"all": {"0": {"trajectories": 40, "pass@1": 0.5,
+                                             "format_error_rate": 0.1,
+                                             "tokens_per_task": 90.0}}})
+  assert filters.table(summary).splitlines()[2] == (
+      "| all | 40 | 0.500 +- 0.000 | 0.100 +- 0.000 | 90.0 +- 0.0 |")
+
+
+def test_filter_stage_data_rebuilds_each_stage_from_the_traces(tmp_path):
+  from coa_jax.data import World, WorldConfig, load_tools_spec, prompts
+  from coa_jax.distill import job as distill
+  from coa_jax.distill.teacher import ScriptedTeacher, TeacherConfig
+  from tools_env import registry
+
+  world = World(WorldConfig(seed=3, entities=6, train_tasks=30, heldout_tasks=2))
+  world.write(str(tmp_path / "world"))
+  tools = registry.build_registry(load_tools_spec(str(tmp_path / "world")))
+  teacher = ScriptedTeacher(tools, TeacherConfig(misread_rate=0.3, skip_verify_rate=0.3))
+  traces, _ = distill.solve(teacher, world.tasks["train"], workers=2)
+  path = tmp_path / "traces.jsonl"
+  path.write_text("".join(json.dumps(t.to_json()) + "\n" for t in traces))
+  config = types.SimpleNamespace(
+      output_dir=str(tmp_path / "run"), system_prompt=prompts.WORLD,
+      filters=ml_collections.ConfigDict(dict(min_tool_calls=0, max_tool_calls=12, max_steps=48)))
+  trajectories = [distill.to_trajectory(t, prompts.WORLD) for t in traces]
+  kept, report = distill.Distiller(distill.FilterConfig(**config.filters)).filter(trajectories)
+  counts = {}
+  for stage in filters.DATA:
+    lines = open(filters.stage_data(config, str(path), stage)).read().splitlines()
+    counts[stage] = len(lines)
+  assert counts["all"] == len(traces)
+  assert [counts[s["stage"]] for s in report["stages"]] == [s["kept"] for s in report["stages"]]
+  assert counts["correct"] < counts["all"] and counts["quality"] < counts["complexity"]
+  final = open(filters.stage_data(config, str(path), "quality")).read().splitlines()
+  assert final == [json.dumps(t.to_json()) for t in kept]  # the main job's bytes
+  with pytest.raises(ConfigError, match="not one of"):
+    filters.stage_data(config, str(path), "nope")
