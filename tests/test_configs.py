@@ -12,7 +12,8 @@ from coa_jax.runtime import cli, hardware, load_model, sharding
 
 NAMES = sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(__file__), "..",
                                                        "configs"))
-               if f.endswith(".py") and f not in ("__init__.py", "common.py"))
+               # experiments.py: the named sweeps over the main job's config (test_experiments)
+               if f.endswith(".py") and f not in ("__init__.py", "common.py", "experiments.py"))
 REAL = [n for n in NAMES if "qwen" in n]
 
 
