@@ -10,8 +10,10 @@ _SELECTION = {"selection.max_tasks": 1000, "selection.k": 4}
 
 EXPERIMENTS = {e.name: e for e in [
     Experiment(
-        "rl-ceiling", "rl", {"dapo": {"dapo.rl.steps": 96}}, options={"every": 12},
-        about="DAPO from the main job's SFT models until the held-out curve flattens"),
+        "rl-ceiling", "rl", {"dapo": {"dapo.rl.steps": 96},
+                             "ppo": {"dapo.rl.steps": 96, "options.stage": "ppo"}},
+        options={"every": 12},
+        about="DAPO and PPO from the main job's SFT models until the held-out curve flattens"),
     Experiment(
         "rl-curves", "rl", {"dapo": {"options.stage": "dapo"}, "ppo": {"options.stage": "ppo"}},
         options={"every": 4}, about="DAPO and PPO (critic, GAE) at the same sample budget"),

@@ -129,3 +129,21 @@ def test_the_readme_table_is_the_committed_results_table():
     table = json.load(f)["table"].strip()
   with open(os.path.join(root, "README.md")) as f:
     assert table in f.read()
+
+
+def test_the_experiment_tables_are_the_committed_results_tables():
+  """Each published experiment's table (docs/results/<name>/results.md) is on
+  docs/experiments.md, as its results.json holds it."""
+  from configs.experiments import EXPERIMENTS
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "docs", "experiments.md")) as f:
+    page = f.read()
+  for name in EXPERIMENTS:
+    folder = os.path.join(root, "docs", "results", name)
+    if os.path.exists(os.path.join(folder, "results.md")):
+      with open(os.path.join(folder, "results.md")) as f:
+        table = f.read().strip()
+      with open(os.path.join(folder, "results.json")) as f:
+        assert json.load(f)["table"].strip() == table, name
+      assert table in page, f"docs/experiments.md lacks the table of {name}"
