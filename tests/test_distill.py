@@ -89,6 +89,20 @@ def test_teacher_answers_every_task_through_real_tool_calls(world_and_tools, var
     assert not trace.mistakes and trace.tokens > 0
 
 
+def test_lookups_take_as_many_hops_as_the_world_asks_and_the_teacher_follows_them(tmp_path):
+  world = World(dataclasses.replace(CONFIG, families=(("lookup", 1.0),),
+                                    hops=(0, 0, 0, 0, 0, 1), train_tasks=6))
+  world.write(str(tmp_path))
+  teacher = ScriptedTeacher(registry.build_registry(load_tools_spec(str(tmp_path))),
+                            TeacherConfig(vague_query_rate=0, misread_rate=0,
+                                          skip_verify_rate=0))
+  for task in world.tasks["train"]:
+    assert task["metadata"]["hops"] == 6  # the sixth weight
+    trace = teacher.run(task)
+    assert trace.answer == task["metadata"]["ground_truth"], task["question"]
+    assert sum(a.step == "crawl_page" for a in trace.activations) >= 6  # a page a hop
+
+
 def test_teacher_does_arithmetic_in_its_head_at_its_rate(world_and_tools):
   world, tools = world_and_tools
   exact = dict(vague_query_rate=0, misread_rate=0, skip_verify_rate=0)

@@ -10,8 +10,8 @@ fact) and crawl tools. The crawl keeps the sentences sharing the most words with
 last query (`tools_env.search.focus`), as the reference's crawl condenses a page toward the
 goal. Task families:
 
-- `lookup`: a fact 1-3 hops away ("What is the population of the city where the CEO of
-  Norvale Works was born?");
+- `lookup`: a fact some hops away ("What is the population of the city where the CEO of
+  Norvale Works was born?"; `hops` weighs 1, 2, 3, ... hops, any number of them);
 - `arithmetic`: a computation a small model cannot do in its head (needs `code`);
 - `mixed`: facts looked up, then computed with ("What is the population of Tunim *24?").
 
@@ -109,7 +109,7 @@ class WorldConfig:
   heldout_tasks: int = 200
   families: tuple[tuple[str, float], ...] = (("lookup", 0.5), ("arithmetic", 0.25),
                                              ("mixed", 0.25))
-  hops: tuple[float, ...] = (0.4, 0.4, 0.2)  # chance of 1, 2, 3 hops in lookup tasks
+  hops: tuple[float, ...] = (0.4, 0.4, 0.2)  # chance of 1, 2, 3, ... hops in lookup tasks
   digits: int = 3  # digits of the arithmetic operands
   search_results: int = 3  # results per search (1: the agent must find the page in one try)
   names: str = "words"  # "words" (made-up words) or "numbers" (a kind and a 4-digit number)
@@ -121,8 +121,9 @@ class WorldConfig:
                        f"arithmetic, mixed")
     if any(w < 0 for _, w in self.families) or sum(w for _, w in self.families) <= 0:
       raise ValueError(f"world.families weights must be >= 0 and not all 0: {self.families}")
-    if not 1 <= len(self.hops) <= 3 or any(w < 0 for w in self.hops) or sum(self.hops) <= 0:
-      raise ValueError(f"world.hops must give 1-3 non-negative weights, got {self.hops}")
+    if not self.hops or any(w < 0 for w in self.hops) or sum(self.hops) <= 0:
+      raise ValueError(f"world.hops must give non-negative weights (of 1, 2, ... hops), not "
+                       f"all 0, got {self.hops}")
     if self.names not in ("words", "numbers"):
       raise ValueError(f"world.names={self.names!r}: expected 'words' or 'numbers'")
     if self.names == "numbers" and 6 * self.entities > 9000:
