@@ -54,7 +54,7 @@ lm-demo: $(STAMP)
 # One worker per core, a test file at a time per worker (module fixtures are built once); the
 # workers share conftest's compilation cache.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile tests $(ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 tests $(ARGS)
 
 sft: $(STAMP)
 	$(BIN)/python experiments/sft.py $(ARGS)

@@ -22,7 +22,10 @@ EXPERIMENTS = {e.name: e for e in [
         {"all-tasks": {"dapo.rl.steps": 48},
          "drop-solved": {"dapo.rl.steps": 48, **_SELECTION, "selection.high": 0.75},
          "mixed-only": {"dapo.rl.steps": 48, **_SELECTION, "selection.low": 0.25,
-                        "selection.high": 0.75}},
+                        "selection.high": 0.75},
+         # with every group mixed, failures pushed down too (the main job's DAPO does not)
+         "mixed-only-negatives": {"dapo.rl.steps": 48, **_SELECTION, "selection.low": 0.25,
+                                  "selection.high": 0.75, "dapo.rl.negative_weight": 1.0}},
         options={"every": 12},
         about="RL query selection by the SFT model's pass rate over 4 samples, 48 DAPO updates"),
     Experiment(
