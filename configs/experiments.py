@@ -19,13 +19,13 @@ EXPERIMENTS = {e.name: e for e in [
         options={"every": 4}, about="DAPO and PPO (critic, GAE) at the same sample budget"),
     Experiment(
         "query-selection", "rl",
-        {"all-tasks": {"dapo.rl.steps": 48},
-         "drop-solved": {"dapo.rl.steps": 48, **_SELECTION, "selection.high": 0.75},
+        {"drop-solved": {"dapo.rl.steps": 48, **_SELECTION, "selection.high": 0.75},
          "mixed-only": {"dapo.rl.steps": 48, **_SELECTION, "selection.low": 0.25,
                         "selection.high": 0.75},
          # with every group mixed, failures pushed down too (the main job's DAPO does not)
          "mixed-only-negatives": {"dapo.rl.steps": 48, **_SELECTION, "selection.low": 0.25,
-                                  "selection.high": 0.75, "dapo.rl.negative_weight": 1.0}},
+                                  "selection.high": 0.75, "dapo.rl.negative_weight": 1.0},
+         "all-tasks": {"dapo.rl.steps": 48}},  # last: its runs are rl-ceiling's first updates
         options={"every": 12},
         about="RL query selection by the SFT model's pass rate over 4 samples, 48 DAPO updates"),
     Experiment(
