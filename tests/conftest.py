@@ -39,3 +39,15 @@ from coa_jax.runtime import sharding  # noqa: E402
 @pytest.fixture(scope="session")
 def single_device_mesh():
   return sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+
+
+# The files that take longest (`make test` prints the slowest tests), run first: pytest-xdist
+# hands each worker whole files in collection order, and a long file collected last keeps one
+# worker busy after the other has run out of files.
+SLOW_FILES = ("test_copy_guard.py", "test_multihost.py", "test_aot.py", "test_pipeline.py",
+              "test_crash_recovery.py", "test_ppo.py", "test_sft.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(SLOW_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable
