@@ -41,13 +41,12 @@ def main(argv):
   # The main job's cache: its evaluations and training steps compiled the same programs.
   jax.config.update("jax_compilation_cache_dir", os.path.join(config.output_dir, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  report = experiments.run(experiment, config, pipeline_tiny_cpu.stage_configs,
+  experiments.run(experiment, config, pipeline_tiny_cpu.stage_configs,
                            experiments.KINDS)
   if _PUBLISH.value:
     source = os.path.join(config.output_dir, "experiments", experiment.name)
     for path in experiments.publish(source, os.path.join("docs", "results", experiment.name)):
       print(f"published {path}")
-  return report
 
 
 if __name__ == "__main__":

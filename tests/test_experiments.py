@@ -237,3 +237,11 @@ def test_filter_stage_data_rebuilds_each_stage_from_the_traces(tmp_path):
   assert final == [json.dumps(t.to_json()) for t in kept]  # the main job's bytes
   with pytest.raises(ConfigError, match="not one of"):
     filters.stage_data(config, str(path), "nope")
+
+
+def test_results_keep_the_cells_in_their_order(tmp_path):
+  cells = {name: {"dapo.learning_rate": lr} for name, lr in (("zeta", 1e-5), ("alpha", 2e-5))}
+  report = run(Experiment("order", "fake", cells, seeds=1), _config(tmp_path), None,
+               {"fake": FakeKind()})
+  assert list(report["summary"]) == ["zeta", "alpha"]
+  assert report["table"].splitlines()[0] == "| zeta | [1.0] |"

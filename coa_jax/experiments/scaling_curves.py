@@ -88,6 +88,8 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
   plt = pipeline.pyplot()
   if plt is None:
     return None
+  import matplotlib.ticker  # installed with pyplot
+
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
   for name, row in report["summary"].items():
     ks = np.array(row["k"])
@@ -100,9 +102,12 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
                         label=f"{name} {curve.replace('k', 'j')}")
         color = line.get_color()
         ax.fill_between(x, mean - sd, mean + sd, color=color, alpha=0.15)
-  axes[0].set(xlabel="samples per task j", ylabel="held-out score", xscale="log", )
-  axes[1].set(xlabel="tokens per task for j samples", ylabel="held-out score", xscale="log")
+  axes[0].set(xlabel="samples per task j", ylabel="held-out score")
+  axes[1].set(xlabel="tokens per task for j samples", ylabel="held-out score")
   for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   fig.suptitle(f"{report['name']}: {report['about']} (mean +- sd over seeds "

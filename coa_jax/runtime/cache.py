@@ -17,9 +17,9 @@ from coa_jax.runtime.distributed import say
 
 
 def canonical(value: Any) -> Any:
-  """Returns `value` as JSON would read it back (tuples as lists, keys as strings), so a key
-  compares equal to the stored copy of itself."""
-  return json.loads(json.dumps(value, sort_keys=True, default=str))
+  """Returns `value` as JSON would read it back (tuples as lists, keys as strings, in their
+  order), so a key compares equal to the stored copy of itself."""
+  return json.loads(json.dumps(value, default=str))
 
 
 def fingerprint(value: Any, length: int = 12) -> str:
