@@ -1,6 +1,6 @@
 """One of the paper's experiments in miniature, by name (configs/experiments.py).
 
-  python experiments/experiment.py --name=rl-ceiling [--seeds=3] [--publish]
+  python experiments/experiment.py --name=rl-ceiling [--seeds=3] [--cells=a,b] [--publish]
                                    [--config=configs/pipeline_tiny_cpu.py] [--config.x=...]
 
 Needs the main job's outputs (`make pipeline ARGS="--seeds 3"`): its distilled data, SFT and
@@ -27,6 +27,7 @@ sys.argv[:] = cli.config_argv(sys.argv)
 _CONFIG = config_flags.DEFINE_config_file("config", pipeline_tiny_cpu.__file__)
 _NAME = flags.DEFINE_enum("name", None, sorted(EXPERIMENTS), "the experiment to run")
 _SEEDS = flags.DEFINE_integer("seeds", 0, "seeds (default: the experiment's, 3)")
+_CELLS = flags.DEFINE_list("cells", [], "run only these cells (default: every cell)")
 _PUBLISH = flags.DEFINE_bool("publish", False, "copy the results files to docs/results/<name>")
 flags.mark_flag_as_required("name")
 
@@ -38,6 +39,13 @@ def main(argv):
   experiment = EXPERIMENTS[_NAME.value]
   if _SEEDS.value:
     experiment = dataclasses.replace(experiment, seeds=_SEEDS.value)
+  if _CELLS.value:
+    unknown = set(_CELLS.value) - set(experiment.cells)
+    if unknown:
+      raise app.UsageError(f"--cells {sorted(unknown)}: {experiment.name}'s cells are "
+                           f"{list(experiment.cells)}")
+    experiment = dataclasses.replace(
+        experiment, cells={n: c for n, c in experiment.cells.items() if n in _CELLS.value})
   # The main job's cache: its evaluations and training steps compiled the same programs.
   jax.config.update("jax_compilation_cache_dir", os.path.join(config.output_dir, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
