@@ -21,7 +21,7 @@ import ml_collections
 from coa_jax import evaluation, pipeline, sft
 from coa_jax.distill import job as distill
 from coa_jax.distill.teacher import Trace
-from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, shared_dir
+from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, save_figure, shared_dir
 from coa_jax.model import ConfigError
 from coa_jax.runtime.cache import file_fingerprint
 from coa_jax.runtime.distributed import say
@@ -133,10 +133,5 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
     ax.set(xlabel="SFT trajectories (filter stage's output)", ylabel=label)
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize=7)
-  fig.suptitle(f"{report['name']}: {report['about']} (mean +- sd over seeds "
-               f"{report['seeds']})", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return path
+  return save_figure(plt, fig, report, path)
 

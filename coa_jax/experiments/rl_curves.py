@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from coa_jax import evaluation, pipeline, rl
-from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, shared_dir
+from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, save_figure, shared_dir
 from coa_jax.model import ConfigError
 from coa_jax.runtime.cache import file_fingerprint
 from coa_jax.runtime.distributed import say
@@ -182,9 +182,4 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
     ax.set(xlabel="updates", ylabel=label)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-  fig.suptitle(f"{report['name']}: {report['about']} (mean +- sd over seeds {report['seeds']})",
-               fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return path
+  return save_figure(plt, fig, report, path)

@@ -139,6 +139,17 @@ def run(experiment: Experiment, config: ml_collections.ConfigDict, stage_configs
   return report
 
 
+def save_figure(plt: Any, fig: Any, report: Mapping[str, Any], path: str) -> str:
+  """Titles a kind's figure with the experiment's name, question and seeds, writes it to
+  `path` and closes it; returns the path."""
+  fig.suptitle(f"{report['name']}: {report['about']} (mean +- sd over seeds "
+               f"{report['seeds']})", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
 def publish(source: str, destination: str) -> list[str]:
   """Copies an experiment's results.json, results.md and results.png (those that exist) from
   `source` to `destination` (e.g. docs/results/<name>); returns the copied paths."""

@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from coa_jax import evaluation, pipeline
-from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, shared_dir
+from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, save_figure, shared_dir
 from coa_jax.model import ConfigError
 from coa_jax.runtime.cache import file_fingerprint
 
@@ -110,9 +110,4 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-  fig.suptitle(f"{report['name']}: {report['about']} (mean +- sd over seeds "
-               f"{report['seeds']})", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return path
+  return save_figure(plt, fig, report, path)
