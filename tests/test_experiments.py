@@ -183,6 +183,7 @@ def test_rl_curves_summary_and_table():
   lines = rl_curves.table(summary).splitlines()
   assert lines[0].startswith("| cell | pass@1 after 0 | pass@1 after 12 | pass@1 after 24 |")
   assert lines[2].startswith("| dapo | 0.800 +- 0.000 | 0.910 +- 0.014 | 0.950 +- 0.014 |")
+  assert lines[-1] == "| dapo: lookup | 0.800 +- 0.000 | 0.910 +- 0.014 | 0.950 +- 0.014 |"
 
 
 def test_scaling_summary_and_table():

@@ -135,19 +135,26 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def table(summary: Mapping[str, Any]) -> str:
-  """Returns the markdown table: held-out pass@1 (mean +- sd over seeds) after each number of
-  updates, then the last point's tokens, tool calls and format errors per task."""
+  """Returns the markdown tables: held-out pass@1 (mean +- sd over seeds) after each number of
+  updates, then the last point's tokens, tool calls and format errors per task; below it, each
+  task family's pass@1 after each number of updates."""
   updates = sorted({int(k) for rows in summary.values() for k in rows})
   head = ["cell"] + [f"pass@1 after {k}" for k in updates] + [
       c.replace("_", " ") for c in COLUMNS[1:]]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  families = ["", "| cell: task family | " + " | ".join(head[1:len(updates) + 1]) + " |",
+              "|" + "---|" * (len(updates) + 1)]
   for name, rows in summary.items():
     rows = {int(k): v for k, v in rows.items()}
     last = rows[max(rows)]
     lines.append("| " + " | ".join(
         [name] + [cell(rows[k]["pass@1"]) if k in rows else "-" for k in updates] +
         [cell(last[c], 1 if c == "tokens_per_task" else 3) for c in COLUMNS[1:]]) + " |")
-  return "\n".join(lines)
+    for family in last["by_family"]:
+      families.append("| " + " | ".join(
+          [f"{name}: {family}"] + [cell(rows[k]["by_family"][family]) if k in rows else "-"
+                                   for k in updates]) + " |")
+  return "\n".join(lines + families)
 
 
 def plot(report: Mapping[str, Any], path: str) -> str | None:
