@@ -18,6 +18,7 @@ import os
 import time
 from typing import Any, Callable
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -187,6 +188,8 @@ def _sample_pass(evaluate: ml_collections.ConfigDict, folder: str):
     cfg.max_tasks, cfg.k, cfg.copy_probe, cfg.output_dir = 0, k, "", folder
     cfg.batch_size = max(cfg.batch_size // k, 1) * k
     evaluation.run(cfg)
+    if jax.process_index():  # process 0 wrote the samples; its outcomes are shared
+      return {}
     with open(os.path.join(folder, "samples.jsonl")) as f:
       rows = [json.loads(line) for line in f if line.strip()]
     return {row["task_id"]: [s["correct"] for s in row["samples"]] for row in rows}

@@ -8,6 +8,9 @@ Scenarios, in order, each process writing OUT_DIR/<scenario>-<process>.json:
 - unreadable: a checkpoint step whose metadata only process 1 cannot read is set aside by both,
   which restore the previous step;
 - mismatch: a checkpoint that does not fit the run raises on both and moves nothing;
+- cache: a cached value only process 0 finds is taken by both, neither computing (the
+  computation runs a collective); a value neither finds is computed by both, process 0's is
+  returned on both and only process 0 stores it;
 - preemption: process 1 alone gets SIGTERM; both save at one step and stop.
 """
 
@@ -29,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from coa_jax.runtime import distributed, sharding
+from coa_jax.runtime.cache import cached_json, write_json
 from coa_jax.runtime.checkpointing import Checkpointer
 from coa_jax.train.loop import LoopConfig, run_loop
 
@@ -99,6 +103,21 @@ write("unreadable", **outcome(restored_step))
 checkpointer.close()
 write("mismatch", **outcome(lambda: Checkpointer(directory).restore_latest(abstract(size=8))),
       steps=sorted(os.listdir(directory)))
+
+computed = []
+
+
+def compute() -> dict:
+  computed.append(process_id)
+  ADD_ONE(weights(0.0)).block_until_ready()  # a global program: both must run it
+  return {"process": process_id}
+
+
+if process_id == 0:  # only process 0's cache holds the value
+  write_json(os.path.join(out, "hit-0.json"), {"key": {"k": 1}, "value": "stored"})
+hit = cached_json(os.path.join(out, f"hit-{process_id}.json"), {"k": 1}, compute)
+miss = cached_json(os.path.join(out, f"miss-{process_id}.json"), {"k": 2}, compute)
+write("cache", hit=hit, miss=miss, computed=len(computed))
 
 
 class Counter:

@@ -1,6 +1,7 @@
 """On two processes (one CPU device each, gloo collectives), every decision that precedes a
 collective is taken by both: one process's error ends both, a checkpoint step only one process
-cannot read is set aside by both, a mismatched checkpoint fails on both, and a SIGTERM that
+cannot read is set aside by both, a mismatched checkpoint fails on both, a cached result only
+process 0 holds is taken by both, and a SIGTERM that
 only one process gets makes both save at the same step and stop (tests/agreement_worker.py)."""
 
 import json
@@ -49,6 +50,13 @@ def test_a_mismatched_checkpoint_fails_on_both_and_moves_nothing(out):
   assert [r["error"] for r in results] == ["CheckpointMismatchError"] * 2
   assert "w: saved float32[4], this run float32[8]" in results[0]["message"]
   assert results[0]["steps"][0] == "1" and results[0]["steps"][1].startswith("2.corrupt-")
+
+
+def test_a_cache_decides_on_process_0_and_is_stored_by_it(out):
+  for result in _results(out, "cache"):
+    assert result["hit"] == "stored" and result["miss"] == {"process": 0}
+    assert result["computed"] == 1  # the miss, on both
+  assert sorted(p.name for p in out.glob("miss-*.json")) == ["miss-0.json"]
 
 
 def test_a_sigterm_on_one_process_stops_both_at_the_same_step(out):

@@ -49,9 +49,9 @@ def stage_data(config: Any, traces: str, stage: str) -> str:
     kept = next(survivors for name, survivors, _ in filters.progressive(trajectories)
                 if name == stage)
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + ".tmp", "w") as f:
+  with open(f"{path}.tmp{os.getpid()}", "w") as f:
     f.writelines(json.dumps(t.to_json()) + "\n" for t in kept)
-  os.replace(path + ".tmp", path)
+  os.replace(f"{path}.tmp{os.getpid()}", path)
   say(f"filter stage {stage}: {len(kept)} of {len(trajectories)} trajectories -> {path}")
   return path
 

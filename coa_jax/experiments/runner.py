@@ -21,12 +21,12 @@ repository's docs/results/<name>/.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import time
 from typing import Any, Callable, Mapping
 
+import jax
 import ml_collections
 
 from coa_jax.model import ConfigError
@@ -130,12 +130,12 @@ def run(experiment: Experiment, config: ml_collections.ConfigDict, stage_configs
             "cells": {n: dict(o) for n, o in experiment.cells.items()}, "seeds": seeds,
             "options": dict(experiment.options), "results": results, "summary": summary,
             "table": table, "wall_s": round(time.perf_counter() - start, 1)}
-  os.makedirs(out, exist_ok=True)
-  write_json(os.path.join(out, "results.json"), report)
-  with open(os.path.join(out, "results.md"), "w") as f:
-    f.write(table + "\n")
-  kind.plot(report, os.path.join(out, "results.png"))
   say(f"{experiment.name}: {experiment.about}\n{table}\nresults in {out}")
+  if jax.process_index() == 0:
+    write_json(os.path.join(out, "results.json"), report)
+    with open(os.path.join(out, "results.md"), "w") as f:
+      f.write(table + "\n")
+    kind.plot(report, os.path.join(out, "results.png"))
   return report
 
 
@@ -160,7 +160,3 @@ def publish(source: str, destination: str) -> list[str]:
       copied.append(shutil.copy(os.path.join(source, name), os.path.join(destination, name)))
   return copied
 
-
-def load(path: str) -> dict[str, Any]:
-  with open(path) as f:
-    return json.load(f)

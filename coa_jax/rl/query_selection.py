@@ -98,8 +98,8 @@ def write_tasks(tasks: Sequence[Task], path: str) -> str:
   """Writes tasks as a JSONL task file that `load_tasks` reads back to the same tasks (each
   row: the task's data with its id and question); returns the path."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path + ".tmp", "w") as f:
+  with open(f"{path}.tmp{os.getpid()}", "w") as f:
     for task in tasks:
       f.write(json.dumps({**task.data, "id": task.id, "question": task.question}) + "\n")
-  os.replace(path + ".tmp", path)
+  os.replace(f"{path}.tmp{os.getpid()}", path)
   return path

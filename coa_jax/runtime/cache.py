@@ -13,6 +13,9 @@ import json
 import os
 from typing import Any, Callable
 
+import jax
+
+from coa_jax.runtime import distributed
 from coa_jax.runtime.distributed import say
 
 
@@ -51,21 +54,37 @@ def file_fingerprint(path: str) -> str:
 def write_json(path: str, value: Any) -> None:
   """Writes `value` as JSON to `path` atomically (a temporary file, then a rename)."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path + ".tmp", "w") as f:
+  temporary = f"{path}.tmp{os.getpid()}"  # processes sharing a folder never share one
+  with open(temporary, "w") as f:
     json.dump(value, f, indent=1)
-  os.replace(path + ".tmp", path)
+  os.replace(temporary, path)
+
+
+def _first(value: Any) -> Any:
+  """Returns process 0's `value` on every process (`value` itself on one)."""
+  return distributed.gather_json(value)[0] if jax.process_count() > 1 else value
 
 
 def cached_json(path: str, key: Any, compute: Callable[[], Any]) -> Any:
   """Returns the value stored at `path` under `key`, or computes, stores and returns it. A file
-  stored under another key is recomputed (and says so)."""
+  stored under another key is recomputed (and says so).
+
+  On several processes, process 0's file decides for all (a host that alone found the value
+  would skip a computation its peers run collectives in), every process computes, process 0's
+  value is returned everywhere (its evaluation wrote the files it read) and process 0 stores
+  it."""
   key = canonical(key)
+  stored = None
   if os.path.exists(path):
     with open(path) as f:
       stored = json.load(f)
-    if stored.get("key") == key:
-      return stored["value"]
-    say(f"{path} was computed under other settings: recomputing")
-  value = canonical(compute())
-  write_json(path, {"key": key, "value": value})
+    if stored.get("key") != key:
+      say(f"{path} was computed under other settings: recomputing")
+      stored = None
+  stored = _first(stored)
+  if stored is not None:
+    return stored["value"]
+  value = _first(canonical(compute()))
+  if jax.process_index() == 0:
+    write_json(path, {"key": key, "value": value})
   return value
