@@ -23,7 +23,7 @@ from coa_jax.distill import job as distill
 from coa_jax.distill.teacher import Trace
 from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, save_figure, shared_dir
 from coa_jax.model import ConfigError
-from coa_jax.runtime.cache import file_fingerprint
+from coa_jax.runtime.cache import exists, file_fingerprint
 from coa_jax.runtime.distributed import say
 
 DATA = ("all",) + distill.STAGES
@@ -80,13 +80,13 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
     train.export_dir = os.path.join(folder, "hf_export")
     # saved every 250 steps: a run cut short resumes
     train.checkpoint.update(directory=os.path.join(folder, "checkpoints"), every=250)
-    if not os.path.isdir(train.export_dir):
+    if not exists(train.export_dir):
       say(f"== SFT on {options['data']} ({count} trajectories) in {folder}")
       sft.run(train)
     evaluate.model.checkpoint = train.export_dir
     evaluate.output_dir = os.path.join(folder, "eval")
   metrics_path = os.path.join(evaluate.output_dir, "metrics.json")
-  if not os.path.exists(metrics_path):
+  if not exists(metrics_path):
     if reused and not os.path.isdir(evaluate.model.checkpoint):
       raise ConfigError(f"{evaluate.model.checkpoint} is missing: run the main job first (make "
                         f"pipeline ARGS=\"--seeds 3\")")

@@ -24,7 +24,7 @@ import numpy as np
 from coa_jax import evaluation, pipeline, rl
 from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, save_figure, shared_dir
 from coa_jax.model import ConfigError
-from coa_jax.runtime.cache import file_fingerprint
+from coa_jax.runtime.cache import exists, file_fingerprint
 from coa_jax.runtime.distributed import say
 
 STAGES = {"dapo": "DAPO", "ppo": "PPO (critic, GAE)"}
@@ -56,10 +56,10 @@ def _point(train: ml_collections.ConfigDict, evaluate: ml_collections.ConfigDict
   """Returns the held-out metrics after `steps` updates, training the segment that ends there
   and evaluating its export unless they are on disk."""
   done = os.path.join(folder, f"eval-{steps}", "metrics.json")
-  if os.path.exists(done):
+  if exists(done):
     return _read(done)
   export = os.path.join(folder, f"export-{steps}")
-  if not os.path.isdir(export):
+  if not exists(export):
     segment = ml_collections.ConfigDict(train.to_dict())
     segment.rl.steps = steps
     segment.workdir, segment.export_dir = folder, export
@@ -97,7 +97,7 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
   if stage not in STAGES:
     raise ConfigError(f"rl experiment: stage {stage!r} is not one of {sorted(STAGES)}")
   sft_metrics = os.path.join(stages["eval_sft"].output_dir, "metrics.json")
-  if not os.path.exists(sft_metrics):
+  if not exists(sft_metrics):
     raise ConfigError(f"{sft_metrics} is missing: run the main job first (make pipeline "
                       f"ARGS=\"--seeds 3\")")
   train = ml_collections.ConfigDict(stages[stage].to_dict())

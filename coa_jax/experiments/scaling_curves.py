@@ -19,7 +19,7 @@ import numpy as np
 from coa_jax import evaluation, pipeline
 from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, save_figure, shared_dir
 from coa_jax.model import ConfigError
-from coa_jax.runtime.cache import file_fingerprint
+from coa_jax.runtime.cache import exists, file_fingerprint
 
 SYSTEMS = ("teacher", "sft", "dapo")
 SHOWN = (1, 2, 4, 8, 16)  # the table's columns (those <= k)
@@ -38,13 +38,13 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
   if system == "teacher":
     settings.pop("seed")  # the teacher's k samples are its seeds 0..k-1
   else:
-    if not os.path.isdir(cfg.model.checkpoint):
+    if not exists(cfg.model.checkpoint):
       raise ConfigError(f"{cfg.model.checkpoint} is missing: run the main job first (make "
                         f"pipeline ARGS=\"--seeds 3\")")
     settings["model"] = file_fingerprint(cfg.model.checkpoint)
   cfg.output_dir = shared_dir(config, "eval", settings)
   path = os.path.join(cfg.output_dir, "metrics.json")
-  if not os.path.exists(path):
+  if not exists(path):
     evaluation.run(cfg)
   with open(path) as f:
     metrics = json.load(f)

@@ -65,6 +65,12 @@ def _first(value: Any) -> Any:
   return distributed.gather_json(value)[0] if jax.process_count() > 1 else value
 
 
+def exists(path: str) -> bool:
+  """Returns whether `path` exists on process 0, on every process: a run or an evaluation that
+  only one host found done would be skipped by it alone while its peers run collectives."""
+  return bool(_first(os.path.exists(path)))
+
+
 def cached_json(path: str, key: Any, compute: Callable[[], Any]) -> Any:
   """Returns the value stored at `path` under `key`, or computes, stores and returns it. A file
   stored under another key is recomputed (and says so).
