@@ -97,8 +97,13 @@ def test_every_named_experiment_applies_to_the_main_job_config():
   config = pipeline_tiny_cpu.get_config()
   for experiment in EXPERIMENTS.values():
     for overrides in experiment.cells.values():
-      with_overrides(config, {k: v for k, v in overrides.items()
-                              if not k.startswith("options.")})
+      settings = {k: v for k, v in overrides.items() if not k.startswith("options.")}
+      out = with_overrides(config, settings)
+      for path, value in settings.items():  # each override lands where its path says
+        node = out
+        for part in path.split("."):
+          node = node[part]
+        assert node == value, (experiment.name, path)
 
 
 # --- query selection ------------------------------------------------------------------------

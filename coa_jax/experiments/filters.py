@@ -18,10 +18,11 @@ from typing import Any, Mapping
 
 import ml_collections
 
-from coa_jax import evaluation, pipeline, sft
+from coa_jax import evaluation, sft
 from coa_jax.distill import job as distill
 from coa_jax.distill.teacher import Trace
-from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, save_figure, shared_dir
+from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
+                                        shared_dir)
 from coa_jax.model import ConfigError
 from coa_jax.runtime.cache import exists, file_fingerprint
 from coa_jax.runtime.distributed import say
@@ -118,10 +119,10 @@ def table(summary: Mapping[str, Any]) -> str:
 def plot(report: Mapping[str, Any], path: str) -> str | None:
   """Writes held-out pass@1 and the format-error rate against each stage's trajectory count
   (mean +- sd over seeds); returns the path, or None without matplotlib."""
-  plt = pipeline.pyplot()
-  if plt is None:
+  figure = new_figure(2, (11, 4))
+  if figure is None:
     return None
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  plt, fig, axes = figure
   for ax, metric, label in ((axes[0], "pass@1", "held-out pass@1"),
                             (axes[1], "format_error_rate", "held-out format-error rate")):
     for name, row in report["summary"].items():

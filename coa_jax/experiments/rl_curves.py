@@ -22,7 +22,8 @@ import ml_collections
 import numpy as np
 
 from coa_jax import evaluation, pipeline, rl
-from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, save_figure, shared_dir
+from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
+                                        shared_dir)
 from coa_jax.model import ConfigError
 from coa_jax.runtime.cache import exists, file_fingerprint
 from coa_jax.runtime.distributed import say
@@ -161,10 +162,10 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
   """Writes the curves (held-out pass@1 per cell; each task family's pass@1, one line style
   per family; training reward), mean +- sd over seeds against updates; returns the path, or
   None without matplotlib."""
-  plt = pipeline.pyplot()
-  if plt is None:
+  figure = new_figure(3, (16, 4))
+  if figure is None:
     return None
-  fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+  plt, fig, axes = figure
   styles = ["-", "--", ":", "-."]
   for name, rows in report["summary"].items():
     rows = {int(k): v for k, v in rows.items()}

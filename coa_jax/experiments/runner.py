@@ -30,6 +30,7 @@ import jax
 import ml_collections
 
 from coa_jax.model import ConfigError
+from coa_jax.pipeline import pyplot
 from coa_jax.runtime.cache import cached_json, canonical, fingerprint, write_json
 from coa_jax.runtime.distributed import say
 
@@ -137,6 +138,15 @@ def run(experiment: Experiment, config: ml_collections.ConfigDict, stage_configs
       f.write(table + "\n")
     kind.plot(report, os.path.join(out, "results.png"))
   return report
+
+
+def new_figure(columns: int, size: tuple[float, float]) -> tuple[Any, Any, Any] | None:
+  """Returns (pyplot, figure, axes) of a row of `columns` plots, or None without matplotlib."""
+  plt = pyplot()
+  if plt is None:
+    return None
+  fig, axes = plt.subplots(1, columns, figsize=size)
+  return plt, fig, axes
 
 
 def save_figure(plt: Any, fig: Any, report: Mapping[str, Any], path: str) -> str:

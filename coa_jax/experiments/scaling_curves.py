@@ -16,8 +16,9 @@ from typing import Any, Mapping
 import ml_collections
 import numpy as np
 
-from coa_jax import evaluation, pipeline
-from coa_jax.experiments.runner import StageConfigs, cell, mean_sd, save_figure, shared_dir
+from coa_jax import evaluation
+from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
+                                        shared_dir)
 from coa_jax.model import ConfigError
 from coa_jax.runtime.cache import exists, file_fingerprint
 
@@ -85,12 +86,12 @@ def table(summary: Mapping[str, Any]) -> str:
 def plot(report: Mapping[str, Any], path: str) -> str | None:
   """Writes pass@j (solid) and maj@j (dashed) against j and against the tokens j samples cost
   (mean +- sd over seeds); returns the path, or None without matplotlib."""
-  plt = pipeline.pyplot()
-  if plt is None:
+  figure = new_figure(2, (12, 4.2))
+  if figure is None:
     return None
+  plt, fig, axes = figure
   import matplotlib.ticker  # installed with pyplot
 
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
   for name, row in report["summary"].items():
     ks = np.array(row["k"])
     for ax, x in ((axes[0], ks), (axes[1], ks * row["tokens_per_task"]["mean"])):
