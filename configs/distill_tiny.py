@@ -16,7 +16,8 @@ def get_config() -> ml_collections.ConfigDict:
       # the tiny model copies far better, and the factor written "* k" in the plan gained on
       # seed 0 (SFT 0.606 -> 0.683) but lost on seed 1 (0.778 -> 0.489): the spread over seeds
       # moved, it did not shrink (issue 19, session 5).
-      hops=(0.7, 0.2, 0.1), digits=2, search_results=1, names="numbers"))
+      hops=(0.7, 0.2, 0.1), digits=2, search_results=1, names="numbers",
+      distractors=0.0))  # near-miss figures on the pages: configs/pipeline_distractors_cpu.py
   # coa_jax.teacher.TeacherConfig: how often the scripted teacher errs.
   config.teacher = ml_collections.ConfigDict(dict(
       seed=0, vague_query_rate=0.1, misread_rate=0.1, skip_verify_rate=0.1,

@@ -1,10 +1,12 @@
 """The named experiments of `make experiment NAME=...` (docs/experiments.md), each a sweep over
 the main job's config (configs/pipeline_tiny_cpu.py): cells of config overrides (dotted paths;
 "options.<name>" sets the kind's option for one cell) times seeds. A new ablation is a few
-lines here, as the learning-rate search "dapo-lr" below. Cell names are folder names.
+lines here, as the learning-rate search "dapo-lr" below. Cell names are folder names. A cell
+that overrides output_dir runs on another main job's outputs (scaling-distractors).
 """
 
 from coa_jax.experiments import Experiment, filters
+from configs import pipeline_distractors_cpu
 
 _SELECTION = {"selection.max_tasks": 1000, "selection.k": 4}
 
@@ -34,6 +36,12 @@ EXPERIMENTS = {e.name: e for e in [
     Experiment(
         "scaling", "scaling", {s: {"options.system": s} for s in ("teacher", "sft", "dapo")},
         options={"k": 16}, about="pass@k and maj@k, k = 1..16, teacher system vs AFM"),
+    Experiment(  # needs the main job on that world first (configs/pipeline_distractors_cpu.py)
+        "scaling-distractors", "scaling",
+        {s: {"options.system": s, **pipeline_distractors_cpu.OVERRIDES}
+         for s in ("teacher", "sft", "dapo")},
+        options={"k": 16},
+        about="pass@k and maj@k, k = 1..16, on a world with near-miss figures on its pages"),
     Experiment(
         "dapo-lr", "rl", {f"lr-{lr:g}": {"dapo.learning_rate": lr} for lr in (2e-5, 5e-5, 1e-4)},
         options={"every": 8}, about="DAPO's learning rate, 16 updates"),

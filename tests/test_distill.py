@@ -12,7 +12,7 @@ from coa_jax.data import coa_format, prompts
 from coa_jax.data import tokenize as sft_tokenize
 from coa_jax.data import tokenizer as tokenizer_lib
 from coa_jax.data.coa_format import Step, Trajectory
-from coa_jax.data.world import RELATIONS, World, WorldConfig, load_tools_spec
+from coa_jax.data.world import NEAR, NOUNS, RELATIONS, World, WorldConfig, load_tools_spec
 from coa_jax.distill.job import Distiller, FilterConfig, format_report, to_trajectory
 from coa_jax.distill.teacher import (
   ChatTeacher,
@@ -100,6 +100,44 @@ def test_lookups_take_as_many_hops_as_the_world_asks_and_the_teacher_follows_the
     assert task["metadata"]["hops"] == 6  # the sixth weight
     trace = teacher.run(task)
     assert trace.answer == task["metadata"]["ground_truth"], task["question"]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("families", (("riddles", 1.0),), "names must be among"),
+    ("hops", (0.0, 0.0), "world.hops"),
+    ("names", "letters", "world.names"),
+    ("distractors", 1.5, "world.distractors must be in"),
+])
+def test_a_wrong_world_config_is_an_error_naming_the_field(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    dataclasses.replace(CONFIG, **{field: value})
+
+
+def test_near_miss_figures_leave_the_world_as_it_was_and_mislead_a_first_match_reader(tmp_path):
+  plain = World(dataclasses.replace(CONFIG, families=(("mixed", 1.0),), train_tasks=16))
+  world = World(dataclasses.replace(plain.config, distractors=1.0))
+  assert world.tasks == plain.tasks
+  assert all(e.attrs == plain.by_name[e.name].attrs for e in world.by_name.values())
+  world.write(str(tmp_path))
+  teacher = ScriptedTeacher(registry.build_registry(load_tools_spec(str(tmp_path))),
+                            TeacherConfig(vague_query_rate=0, misread_rate=0,
+                                          skip_verify_rate=0))
+  by_url = {e.url: e for e in world.by_name.values()}
+  outcomes = []
+  for task in world.tasks["train"]:
+    trace = teacher.run(task)
+    crawl = [a for a in trace.activations if a.step == "crawl_page"][-1]
+    entity, attr = by_url[crawl.tool_call], task["metadata"]["program"]["path"][-1]
+    near, near_first = entity.near[attr]
+    truth = entity.attrs[attr]
+    own = f"The {NOUNS[attr]} of {entity.name} is {truth}."
+    other = f"The {NOUNS[attr]} of {NEAR[entity.kind].format(x=entity.name)} is {near}."
+    assert own in crawl.tool_result and other in crawl.tool_result  # the focus keeps both
+    factor = int(task["metadata"]["program"]["expression"].split("*")[1])
+    read = near if near_first else truth  # the teacher reads the first figure, and checks it
+    assert trace.answer == str(read * factor)
+    outcomes.append(near_first)
+  assert 0 < sum(outcomes) < len(outcomes)  # both orders occur
 
 
 def test_teacher_does_arithmetic_in_its_head_at_its_rate(world_and_tools):

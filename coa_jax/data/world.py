@@ -17,8 +17,9 @@ goal. Task families:
 
 The train and held-out splits are two disjoint sets of entities (links stay inside a split),
 so held-out answers can only come from the tools. Difficulty: the hop mix, the family mix, the
-operands' digits, and the names: made-up words ("Druthae Holdings"), or a kind and a number
-("Company 4172"), which a small model copies from page to query as easily as any number.
+operands' digits, the names: made-up words ("Druthae Holdings"), or a kind and a number
+("Company 4172"), which a small model copies from page to query as easily as any number, and
+near-miss figures on the pages ("The population of the province of City 5230 is 48213.").
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ _COUNTRIES = ("Ardenia", "Belvost", "Corrin", "Daluvia", "Estmere", "Falkreth", 
 _COMPANY_SUFFIXES = ("Works", "Labs", "Foundry", "Holdings", "Systems", "Mills")
 _PROFESSIONS = ("engineer", "chemist", "architect", "teacher", "pilot", "economist",
                 "botanist", "surveyor")
+# Near-miss figures (`WorldConfig.distractors`): a page may state a numeric attribute of a thing
+# named after its entity as well, in the sentence form of the entity's own fact.
+NEAR = {"city": "the province of {x}", "person": "the father of {x}",
+        "company": "the parent company of {x}"}
 _RANGES = {("city", "population"): (12_000, 950_000), ("city", "founded"): (1100, 1950),
            ("person", "born"): (1935, 2001), ("company", "founded"): (1850, 2015),
            ("company", "employees"): (40, 90_000)}
@@ -113,6 +118,11 @@ class WorldConfig:
   digits: int = 3  # digits of the arithmetic operands
   search_results: int = 3  # results per search (1: the agent must find the page in one try)
   names: str = "words"  # "words" (made-up words) or "numbers" (a kind and a 4-digit number)
+  # The chance that a page states, beside a numeric fact, the same attribute of a near-miss
+  # thing ("The population of the province of City 5230 is 48213."), before or after the
+  # entity's own sentence at even odds: a reader has to tell which figure the question asks for.
+  # Drawn from a generator of its own, so the entities and tasks are those of the world without.
+  distractors: float = 0.0
 
   def __post_init__(self):
     names = {name for name, _ in self.families}
@@ -126,6 +136,8 @@ class WorldConfig:
                        f"all 0, got {self.hops}")
     if self.names not in ("words", "numbers"):
       raise ValueError(f"world.names={self.names!r}: expected 'words' or 'numbers'")
+    if not 0 <= self.distractors <= 1:
+      raise ValueError(f"world.distractors must be in [0, 1], got {self.distractors}")
     if self.names == "numbers" and 6 * self.entities > 9000:
       raise ValueError(f"world.names='numbers' has 9000 numbers for {6 * self.entities} "
                        f"entities; use at most 1500 entities per kind")
@@ -143,6 +155,8 @@ class Entity:
   name: str
   split: str
   attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # attribute -> (a near-miss figure, whether its sentence comes before the entity's own)
+  near: dict[str, tuple[int, bool]] = dataclasses.field(default_factory=dict)
 
   @property
   def slug(self) -> str:
@@ -162,7 +176,16 @@ class Entity:
       intro = f"{n} is {'an' if a['profession'][0] in 'aeiou' else 'a'} {a['profession']}."
     else:
       intro = f"{n} is a company."
-    return " ".join([intro] + [f"The {NOUNS[f]} of {n} is {a[f]}." for f in FIELDS[self.kind]])
+    sentences = [intro]
+    for f in FIELDS[self.kind]:
+      fact = f"The {NOUNS[f]} of {n} is {a[f]}."
+      if f in self.near:
+        value, first = self.near[f]
+        other = f"The {NOUNS[f]} of {NEAR[self.kind].format(x=n)} is {value}."
+        sentences += [other, fact] if first else [fact, other]
+      else:
+        sentences.append(fact)
+    return " ".join(sentences)
 
 
 class World:
@@ -177,6 +200,8 @@ class World:
       self._populate(split)
     self.by_name = {e.name: e for split in SPLITS for kind in KINDS
                     for e in self.entities[split][kind]}
+    if config.distractors:
+      self._add_distractors(np.random.default_rng([config.seed, 1]))
     counts = {"train": config.train_tasks, "heldout": config.heldout_tasks}
     self.tasks = {split: [self._task(split, i) for i in range(counts[split])]
                   for split in SPLITS}
@@ -219,6 +244,15 @@ class World:
                           employer=pick("company"))
     for entity in ents["company"]:
       entity.attrs.update(headquarters=pick("city"), ceo=pick("person"))
+
+  def _add_distractors(self, rng: np.random.Generator) -> None:
+    for entity in self.by_name.values():
+      for kind, attr in _RANGES:
+        if kind == entity.kind and rng.random() < self.config.distractors:
+          value = entity.attrs[attr]
+          while value == entity.attrs[attr]:
+            value = int(rng.integers(*_RANGES[kind, attr]))
+          entity.near[attr] = (value, bool(rng.random() < 0.5))
 
   def corpus(self) -> list[dict[str, str]]:
     """Returns every entity's page as a corpus record (id, title, url, text)."""
