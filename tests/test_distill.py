@@ -136,6 +136,7 @@ def test_near_miss_figures_leave_the_world_as_it_was_and_mislead_a_first_match_r
     factor = int(task["metadata"]["program"]["expression"].split("*")[1])
     read = near if near_first else truth  # the teacher reads the first figure, and checks it
     assert trace.answer == str(read * factor)
+    assert world.near_miss(task) == ("before" if near_first else "after")
     outcomes.append(near_first)
   assert 0 < sum(outcomes) < len(outcomes)  # both orders occur
 

@@ -204,6 +204,37 @@ def test_scaling_summary_and_table():
                       "| tool calls per sample |")
   assert lines[2].startswith("| sft | 0.850 +- 0.071 | 0.900 +- 0.071 | 0.950 +- 0.071 | "
                              "0.850 +- 0.071 | 0.870 +- 0.071 | 100.0 +- 0.0 |")
+  assert "near-miss" not in scaling_curves.table(summary)  # a world without them
+  pages = {"0": {**result(0.8), "pass@1_by_page": {"none": 1.0, "after": 0.9, "before": 0.1}},
+           "1": {**result(0.9), "pass@1_by_page": {"none": 1.0, "after": 0.7, "before": 0.3}}}
+  lines = scaling_curves.table(scaling_curves.summarize({"sft": pages})).splitlines()
+  assert lines[-3:] == ["| system | near-miss none | near-miss after | near-miss before |",
+                        "|---|---|---|---|",
+                        "| sft | 1.000 +- 0.000 | 0.800 +- 0.141 | 0.200 +- 0.141 |"]
+
+
+def test_pass_at_1_by_page_groups_the_samples_by_where_the_near_miss_figure_stands(tmp_path):
+  from coa_jax.data import World, WorldConfig
+
+  config = ml_collections.ConfigDict(dict(world=dict(
+      seed=3, entities=6, train_tasks=0, heldout_tasks=40, families=(("mixed", 1.0),),
+      distractors=0.5)))
+  world = World(WorldConfig(**config.world))
+  world.write(str(tmp_path))
+  page = {t["id"]: world.near_miss(t) for t in world.tasks["heldout"]}
+  assert set(page.values()) == {"none", "before", "after"}
+  right = {"none": [True, True], "after": [True, False], "before": [False, False]}
+  with open(tmp_path / "samples.jsonl", "w") as f:
+    for task_id, where in page.items():
+      samples = [dict(correct=c, answer="1", tokens=1, tool_calls={}, format_errors=0,
+                      finish_reason="answer", text="") for c in right[where]]
+      f.write(json.dumps({"task_id": task_id, "samples": samples}) + "\n")
+  tasks = str(tmp_path / "heldout.jsonl")
+  assert scaling_curves._by_page(config, tasks, str(tmp_path)) == {
+      "after": 0.5, "before": 0.0, "none": 1.0}
+  config.world.seed = 4  # the task file is another world's
+  with pytest.raises(ConfigError, match="not the held-out split of config.world"):
+    scaling_curves._by_page(config, tasks, str(tmp_path))
 
 
 def test_filter_ablation_table():

@@ -317,6 +317,20 @@ class World:
                          "family": family, "hops": max(len(program.get("path", [])) - 1, 0),
                          "split": split, "program": program}}
 
+  def near_miss(self, task: dict[str, Any]) -> str:
+    """Returns where the page that answers a look-up `task` (the last hop's) states a near-miss
+    figure of the asked attribute: "before" or "after" the entity's own sentence, or "none"
+    (also for arithmetic tasks)."""
+    path = task["metadata"]["program"].get("path")
+    if not path:
+      return "none"
+    entity = self.by_name[path[0]]
+    for attr in path[1:-1]:
+      entity = self.by_name[entity.attrs[attr]]
+    if path[-1] not in entity.near:
+      return "none"
+    return "before" if entity.near[path[-1]][1] else "after"
+
   # --- files -------------------------------------------------------------------------------
 
   def tools_spec(self, corpus_path: str, snippet_chars: int = 40) -> dict[str, dict]:

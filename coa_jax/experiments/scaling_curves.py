@@ -1,7 +1,8 @@
 """The "scaling" experiment kind: test-time scaling. A cell evaluates one of the main job's
 systems (options "system": "teacher", "sft" or "dapo") with options "k" samples of every
 held-out task and reports pass@j and maj@j for j = 1..k (`coa_jax.evaluation.scaling`, exact
-expectations over the j-subsets of the k samples) with the tokens a sample costs.
+expectations over the j-subsets of the k samples) with the tokens a sample costs. On a world
+with near-miss figures (`world.distractors`), also pass@1 by where the answer's page states one.
 
 The evaluation's folder is named after its settings; the scripted teacher does not depend on
 the seed, so its seeds share one evaluation (its sd is 0 by construction, not by luck).
@@ -17,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from coa_jax import evaluation
+from coa_jax.data import World, WorldConfig
 from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
                                         shared_dir)
 from coa_jax.model import ConfigError
@@ -24,6 +26,7 @@ from coa_jax.runtime.cache import exists, file_fingerprint
 
 SYSTEMS = ("teacher", "sft", "dapo")
 SHOWN = (1, 2, 4, 8, 16)  # the table's columns (those <= k)
+PAGES = ("none", "after", "before")  # where a near-miss figure stands (world.distractors)
 
 
 def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
@@ -49,8 +52,28 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
     evaluation.run(cfg)
   with open(path) as f:
     metrics = json.load(f)
-  return {"curves": metrics["curves"], "tokens_per_task": metrics["tokens_per_task"],
-          "tool_calls_per_task": metrics["tool_calls_per_task"]}
+  result = {"curves": metrics["curves"], "tokens_per_task": metrics["tokens_per_task"],
+            "tool_calls_per_task": metrics["tool_calls_per_task"]}
+  if config.world.get("distractors"):
+    result["pass@1_by_page"] = _by_page(config, cfg.tasks, cfg.output_dir)
+  return result
+
+
+def _by_page(config: Any, tasks_path: str, eval_dir: str) -> dict[str, float]:
+  """Returns pass@1 over the held-out tasks grouped by where the answer's page states a
+  near-miss figure ("before" or "after" the entity's own sentence, or "none"), from the
+  evaluation's samples and the world the config generates (checked against the task file)."""
+  world = World(WorldConfig(**config.world))
+  with open(tasks_path) as f:
+    tasks = [json.loads(line) for line in f if line.strip()]
+  if [t["question"] for t in tasks] != [t["question"] for t in world.tasks["heldout"]]:
+    raise ConfigError(f"{tasks_path} is not the held-out split of config.world: the main job "
+                      f"there ran on another world")
+  page = {t["id"]: world.near_miss(t) for t in world.tasks["heldout"]}
+  with open(os.path.join(eval_dir, "samples.jsonl")) as f:
+    outcomes = {r["task_id"]: [evaluation.Sample(**s) for s in r["samples"]]
+                for r in map(json.loads, f)}
+  return evaluation.pass_at_1_by(outcomes, page)
 
 
 def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -65,6 +88,9 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         **{curve: [mean_sd([r["curves"][curve][i] for r in runs]) for i in range(len(ks))]
            for curve in ("pass@k", "maj@k")},
         **{c: mean_sd([r[c] for r in runs]) for c in ("tokens_per_task", "tool_calls_per_task")}}
+    if "pass@1_by_page" in runs[0]:
+      summary[name]["by_page"] = {page: mean_sd([r["pass@1_by_page"][page] for r in runs])
+                                  for page in runs[0]["pass@1_by_page"]}
   return summary
 
 
@@ -80,6 +106,13 @@ def table(summary: Mapping[str, Any]) -> str:
     lines.append("| " + " | ".join(
         [name] + [at("pass@k", j) for j in shown] + [at("maj@k", j) for j in shown[1:]] +
         [cell(row["tokens_per_task"], 1), cell(row["tool_calls_per_task"], 2)]) + " |")
+  pages = [p for p in PAGES if all(p in row.get("by_page", {}) for row in summary.values())]
+  if pages:
+    lines += ["", "pass@1 by where the answer's page states a near-miss figure:", "",
+              "| system | " + " | ".join(f"near-miss {p}" for p in pages) + " |",
+              "|" + "---|" * (len(pages) + 1)]
+    lines += ["| " + " | ".join([name] + [cell(row["by_page"][p]) for p in pages]) + " |"
+              for name, row in summary.items()]
   return "\n".join(lines)
 
 
