@@ -24,10 +24,7 @@ setup(
         "absl-py",
         "grain>=0.2.18",
         "bm25s>=0.2",
-        # clu's metric writers: metrics as JSONL and TensorBoard events (TensorFlow's writer).
-        "clu>=0.0.12",
-        "tensorboard>=2.20",
-        "tensorflow-cpu>=2.20",
+        "tensorboard>=2.20",  # its event-file writer (coa_jax.train.writers); no TensorFlow
         "ml_dtypes",
         "numpy",
     ],
@@ -36,7 +33,7 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "pyarrow", "torch==2.13.0",
                  "math-verify>=0.9"],
         "tpu": ["jax[tpu]>=0.10.2"],
-        "tfds": ["tensorflow-datasets>=4.9", "array_record"],
+        "tfds": ["tensorflow-datasets>=4.9", "array_record", "tensorflow-cpu>=2.20"],
         "plots": ["matplotlib"],
         # Ahead-of-time compiles for NVIDIA GPUs on a machine without one (`make pod-fit`):
         # XLA:GPU as a PJRT plugin, and cuDNN, which JAX asks for before it lowers cuDNN

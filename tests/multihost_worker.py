@@ -7,9 +7,10 @@ checkpoint both processes wrote (each process reads its own data shard), then on
 whose rollouts each host decodes on its own devices with its own tools, then an evaluation of
 the DAPO export (each host its share of the tasks), then one PPO step (a critic beside the
 policy, both sharded over both processes), then 2 steps of asynchronous DAPO (each host decodes
-on half its devices; the other halves train) with staleness 1, and 2 with staleness 0 (whose
-batches do not depend on timing, so one process is its reference). Process 0 writes OUT_DIR/result.json; SFT, DAPO
-and PPO (its critic too) export HF folders.
+on half its devices; the other halves train) with staleness 1 (two processes only: nothing
+compares it to one), and 2 with staleness 0 (whose batches do not depend on timing, so one
+process is its reference). Process 0 writes OUT_DIR/result.json; SFT, DAPO and PPO (its critic
+too) export HF folders.
 """
 
 import faulthandler
@@ -100,7 +101,8 @@ second = sft.run(sft_config(stop_after=0))
 rl = rl_job.run(dapo_config())
 metrics = evaluate.run(evaluate_config())
 ppo = rl_job.run(ppo_config())
-rl_job.run(async_dapo_config(staleness=1, name="async"))
+if processes > 1:  # which groups make a batch depends on timing: no reference to compare
+  rl_job.run(async_dapo_config(staleness=1, name="async"))
 # With staleness 0 which groups make a batch does not depend on timing: a reference to compare.
 rl_job.run(async_dapo_config(staleness=0, name="async0"))
 if jax.process_index() == 0:
@@ -112,6 +114,6 @@ if jax.process_index() == 0:
                "sft_loss": [r["loss"] for r in rows(f"{out}/sft/metrics.jsonl")],
                "dapo": rows(f"{out}/dapo/metrics.jsonl"), "eval": metrics,
                "ppo": rows(f"{out}/ppo/metrics.jsonl"),
-               "async": rows(f"{out}/async/metrics.jsonl"),
+               "async": rows(f"{out}/async/metrics.jsonl") if processes > 1 else None,
                "async0": rows(f"{out}/async0/metrics.jsonl")}, f)
 print(f"process {jax.process_index()} done", flush=True)

@@ -4,7 +4,10 @@ preemption notice) saves before a clean exit. Each run is a separate process.
 
 Nothing here depends on timing: a signal is sent once the event it needs has happened (a
 committed checkpoint, a logged step), and the moment past that event is drawn from a seeded
-generator, so a slow or busy machine changes how long a test takes, never what it checks."""
+generator, so a slow or busy machine changes how long a test takes, never what it checks.
+
+The uninterrupted reference starts once the first interrupted run has compiled its programs, so
+it loads them from the session's compilation cache (conftest) instead of compiling them again."""
 
 import json
 import os
@@ -44,10 +47,10 @@ def _args(script, folder):
   return [sys.executable] + script + flags
 
 
-def _start(script, folder):
+def _start(script, folder, *extra):
   os.makedirs(folder, exist_ok=True)
   log = open(os.path.join(folder, "log.txt"), "a")
-  return subprocess.Popen(_args(script, folder), cwd=ROOT, env=ENV, stdout=log,
+  return subprocess.Popen(_args(script, folder) + list(extra), cwd=ROOT, env=ENV, stdout=log,
                           stderr=subprocess.STDOUT)
 
 
@@ -104,13 +107,14 @@ def _assert_same_end(folder, reference, keys, exports=("hf_export",)):
 def test_sft_killed_mid_run_resumes_to_the_uninterrupted_end(tmp_path):
   draw = np.random.default_rng(0)
   kill_at, delay_s = 2 * int(draw.integers(2, 5)), float(draw.uniform(0.0, 0.05))
-  reference = _start(SFT, tmp_path / "whole")
   killed = tmp_path / "killed"
   victim = _start(SFT, killed)
   at_checkpoint = lambda: any(step >= kill_at for step in _committed_steps(killed))  # noqa: E731
   assert _interrupt(victim, at_checkpoint, signal.SIGKILL, delay_s) == -signal.SIGKILL
   assert _steps_logged(killed) < SFT_STEPS, "the run ended before the kill"
   resume_from = max(_committed_steps(killed))
+  # The reference saves no checkpoint before its last step (saving does not change the run).
+  reference = _start(SFT, tmp_path / "whole", f"--config.checkpoint.every={SFT_STEPS}")
   _finish(_start(SFT, killed), killed)
   _finish(reference, tmp_path / "whole")
   assert f"resumed from step {resume_from}" in open(killed / "log.txt").read()
@@ -124,12 +128,12 @@ PPO = DAPO + ["--config.rl.advantage=gae"]
 @pytest.mark.parametrize("algorithm", ["dapo", "ppo"])
 def test_rl_preempted_then_killed_resumes_to_the_uninterrupted_end(tmp_path, algorithm):
   script = PPO if algorithm == "ppo" else DAPO
-  reference = _start(script, tmp_path / "whole")
   run = tmp_path / "interrupted"
   first_step = lambda: _steps_logged(run) >= 1  # noqa: E731
   # The first step compiles every program of the run (PPO: the critic's too); a loaded machine
   # needs minutes.
   assert _interrupt(_start(script, run), first_step, signal.SIGTERM, timeout=600) == 0
+  reference = _start(script, tmp_path / "whole")
   log = open(run / "log.txt").read()
   assert "saving a checkpoint, then stopping" in log
   saved = max(_committed_steps(run))

@@ -1,6 +1,7 @@
 """The transformer: presets, packing, scan, remat, config errors."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +70,7 @@ def test_blockwise_attention_equals_dense_attention_and_its_gradients():
   def loss_and_grads(attention):
     model = Transformer(get_preset("tiny", attention_impl=attention, attention_block=4))
     loss = lambda p: (model.apply({"params": p}, ids, None, segments) ** 2).mean()
-    return jax.value_and_grad(loss)(params)
+    return jax.jit(jax.value_and_grad(loss))(params)
 
   (dense, dense_grads), (blocked, blocked_grads) = loss_and_grads("xla"), loss_and_grads(
       "blockwise")
@@ -104,17 +105,19 @@ def test_layers_are_unrolled_only_in_programs_over_several_cpu_devices():
   assert layer_loops(sharding.make_mesh((2, 2, 2))) == 0
 
 
+@functools.cache
+def _remat_grads(remat_policy):
+  """Gradients of the tiny model's mean logit under `remat_policy` (each policy computed once)."""
+  ids = np.random.RandomState(1).randint(0, 512, (2, 12))
+  _, params = _init(get_preset("tiny"))
+  m = Transformer(get_preset("tiny", remat=remat_policy))
+  return jax.jit(jax.grad(lambda p: m.apply({"params": p}, ids).mean()))(params)
+
+
 @pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
 def test_remat_policies_give_the_same_gradients(remat):
-  ids = np.random.RandomState(1).randint(0, 512, (2, 12))
-  model, params = _init(get_preset("tiny"))
-
-  def grads(remat_policy):
-    m = Transformer(get_preset("tiny", remat=remat_policy))
-    return jax.grad(lambda p: m.apply({"params": p}, ids).mean())(params)
-
-  for g, ref in zip(jax.tree_util.tree_leaves(grads(remat)),
-                    jax.tree_util.tree_leaves(grads("none"))):
+  for g, ref in zip(jax.tree_util.tree_leaves(_remat_grads(remat)),
+                    jax.tree_util.tree_leaves(_remat_grads("none"))):
     np.testing.assert_allclose(g, ref, atol=1e-6)
 
 

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import FAST_COMPILE
 
 from coa_jax.data.importers import DataError
 from coa_jax.losses import token_cross_entropy_and_z
@@ -191,7 +192,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
           f"--config.workdir={tmp_path}", "--config.export_dir="]
   proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, env={**os.environ, "JAX_PLATFORMS": "cpu",
-                                          "XLA_FLAGS": ""})
+                                          "XLA_FLAGS": FAST_COMPILE})  # one device
   metrics = tmp_path / "metrics.jsonl"
   deadline = time.time() + 240
   while time.time() < deadline and (not metrics.exists() or

@@ -145,3 +145,21 @@ def test_the_job_loop_writes_every_step_to_tensorboard_too(tmp_path):
   written = [(e.step, float(np.asarray(tensor_util.make_ndarray(e.tensor_proto))))
              for e in events.Tensors("loss")]
   assert written == [(step, pytest.approx(loss)) for step, loss in enumerate(losses, 1)]
+
+
+def test_a_resumed_run_appends_its_metrics_and_other_processes_write_none(tmp_path):
+  from tensorboard.backend.event_processing import event_accumulator
+
+  from coa_jax.train.writers import MetricWriter
+
+  for step, append in ((1, False), (2, True)):
+    writer = MetricWriter(str(tmp_path), append=append)
+    writer.write_scalars(step, {"loss": np.float32(step / 2)})
+    writer.close()
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert rows == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 1.0}]
+  events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+  events.Reload()
+  assert [e.step for e in events.Tensors("loss")] == [1, 2]
+  MetricWriter(str(tmp_path / "other"), append=False, active=False).write_scalars(1, {"a": 1})
+  assert not (tmp_path / "other").exists()

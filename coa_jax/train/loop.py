@@ -7,7 +7,7 @@ and what a checkpoint keeps beside the state) and a `LoopConfig`; `run_loop` doe
 - runs steps until `steps`, or `stop_after` more of them (a time-limited invocation), or the
   job's data run out (which ends the run: its last state is saved and exported);
 - prints a progress line every `log_every` steps with its rate and ETA, and writes every
-  step's metrics to workdir/metrics.jsonl and TensorBoard events (clu metric writers);
+  step's metrics to workdir/metrics.jsonl and TensorBoard events (`train.writers`);
 - saves a checkpoint every `checkpoint.every` steps, at the last step, and on SIGTERM (then
   stops cleanly, at a step every process agrees on);
 - a step whose update was not finite changed nothing (`train.step.run_step`); the run skips up
@@ -36,6 +36,7 @@ from coa_jax.model import ModelConfig
 from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.checkpointing import Checkpointer, PreemptionFlag
 from coa_jax.runtime.distributed import say
+from coa_jax.train import writers
 from coa_jax.train.state import TrainState
 from coa_jax.train.step import NonFiniteLossError
 
@@ -131,8 +132,6 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
              model_config: ModelConfig) -> LoopResult:
   """Runs `job` per `config` (see the module docstring); `abstract_state` is the shapes and
   shardings of the job's `checkpoint_state()`, which a restore reads into."""
-  from coa_jax.train import writers  # TensorFlow (TensorBoard events) loads with the first job
-
   ckpt = config.checkpoint
   checkpointer = ckpt and Checkpointer(ckpt.directory, ckpt.max_to_keep, ckpt.async_save)
   start, skipped = 0, 0
@@ -145,7 +144,7 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
   last = min(config.steps, start + config.stop_after) if config.stop_after else config.steps
   os.makedirs(config.workdir, exist_ok=True)
   active = jax.process_index() == 0
-  writer = writers.open_writer(config.workdir, append=restored is not None, active=active)
+  writer = writers.MetricWriter(config.workdir, append=restored is not None, active=active)
   progress = _Progress(config.steps, config.log_every, config.unit, config.shown)
   rows: list[dict[str, float]] = []
   completed, stopped_by_signal, exhausted, saved = start, False, False, start
