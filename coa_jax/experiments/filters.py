@@ -24,7 +24,7 @@ from coa_jax.distill.teacher import Trace
 from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
                                         shared_dir)
 from coa_jax.model import ConfigError
-from coa_jax.runtime.cache import exists, file_fingerprint
+from coa_jax.runtime.cache import exists, file_fingerprint, write_jsonl
 from coa_jax.runtime.distributed import say
 
 DATA = ("all",) + distill.STAGES
@@ -49,10 +49,7 @@ def stage_data(config: Any, traces: str, stage: str) -> str:
     filters = distill.Distiller(distill.FilterConfig(**config.filters))
     kept = next(survivors for name, survivors, _ in filters.progressive(trajectories)
                 if name == stage)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(f"{path}.tmp{os.getpid()}", "w") as f:
-    f.writelines(json.dumps(t.to_json()) + "\n" for t in kept)
-  os.replace(f"{path}.tmp{os.getpid()}", path)
+  write_jsonl(path, (t.to_json() for t in kept))
   say(f"filter stage {stage}: {len(kept)} of {len(trajectories)} trajectories -> {path}")
   return path
 

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
-import os
 from typing import Any, Callable, Mapping, Sequence
 
 from coa_jax.data.tasks import Task
 from coa_jax.model import ConfigError
-from coa_jax.runtime.cache import cached_json
+from coa_jax.runtime.cache import cached_json, write_jsonl
 
 # (tasks, k) -> each task id's k outcomes (True: correct)
 Sampler = Callable[[Sequence[Task], int], Mapping[str, Sequence[bool]]]
@@ -97,9 +95,5 @@ def select_tasks(selection: SelectionConfig, tasks: Sequence[Task], sample: Samp
 def write_tasks(tasks: Sequence[Task], path: str) -> str:
   """Writes tasks as a JSONL task file that `load_tasks` reads back to the same tasks (each
   row: the task's data with its id and question); returns the path."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(f"{path}.tmp{os.getpid()}", "w") as f:
-    for task in tasks:
-      f.write(json.dumps({**task.data, "id": task.id, "question": task.question}) + "\n")
-  os.replace(f"{path}.tmp{os.getpid()}", path)
+  write_jsonl(path, ({**task.data, "id": task.id, "question": task.question} for task in tasks))
   return path

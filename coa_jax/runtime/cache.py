@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 
@@ -51,13 +51,23 @@ def file_fingerprint(path: str) -> str:
   return fingerprint(entries, 16)
 
 
-def write_json(path: str, value: Any) -> None:
-  """Writes `value` as JSON to `path` atomically (a temporary file, then a rename)."""
+def _write_atomically(path: str, write: Callable[[Any], None]) -> None:
+  """Calls `write(file)` on a temporary file beside `path`, then renames it to `path`."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   temporary = f"{path}.tmp{os.getpid()}"  # processes sharing a folder never share one
   with open(temporary, "w") as f:
-    json.dump(value, f, indent=1)
+    write(f)
   os.replace(temporary, path)
+
+
+def write_json(path: str, value: Any) -> None:
+  """Writes `value` as JSON to `path` atomically (a temporary file, then a rename)."""
+  _write_atomically(path, lambda f: json.dump(value, f, indent=1))
+
+
+def write_jsonl(path: str, rows: Iterable[Any]) -> None:
+  """Writes one JSON line per row to `path` atomically."""
+  _write_atomically(path, lambda f: f.writelines(json.dumps(row) + "\n" for row in rows))
 
 
 def _first(value: Any) -> Any:
