@@ -1,5 +1,5 @@
 """A job's metric writer: one JSON line per step (metrics.jsonl) and TensorBoard scalar events
-(float32 tensors of the scalars plugin, as TensorFlow's `tf.summary.scalar` writes them).
+(float32 tensors tagged for TensorBoard's scalars plugin, which its dashboard plots).
 
 The events are written with TensorBoard's own event-file writer and protos, which need no
 TensorFlow: importing TensorFlow (as clu's writer does) took about 4 s of every job's start.
