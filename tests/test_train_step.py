@@ -1,6 +1,8 @@
 """The training step, its loss, optimizer pieces and the demo job."""
 
 import json
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -163,3 +165,12 @@ def test_a_resumed_run_appends_its_metrics_and_other_processes_write_none(tmp_pa
   assert [e.step for e in events.Tensors("loss")] == [1, 2]
   MetricWriter(str(tmp_path / "other"), append=False, active=False).write_scalars(1, {"a": 1})
   assert not (tmp_path / "other").exists()
+
+
+def test_writing_metrics_does_not_import_tensorflow(tmp_path):
+  """TensorFlow (installed with the tfds extra) took about 5 s of every job's start."""
+  code = ("import sys; from coa_jax.train.writers import MetricWriter; "
+          f"w = MetricWriter({str(tmp_path)!r}, append=False); w.write_scalars(1, {{'a': 1}}); "
+          "w.close(); print('tensorflow' in sys.modules)")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert done.stdout.split() == ["False"]
