@@ -1,6 +1,10 @@
 """Crash recovery of the real entry points: a run killed with SIGKILL mid-run resumes from its last
-checkpoint and ends exactly where an uninterrupted run ends (SFT and DAPO); a SIGTERM (a TPU
+checkpoint and ends exactly where an uninterrupted run ends (SFT and RL); a SIGTERM (a TPU
 preemption notice) saves before a clean exit. Each run is a separate process.
+
+The RL run is the DAPO job with a PPO critic (experiments/dapo.py, rl.advantage = "gae"): it
+saves and restores all that a DAPO run does, and the critic, so one run covers both
+(test_dapo_job checks a DAPO run's own resume in-process).
 
 Nothing here depends on timing: a signal is sent once the event it needs has happened (a
 committed checkpoint, a logged step), and the moment past that event is drawn from a seeded
@@ -17,7 +21,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 from coa_jax.runtime.safetensors_io import SafetensorsFile
 
@@ -121,31 +124,27 @@ def test_sft_killed_mid_run_resumes_to_the_uninterrupted_end(tmp_path):
   _assert_same_end(killed, tmp_path / "whole", ("loss", "grad_norm"))
 
 
-# PPO: the same job with a critic, checkpointed and resumed with the policy.
+# The DAPO job with a critic, checkpointed and resumed with the policy.
 PPO = DAPO + ["--config.rl.advantage=gae"]
 
 
-@pytest.mark.parametrize("algorithm", ["dapo", "ppo"])
-def test_rl_preempted_then_killed_resumes_to_the_uninterrupted_end(tmp_path, algorithm):
-  script = PPO if algorithm == "ppo" else DAPO
+def test_rl_preempted_then_killed_resumes_to_the_uninterrupted_end(tmp_path):
   run = tmp_path / "interrupted"
   first_step = lambda: _steps_logged(run) >= 1  # noqa: E731
   # The first step compiles every program of the run (PPO: the critic's too); a loaded machine
   # needs minutes.
-  assert _interrupt(_start(script, run), first_step, signal.SIGTERM, timeout=600) == 0
-  reference = _start(script, tmp_path / "whole")
+  assert _interrupt(_start(PPO, run), first_step, signal.SIGTERM, timeout=600) == 0
+  reference = _start(PPO, tmp_path / "whole")
   log = open(run / "log.txt").read()
   assert "saving a checkpoint, then stopping" in log
   saved = max(_committed_steps(run))
   assert saved == _steps_logged(run)  # the step it was in is saved
-  victim = _start(script, run)
+  victim = _start(PPO, run)
   next_step = lambda: _steps_logged(run) >= saved + 1  # noqa: E731
   assert _interrupt(victim, next_step, signal.SIGKILL) == -signal.SIGKILL
-  _finish(_start(script, run), run)
+  _finish(_start(PPO, run), run)
   _finish(reference, tmp_path / "whole")
   assert f"resumed from step {saved}" in open(run / "log.txt").read()
-  keys = ("reward", "response_len", "pg_loss", "entropy")
-  if algorithm == "ppo":
-    keys += ("value_loss", "explained_variance", "critic_grad_norm")
-  _assert_same_end(run, tmp_path / "whole", keys,
-                   ("hf_export", "hf_export_critic") if algorithm == "ppo" else ("hf_export",))
+  keys = ("reward", "response_len", "pg_loss", "entropy", "value_loss", "explained_variance",
+          "critic_grad_norm")
+  _assert_same_end(run, tmp_path / "whole", keys, ("hf_export", "hf_export_critic"))
