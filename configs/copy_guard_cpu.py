@@ -7,7 +7,7 @@ that the model never saw and cannot compute: a model that does not copy from the
 scores 0 on the copy probe. Rows of 128 tokens end each 150-token trajectory inside its
 double-check step; every copied answer lies within the row.
 
-  python experiments/copy_curve.py --config=configs/copy_guard_cpu.py   (about 2 minutes)
+  python experiments/copy_curve.py --config=configs/copy_guard_cpu.py   (about a minute and a half)
 """
 
 import ml_collections
@@ -27,10 +27,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.update(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=2,
                       attention_block=128)
   # Copying forms abruptly at a step that float rounding moves. Rows of 16 (60 ms a step here)
-  # form it by step 1,000 where rows of 8 needed 1,500, and the peak rate held until step 1,000
-  # lets a late seed form it: over seeds 0-2 the probe stood at 0.917, 0.867, 0.083 at step
-  # 1,000 and 0.967, 0.967, 0.883 at step 1,500. With a cosine instead, seed 2 had 0.367.
-  config.sft.update(steps=1500, seq_len=128, batch_size=16, learning_rate=1e-3, warmup_steps=20,
-                    schedule="wsd", decay_steps=500, final_lr_fraction=0.1,
+  # formed it by step 1,000 where rows of 8 needed 1,500. At twice the rate (2e-3) every seed
+  # forms it by step 750: over seeds 0-2 the probe stood at 0.033, 0.617, 0.067 at step 600,
+  # 0.800, 0.733, 0.833 at 750 and 0.933, 0.750, 0.900 at 900. At 1e-3 the schedule needed
+  # 1,500 steps (seed 2 at 0.083 by step 1,000, 0.883 at 1,500); with a cosine, 0.367.
+  config.sft.update(steps=900, seq_len=128, batch_size=16, learning_rate=2e-3, warmup_steps=20,
+                    schedule="wsd", decay_steps=300, final_lr_fraction=0.1,
                     weight_decay=0.1)
   return config

@@ -5,8 +5,9 @@ A held-out answer is a 4-digit number the code tool printed for operands the mod
 a model that cannot read observations, or never learned to, scores 0 on the copy probe. The
 guard trains in a subprocess on one CPU device (the numerics of the documented command,
 `python experiments/copy_curve.py --config=configs/copy_guard_cpu.py`), deterministically.
-Seeds 0-2 end at 0.967, 0.967, 0.883; with the observations blanked out of the training inputs
-the probe stayed at 0.000 at steps 500, 1,000 and 1,500.
+Seeds 0-2 end at 0.933, 0.750, 0.900; with the observations blanked out of the training inputs
+the probe stayed at 0.000 at steps 500, 1,000 and 1,500 (of the guard's earlier 1,500-step
+schedule at half the rate, which copying formed under by step 1,500).
 """
 
 import json
