@@ -51,10 +51,10 @@ demo: $(STAMP)
 lm-demo: $(STAMP)
 	$(BIN)/python experiments/demo.py $(ARGS)
 
-# One worker per core, a test file at a time per worker (module fixtures are built once); the
-# workers share conftest's compilation cache.
+# One worker per core, a test file at a time per worker (module fixtures are built once), in
+# conftest's order (the slowest files first); the workers share conftest's compilation cache.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 tests $(ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 tests $(ARGS)
 
 sft: $(STAMP)
 	$(BIN)/python experiments/sft.py $(ARGS)

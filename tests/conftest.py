@@ -41,11 +41,13 @@ def single_device_mesh():
   return sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
 
 
-# The files that take longest (`make test` prints the slowest tests), run first: pytest-xdist
-# hands each worker whole files in collection order, and a long file collected last keeps one
-# worker busy after the other has run out of files.
-SLOW_FILES = ("test_copy_guard.py", "test_multihost.py", "test_aot.py", "test_pipeline.py",
-              "test_crash_recovery.py", "test_ppo.py", "test_sft.py")
+# The files that take longest (`make test` prints the slowest tests), longest first: pytest-xdist
+# hands each worker whole files in collection order (the Makefile turns off its own reordering,
+# which puts the files with most tests first), and a long file collected last keeps one worker
+# busy after the other has run out of files.
+SLOW_FILES = ("test_aot.py", "test_multihost.py", "test_pipeline.py", "test_copy_guard.py",
+              "test_ppo.py", "test_sft.py", "test_sampler.py", "test_crash_recovery.py",
+              "test_sharding.py")
 
 
 def pytest_collection_modifyitems(items):
