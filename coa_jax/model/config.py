@@ -8,6 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 
 FAMILIES = ("qwen2", "llama")
+# The projections LoRA adapters may sit on (HF and PEFT names).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("xla", "cudnn", "blockwise")
 
@@ -53,8 +55,16 @@ class ModelConfig:
   attention_impl: str = "xla"
   attention_block: int = 128  # query block of the "blockwise" attention
   scan_unroll: int = 1  # layers per scan iteration (num_layers unrolls fully)
+  # LoRA (lora_rank 0: none): beside each projection named in lora_targets, a low-rank update
+  # x A B (A: in x rank, B: rank x out, B zero at init) scaled by lora_alpha / lora_rank; while
+  # training (a "dropout" rng given), dropout of lora_dropout on the adapters' input.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_dropout: float = 0.0
+  lora_targets: tuple[str, ...] = LORA_TARGETS
 
   def __post_init__(self):
+    object.__setattr__(self, "lora_targets", tuple(self.lora_targets))  # lists from configs
     if self.head_dim == 0 and self.num_heads > 0:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
     self.validate()
@@ -83,6 +93,17 @@ class ModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ConfigError(
           f"attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}")
+    if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ConfigError(f"lora_rank={self.lora_rank!r}: expected 0 (no LoRA) or a positive "
+                        f"integer")
+    if self.lora_alpha <= 0:
+      raise ConfigError(f"lora_alpha={self.lora_alpha}: expected a positive number")
+    if not 0 <= self.lora_dropout < 1:
+      raise ConfigError(f"lora_dropout={self.lora_dropout}: expected a rate in [0, 1)")
+    unknown = set(self.lora_targets) - set(LORA_TARGETS)
+    if unknown or (self.lora_rank and not self.lora_targets):
+      raise ConfigError(f"lora_targets={tuple(self.lora_targets)}: expected one or more of "
+                        f"{LORA_TARGETS}")
     for name in ("dtype", "param_dtype"):
       try:
         jnp.dtype(getattr(self, name))
@@ -103,6 +124,10 @@ class ModelConfig:
   @property
   def params_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.param_dtype)
+
+  def lora_rank_of(self, projection: str) -> int:
+    """Returns the rank of the LoRA adapter on `projection` (0: none)."""
+    return self.lora_rank if projection in self.lora_targets else 0
 
   def num_params(self) -> int:
     """Returns the exact number of parameters of this architecture."""

@@ -122,7 +122,8 @@ class RMSNorm(nn.Module):
 
 
 class Projection(nn.Module):
-  """A linear map contracting the trailing `len(in_names)` axes of x into `features` axes."""
+  """A linear map contracting the trailing `len(in_names)` axes of x into `features` axes;
+  with `lora_rank`, plus a LoRA adapter's update (ModelConfig.lora_rank)."""
 
   features: tuple[int, ...]
   in_names: tuple[str, ...]
@@ -130,6 +131,9 @@ class Projection(nn.Module):
   use_bias: bool
   dtype: jnp.dtype
   param_dtype: jnp.dtype
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_dropout: float = 0.0
 
   @nn.compact
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
@@ -140,8 +144,10 @@ class Projection(nn.Module):
     # One 2-D matmul (tokens x in) @ (in x out): its gradients are plain 2-D matmuls too,
     # which backends run markedly faster than contractions over several axes.
     in_size, out_size = math.prod(in_shape), math.prod(self.features)
-    y = x.astype(self.dtype).reshape(-1, in_size) @ kernel.astype(self.dtype).reshape(
-        in_size, out_size)
+    x_NxI = x.astype(self.dtype).reshape(-1, in_size)
+    y = x_NxI @ kernel.astype(self.dtype).reshape(in_size, out_size)
+    if self.lora_rank:
+      y = y + self._lora(x_NxI, in_shape, in_size, out_size)
     y = y.reshape(lead_shape + self.features)
     if self.use_bias:
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
@@ -150,6 +156,29 @@ class Projection(nn.Module):
       y = y + bias.astype(self.dtype)
     return y
 
+  def _lora(self, x_NxI, in_shape, in_size, out_size):
+    """(x A) B alpha / rank. A starts as PEFT's does (uniform, bound 1 / sqrt(fan in)) and B
+    at zero, so a fresh adapter changes nothing; dropout only when a "dropout" rng is given."""
+    rank = self.lora_rank
+    a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform",
+                                              in_axis=tuple(range(len(in_shape))), out_axis=-1)
+    a = self.param("lora_a", nn.with_logical_partitioning(a_init, self.in_names + ("lora_rank",)),
+                   in_shape + (rank,), self.param_dtype)
+    b = self.param("lora_b", nn.with_logical_partitioning(
+        nn.initializers.zeros, ("lora_rank",) + self.out_names), (rank,) + self.features,
+                   self.param_dtype)
+    if self.lora_dropout and self.has_rng("dropout"):
+      x_NxI = nn.Dropout(self.lora_dropout, deterministic=False)(x_NxI)
+    x_NxR = x_NxI @ a.astype(self.dtype).reshape(in_size, rank)
+    return (x_NxR @ b.astype(self.dtype).reshape(rank, out_size)) * (self.lora_alpha / rank)
+
+
+def _projection(cfg: ModelConfig, name: str, features, in_names, out_names,
+                use_bias: bool) -> Projection:
+  return Projection(features, in_names, out_names, use_bias, cfg.compute_dtype,
+                    cfg.params_dtype, cfg.lora_rank_of(name), cfg.lora_alpha, cfg.lora_dropout,
+                    name=name)
+
 
 class Attention(nn.Module):
   """Grouped-query self-attention with RoPE and optional q/k/v bias."""
@@ -157,9 +186,7 @@ class Attention(nn.Module):
   config: ModelConfig
 
   def _linear(self, name, features, in_names, out_names, use_bias=False) -> Projection:
-    cfg = self.config
-    return Projection(features, in_names, out_names, use_bias, cfg.compute_dtype,
-                      cfg.params_dtype, name=name)
+    return _projection(self.config, name, features, in_names, out_names, use_bias)
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, cache=None,
@@ -200,9 +227,7 @@ class Mlp(nn.Module):
   config: ModelConfig
 
   def _linear(self, name, features, in_name, out_name) -> Projection:
-    cfg = self.config
-    return Projection((features,), (in_name,), (out_name,), False, cfg.compute_dtype,
-                      cfg.params_dtype, name=name)
+    return _projection(self.config, name, (features,), (in_name,), (out_name,), False)
 
   @nn.compact
   def __call__(self, x_BxTxD):
@@ -309,7 +334,7 @@ class Transformer(nn.Module):
     if cfg.remat != "none" and cache is None:
       layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     layers = nn.scan(
-        layer, variable_axes={"params": 0}, split_rngs={"params": True},
+        layer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers, unroll=layer_unroll(cfg),
         metadata_params={nn.PARTITION_NAME: "layers"})(
             cfg, cache_heads_first=cache is not None and cache.heads_first, name="layers")

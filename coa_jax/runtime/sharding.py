@@ -39,6 +39,7 @@ AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),
+    ("lora_rank", None),
     # Activations.
     ("act_batch", BATCH_AXES),
     ("act_seq", None),
