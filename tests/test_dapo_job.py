@@ -80,3 +80,12 @@ def test_dynamic_sampling_cap_stops_the_run_clearly(tmp_path):
   config.rewards.format_penalty = 0.0  # a fresh model is never right: every group is uniform
   with pytest.raises(dapo.DynamicSamplingError, match="after 2 generation rounds"):
     rl_job.run(config)
+
+
+def test_a_lora_model_is_refused_until_rl_trains_adapters(tmp_path):
+  from coa_jax.model import ConfigError
+
+  config = _config(tmp_path, "lora")
+  config.model.lora_rank = 4
+  with pytest.raises(ConfigError, match="lora_rank=4: LoRA trains in SFT only so far"):
+    rl_job.run(config)

@@ -227,3 +227,47 @@ def test_the_run_ends_when_the_data_are_exhausted(tmp_path):
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert 1 <= summary["steps"] == len(rows) < 50
   assert sorted(os.listdir(tmp_path / "ckpt"))[-1] == str(summary["steps"])  # saved at the end
+
+
+def test_lora_sft_trains_the_adapters_alone_checkpoints_them_alone_and_resumes_exactly(tmp_path):
+  """LoRA SFT of an HF checkpoint on the 8 devices: the base weights stay the checkpoint's,
+  the optimizer and the checkpoints hold the adapters only, a resumed run (dropout on) ends
+  where the uninterrupted one does, and the export, adapters merged, loads in transformers."""
+  import transformers
+  from hf_reference import hf_logits, make_hf_model
+
+  from coa_jax.data import load_tokenizer
+  from coa_jax.runtime import hf_checkpoint
+
+  make_hf_model("qwen2", vocab=96, heads=4, kv_heads=2, layers=1).save_pretrained(tmp_path / "hf")
+  lora = {"model.checkpoint": str(tmp_path / "hf"), "model.lora_rank": 4,
+          "model.lora_alpha": 8.0, "model.lora_dropout": 0.1}
+  config = _config(tmp_path / "a", 6, **lora)
+  config.export_dir = str(tmp_path / "a" / "export")
+  straight = sft.run(config)
+  sft.run(_config(tmp_path / "b", 6, **lora, **{"train.stop_after": 3}))
+  resumed = sft.run(_config(tmp_path / "b", 6, **lora))
+  assert resumed["resumed_from"] == 3
+  for got, want in zip(jax.tree_util.tree_leaves(resumed["state"]),
+                       jax.tree_util.tree_leaves(straight["state"])):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+
+  state = straight["state"]
+  adapters = jax.tree_util.tree_leaves_with_path(state.params)
+  assert {path[-1].key for path, _ in adapters} == {"lora_a", "lora_b"}
+  assert any(np.any(leaf) for path, leaf in adapters if path[-1].key == "lora_b")  # trained
+  shapes = {leaf.shape for _, leaf in adapters}
+  assert {m.shape for m in jax.tree_util.tree_leaves(state.opt_state) if m.ndim} <= shapes
+  mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
+  model_config, base = hf_checkpoint.load_model(config, load_tokenizer(config), mesh)
+  for got, want in zip(jax.tree_util.tree_leaves(state.frozen), jax.tree_util.tree_leaves(base)):
+    np.testing.assert_array_equal(got, want)  # untouched by 6 updates
+  saved = ocp.StandardCheckpointer().restore(tmp_path / "a" / "ckpt" / "6" / "state")
+  assert saved.get("frozen") is None
+  assert {p[-1].key for p, _ in jax.tree_util.tree_leaves_with_path(saved["params"])} == {
+      "lora_a", "lora_b"}
+
+  ids = np.arange(2, 14, dtype=np.int32)[None] * 7 % 96
+  ours = Transformer(model_config).apply({"params": state.model_params()}, ids)
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "export").eval()
+  np.testing.assert_allclose(hf_logits(exported, ids), np.asarray(ours), atol=1e-4)

@@ -131,6 +131,9 @@ class Trainer:
     self.rewarder = build_rewarder(config.rewards.to_dict())
 
     model_config, params = load_model(config, self.tokenizer, self.mesh)
+    if model_config.lora_rank:
+      raise ConfigError(f"model.lora_rank={model_config.lora_rank}: LoRA trains in SFT only so "
+                        f"far; RL with LoRA adapters is not built yet (issue 43)")
     self.model_config, self.model = model_config, Transformer(model_config)
     self.schedule = optimizer.learning_rate_schedule(config.optimizer)
     self.tx = optimizer.make_optimizer(config.optimizer)

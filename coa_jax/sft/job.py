@@ -50,14 +50,14 @@ class SFTJob:
     return metrics
 
   def checkpoint_state(self) -> Any:
-    return self.state
+    return self.state.checkpointed()
 
   def data_state(self, step: int) -> dict[str, Any]:
     return {k: v for part in distributed.gather_json(self.batches.get_state())
             for k, v in part.items()}  # every process's shards
 
   def restore(self, state: state_lib.TrainState, data_state: dict[str, Any]) -> None:
-    self.state = state
+    self.state = state.replace(frozen=self.state.frozen)
     self.batches.set_state(data_state)
 
 
@@ -100,7 +100,8 @@ def run(config: Any) -> dict[str, Any]:
                     units_per_step=config.batch_size * config.seq_len,
                     plot_keys=("loss", "grad_norm", "lr"), plot_file="loss.png",
                     title="SFT (observation-masked)")
-  result = run_loop(job, loop, state_lib.abstract_state(model, tx, mesh), model_config)
+  result = run_loop(job, loop, state_lib.abstract_state(model, tx, mesh).checkpointed(),
+                    model_config)
   summary = dict(result.summary(), drops=dict(counter.dropped), state=job.state)
   if result.rows:
     summary.update(first_loss=result.rows[0]["loss"], final_loss=result.rows[-1]["loss"])

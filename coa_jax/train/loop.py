@@ -32,7 +32,7 @@ from typing import Any, Protocol, Sequence
 
 import jax
 
-from coa_jax.model import ModelConfig
+from coa_jax.model import ModelConfig, lora
 from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.checkpointing import Checkpointer, PreemptionFlag
 from coa_jax.runtime.distributed import say
@@ -208,7 +208,10 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
     result.plot = plot_metrics(result.metrics, os.path.join(config.workdir, config.plot_file),
                                config.plot_keys, config.title)
   if config.export_dir and (completed == config.steps or exhausted):
-    hf_checkpoint.save_checkpoint(config.export_dir, model_config, job.state.params,
+    params = job.state.model_params()
+    if model_config.lora_rank:  # the adapters merged into the base weights
+      params, model_config = lora.merge(params, model_config), model_config.replace(lora_rank=0)
+    hf_checkpoint.save_checkpoint(config.export_dir, model_config, params,
                                   dtype=config.export_dtype)
     result.export_dir = config.export_dir
     say(f"exported HF checkpoint to {config.export_dir}")

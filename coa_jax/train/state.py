@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from coa_jax.model import lora
 from coa_jax.runtime import sharding
 from coa_jax.runtime.sharding import abstract_params, init_ids, param_shardings
 
@@ -18,12 +19,36 @@ from coa_jax.runtime.sharding import abstract_params, init_ids, param_shardings
 @flax.struct.dataclass
 class TrainState:
   """Step counter, parameters, optimizer state and the run's PRNG key (raw uint32 key data,
-  so checkpoints store it like any array)."""
+  so checkpoints store it like any array).
+
+  A LoRA model's state (ModelConfig.lora_rank > 0) trains its adapters only: `params` and the
+  optimizer state hold the adapters, and `frozen` the base weights in the compute dtype, which
+  no update changes and checkpoints leave out (`checkpointed`)."""
 
   step: jax.Array
   params: Any
   opt_state: Any
   rng: jax.Array
+  frozen: Any = None
+
+  def model_params(self, params: Any = None) -> Any:
+    """Returns the whole tree that the model applies: `params` (default: the state's) with
+    the frozen base weights beside them, if any."""
+    params = self.params if params is None else params
+    return params if self.frozen is None else lora.combine(self.frozen, params)
+
+  def checkpointed(self) -> "TrainState":
+    """Returns what a checkpoint holds: the state without its frozen base weights."""
+    return self.replace(frozen=None)
+
+
+def _split_frozen(params: Any, config) -> tuple[Any, Any]:
+  """Returns (trained, frozen) of a model's whole params: (params, None) without LoRA, else
+  (adapters, base weights cast to the compute dtype)."""
+  if not config.lora_rank:
+    return params, None
+  base, adapters = lora.split(params)
+  return adapters, jax.tree_util.tree_map(lambda x: x.astype(config.compute_dtype), base)
 
 
 def abstract_placed_params(model: nn.Module, mesh: Mesh) -> Any:
@@ -34,9 +59,9 @@ def abstract_placed_params(model: nn.Module, mesh: Mesh) -> Any:
 
 def _boxed_state(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array):
   init_rng, run_rng = jax.random.split(rng)
-  params = model.init(init_rng, init_ids())["params"]
+  params, frozen = _split_frozen(model.init(init_rng, init_ids())["params"], model.config)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                    rng=jax.random.key_data(run_rng))
+                    rng=jax.random.key_data(run_rng), frozen=frozen)
 
 
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
@@ -63,8 +88,17 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
 
 def state_from_params(params: Any, tx: optax.GradientTransformation, model: nn.Module,
                       mesh: Mesh, rng: jax.Array) -> TrainState:
-  """Returns a step-0 TrainState around already placed params (e.g. from an HF checkpoint)."""
+  """Returns a step-0 TrainState around already placed params (e.g. from an HF checkpoint);
+  a LoRA model's params are its base weights, and its adapters start fresh."""
   out = state_shardings(model, tx, mesh)
-  make = lambda p, r: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
-                                 rng=jax.random.key_data(jax.random.split(r)[1]))
+
+  def make(p, r):
+    init_rng, run_rng = jax.random.split(r)
+    if model.config.lora_rank:
+      _, adapters = lora.split(nn.unbox(model.init(init_rng, init_ids())["params"]))
+      p = lora.combine(p, adapters)
+    p, frozen = _split_frozen(p, model.config)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
+                      rng=jax.random.key_data(run_rng), frozen=frozen)
+
   return sharding.bind_mesh(jax.jit(make, out_shardings=out), mesh)(params, rng)

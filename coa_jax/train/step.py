@@ -28,9 +28,9 @@ def lm_loss(model: nn.Module, params: Any, batch: TokenBatch):
   return sums.mean(), sums
 
 
-def _loss_sums(model: nn.Module, params: Any, batch: TokenBatch):
+def _loss_sums(model: nn.Module, params: Any, batch: TokenBatch, rngs: Any = None):
   logits_BxTxV = model.apply({"params": params}, batch.input_ids, batch.positions,
-                             batch.segment_ids)
+                             batch.segment_ids, rngs=rngs)
   return token_cross_entropy_and_z(logits_BxTxV, batch.targets, batch.loss_mask)
 
 
@@ -109,11 +109,17 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
   gradient, or a batch without a trainable token, leaves the state unchanged (is_finite,
   applied), so the caller can skip the batch or stop with the last good state.
   """
-  def objective(params, micro):
-    ce, z_total = _loss_sums(model, params, micro)
+  def objective(params, micro_and_keys):
+    micro, keys = micro_and_keys
+    rngs = None if keys is None else {"dropout": jax.random.wrap_key_data(keys[0])}
+    ce, z_total = _loss_sums(model, state.model_params(params), micro, rngs)
     return ce.total + z_loss * z_total, (ce, z_total)
 
-  (ce, z_total), grad_sums = summed_grads(objective, state.params, batch, micro_batches)
+  keys = None
+  if model.config.lora_rank and model.config.lora_dropout:  # a key per row; a micro-batch draws its masks from its first
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    keys = jax.random.key_data(jax.random.split(step_key, batch.input_ids.shape[0]))
+  (ce, z_total), grad_sums = summed_grads(objective, state.params, (batch, keys), micro_batches)
   count = jnp.maximum(ce.count, 1.0)
   grads = jax.tree_util.tree_map(lambda g: g / count, grad_sums)
   loss = ce.mean()
