@@ -31,7 +31,7 @@ setup(
     extras_require={
         # torch must stay pinned: an unpinned torch pulls a multi-GB CUDA build.
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "pyarrow", "torch==2.13.0",
-                 "math-verify>=0.9"],
+                 "math-verify>=0.9", "peft>=0.13"],
         "tpu": ["jax[tpu]>=0.10.2"],
         "tfds": ["tensorflow-datasets>=4.9", "array_record", "tensorflow-cpu>=2.20"],
         "plots": ["matplotlib"],

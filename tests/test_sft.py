@@ -232,7 +232,9 @@ def test_the_run_ends_when_the_data_are_exhausted(tmp_path):
 def test_lora_sft_trains_the_adapters_alone_checkpoints_them_alone_and_resumes_exactly(tmp_path):
   """LoRA SFT of an HF checkpoint on the 8 devices: the base weights stay the checkpoint's,
   the optimizer and the checkpoints hold the adapters only, a resumed run (dropout on) ends
-  where the uninterrupted one does, and the export, adapters merged, loads in transformers."""
+  where the uninterrupted one does, and both exports give the LoRA model's logits: adapters
+  merged, in transformers, and the adapters alone (PEFT's format), in peft onto the base."""
+  import peft
   import transformers
   from hf_reference import hf_logits, make_hf_model
 
@@ -271,3 +273,7 @@ def test_lora_sft_trains_the_adapters_alone_checkpoints_them_alone_and_resumes_e
   ours = Transformer(model_config).apply({"params": state.model_params()}, ids)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "export").eval()
   np.testing.assert_allclose(hf_logits(exported, ids), np.asarray(ours), atol=1e-4)
+  # The adapters alone, onto the HF base (whose vocabulary of 96 the SFT grew for the tags).
+  base_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  peft_model = peft.PeftModel.from_pretrained(base_model, tmp_path / "a" / "export" / "adapter")
+  np.testing.assert_allclose(hf_logits(peft_model, ids), np.asarray(ours)[..., :96], atol=1e-4)

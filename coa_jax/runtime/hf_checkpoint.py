@@ -317,6 +317,47 @@ def save_checkpoint(folder: str, config: ModelConfig, params: Any, dtype: str = 
   return files
 
 
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def save_adapters(folder: str, config: ModelConfig, adapters: Any, base_checkpoint: str = "",
+                  dtype: str = "float32") -> None:
+  """Writes LoRA adapters (`lora.split`'s second tree) in PEFT's format: adapter_config.json
+  and adapter_model.safetensors, which `peft.PeftModel.from_pretrained` puts onto the HF base
+  model. PEFT's lora_A.weight is (rank, in) and lora_B.weight (out, rank), in and out
+  flattened as the kernels' HF layouts flatten them. Every process takes part in the gathers;
+  process 0 writes."""
+  np_dtype = np.dtype(jax.numpy.dtype(dtype))
+  items = []
+  for t in _tensor_map(config):
+    *parent, leaf = t.path
+    if leaf != "kernel" or parent[-1] not in config.lora_targets:
+      continue
+    rank = config.lora_rank
+    for key, hf_key, layout in (("lora_a", "lora_A", lambda a: a.reshape(-1, rank).T),
+                                ("lora_b", "lora_B", lambda b: b.reshape(rank, -1).T)):
+      array = _lookup(adapters, (*parent, key))
+      shape = layout(np.zeros(array.shape[1:], np.int8)).shape
+      for i, name in enumerate(_names(t, config)):
+        items.append(("base_model.model." + name.replace(".weight", f".{hf_key}.weight"), shape,
+                      np_dtype, lambda a=array, i=i, layout=layout: layout(_to_host(a[i]))))
+  if jax.process_index() == 0:
+    os.makedirs(folder, exist_ok=True)
+    write_safetensors(os.path.join(folder, ADAPTER_FILE), items, {"format": "pt"})
+    adapter_config = dict(
+        peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_checkpoint,
+        r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+        target_modules=sorted(config.lora_targets), bias="none", fan_in_fan_out=False,
+        use_rslora=False, inference_mode=True)
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+      json.dump(adapter_config, f, indent=2)
+  else:
+    for *_, produce in items:
+      produce()
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"adapter export {folder}")
+
+
 def load_model(config: Any, tokenizer, mesh) -> tuple[ModelConfig, Any]:
   """Returns (model config, params) from the HF folder config.model.checkpoint, or (model
   config, None) for a fresh model built from config.model; the vocabulary covers the

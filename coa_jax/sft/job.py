@@ -97,6 +97,7 @@ def run(config: Any) -> dict[str, Any]:
                     stop_after=config.train.stop_after,
                     nonfinite_skips=config.train.nonfinite_skips, export_dir=config.export_dir,
                     export_dtype=config.export_dtype,
+                    base_checkpoint=config.model.get("checkpoint", ""),
                     units_per_step=config.batch_size * config.seq_len,
                     plot_keys=("loss", "grad_norm", "lr"), plot_file="loss.png",
                     title="SFT (observation-masked)")

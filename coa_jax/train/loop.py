@@ -74,6 +74,7 @@ class LoopConfig:
   nonfinite_skips: int = 0  # non-finite steps skipped before the run stops
   export_dir: str = ""
   export_dtype: str = "bfloat16"
+  base_checkpoint: str = ""  # a LoRA run's base HF folder, named in its adapter export
   unit: str = "tokens"  # what `units_per_step` counts, for the rate
   units_per_step: float = 0.0
   shown: Sequence[str] = ()  # the metrics in progress lines (all when empty)
@@ -209,7 +210,9 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
                                config.plot_keys, config.title)
   if config.export_dir and (completed == config.steps or exhausted):
     params = job.state.model_params()
-    if model_config.lora_rank:  # the adapters merged into the base weights
+    if model_config.lora_rank:  # the adapters alone (PEFT), then merged into the base weights
+      hf_checkpoint.save_adapters(os.path.join(config.export_dir, "adapter"), model_config,
+                                  job.state.params, config.base_checkpoint)
       params, model_config = lora.merge(params, model_config), model_config.replace(lora_rank=0)
     hf_checkpoint.save_checkpoint(config.export_dir, model_config, params,
                                   dtype=config.export_dtype)
