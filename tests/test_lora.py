@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -12,6 +13,8 @@ from coa_jax.model import ConfigError, Transformer, get_preset
 from coa_jax.model import lora
 from coa_jax.model.config import LORA_TARGETS
 from coa_jax.runtime import sharding
+from coa_jax.train import state as state_lib
+from coa_jax.train import step as step_lib
 
 BASE = get_preset("tiny", num_layers=2)
 LORA = BASE.replace(lora_rank=4, lora_alpha=8.0)
@@ -77,6 +80,28 @@ def test_adapter_shardings_follow_their_kernels():
   assert q["lora_b"].spec == P(None, None, "tensor", None)  # layers, rank, heads, head_dim
   assert down["lora_a"].spec == P(None, "tensor", None)  # layers, mlp, rank
   assert down["lora_b"].spec == P(None, None, "fsdp")  # layers, rank, embed
+
+
+def test_lora_steps_on_eight_devices_equal_one_device(single_device_mesh):
+  """Two steps of 2 micro-batches each, dropout on: the same adapters on a (2, 2, 2) mesh as on
+  one device, the base weights untouched on both."""
+  config = LORA.replace(lora_dropout=0.1)
+  model, tx = Transformer(config), optax.adamw(1e-2, eps=1e-3)  # eps: as test_sharding
+  tokens = np.random.default_rng(0).integers(0, config.vocab_size, (8, 17))
+  batch = step_lib.next_token_batch(tokens)
+  ends = []
+  for mesh in (single_device_mesh, sharding.make_mesh(sharding.MeshConfig(2, 2, 2))):
+    state = state_lib.init_state(model, tx, mesh, jax.random.key(0))
+    frozen = jax.device_get(state.frozen)
+    step = step_lib.jit_train_step(model, tx, mesh, micro_batches=2)
+    for _ in range(2):
+      state, metrics = step(state, sharding.shard_batch(batch, mesh))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(state.frozen), frozen)
+    ends.append((jax.device_get(state.params), float(metrics["loss"])))
+  (one, loss_one), (eight, loss_eight) = ends
+  np.testing.assert_allclose(loss_eight, loss_one, rtol=1e-5)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), eight, one)
+  assert np.any(one["layers"]["attn"]["q_proj"]["lora_b"])  # the adapters moved
 
 
 @pytest.mark.parametrize("change, message", [
