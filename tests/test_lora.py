@@ -38,6 +38,7 @@ def test_adapters_sit_on_every_target_projection_with_b_at_zero(params):
   assert attn["o_proj"]["lora_a"].shape == (2, BASE.num_heads, BASE.head_dim, 4)
   assert attn["o_proj"]["lora_b"].shape == (2, 4, BASE.hidden_size)
   assert not any(np.any(p["lora_b"]) for p in (*attn.values(), *mlp.values()))
+  assert sum(a.size for a in jax.tree_util.tree_leaves(adapters)) == LORA.lora_params()
   assert lora.combine(base, adapters).keys() == params.keys()
   assert jax.tree_util.tree_structure(lora.combine(base, adapters)) == (
       jax.tree_util.tree_structure(params))

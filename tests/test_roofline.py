@@ -29,6 +29,29 @@ def test_full_remat_executes_exactly_one_more_forward_pass():
   assert none == 3 * forward and full == 4 * forward
 
 
+def test_lora_training_skips_the_frozen_weights_gradients():
+  lora = TINY.replace(lora_rank=2)
+  # rank x (in + out) per projection: q 64+64, k and v 64+32, o 64+64, gate/up/down 64+128
+  adapters = 2 * 2 * (128 + 96 + 96 + 128 + 3 * 192)
+  assert lora.lora_params() == adapters == 4096
+  assert flops.train_flops(lora, batch_size=2, seq_len=8) == (
+      (4 * MATMUL_PARAMS + 6 * adapters) * 16 + 12 * 2 * 4 * 16 * 36 * 2)
+  weights, lora_mm = 2 * MATMUL_PARAMS * 16, 2 * adapters * 16
+  attention = 4 * 2 * 4 * 16 * 8 * 8 * 2
+  # forward; backward: the input's gradient through the frozen weights, both through the rest
+  assert roofline.train_flops_executed(lora, 2, 8) == (
+      weights + lora_mm + attention + weights + 2 * (lora_mm + attention))
+  mesh = {"data": 1, "fsdp": 2, "tensor": 1}
+  full = roofline.train_roofline(TINY, 2, 8, mesh, 1, 1e12, 1e12)
+  line = roofline.train_roofline(lora, 2, 8, mesh, 1, 1e12, 1e12)
+  # bf16 reads of frozen and trained weights (forward, backward); float32 gradients and AdamW
+  # (7 reads and writes of 4 bytes over the fsdp shard) of the adapters only. (The adapters'
+  # rank-wide activations are not counted.)
+  gone = 2 * 4 * TINY.num_params() + 7 * 4 * TINY.num_params() / 2
+  added = 2 * 2 * adapters + 2 * 4 * adapters + 7 * 4 * adapters / 2
+  assert line.hbm_bytes == pytest.approx(full.hbm_bytes - gone + added)
+
+
 def test_blockwise_attention_computes_the_blocks_on_and_below_the_diagonal():
   blockwise = TINY.replace(attention_impl="blockwise", attention_block=4)
   assert roofline._computed_fraction(blockwise, 8) == 3 / 4  # 3 of 2 x 2 blocks

@@ -129,8 +129,17 @@ class ModelConfig:
     """Returns the rank of the LoRA adapter on `projection` (0: none)."""
     return self.lora_rank if projection in self.lora_targets else 0
 
+  def lora_params(self) -> int:
+    """Returns the number of LoRA adapter parameters (rank x (in + out) per adapted
+    projection per layer)."""
+    d, h, f = self.hidden_size, self.head_dim, self.intermediate_size
+    q, kv = self.num_heads * h, self.num_kv_heads * h
+    sizes = dict(q_proj=d + q, k_proj=d + kv, v_proj=d + kv, o_proj=q + d, gate_proj=d + f,
+                 up_proj=d + f, down_proj=f + d)
+    return self.num_layers * sum(self.lora_rank_of(name) * sizes[name] for name in sizes)
+
   def num_params(self) -> int:
-    """Returns the exact number of parameters of this architecture."""
+    """Returns the exact number of parameters of this architecture (LoRA adapters aside)."""
     d, h = self.hidden_size, self.head_dim
     q, kv = self.num_heads * h, self.num_kv_heads * h
     attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)

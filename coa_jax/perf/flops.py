@@ -26,8 +26,10 @@ def train_flops(config: ModelConfig, batch_size: int, seq_len: int, head: str = 
   causal attention's scores and values (12 x layers x heads x head_dim per (query, key) pair,
   T (T + 1) / 2 pairs per row: what a causal model needs, however much of the square a kernel
   computes). Rematerialization is not counted (model, not hardware, FLOPs). head="value": a
-  value model's step (`matmul_params`)."""
+  value model's step (`matmul_params`). With LoRA the frozen weights need no gradient of their
+  own (4 x, forward and the input's gradient) and the adapters train (6 x their params)."""
   tokens = batch_size * seq_len
   pairs = seq_len * (seq_len + 1) / 2
   attention = 12 * config.num_layers * config.num_heads * config.head_dim * pairs
-  return 6.0 * matmul_params(config, head) * tokens + float(attention) * batch_size
+  weights = (4.0 if config.lora_rank else 6.0) * matmul_params(config, head)
+  return (weights + 6.0 * config.lora_params()) * tokens + float(attention) * batch_size

@@ -2,13 +2,15 @@
 device, from the model's shapes alone; and the time a chip's published peaks bound them to.
 
 Training step (tokens split over data x fsdp, matmuls over tensor):
-- FLOPs: the model FLOPs (`flops.train_flops`) with what the implementation changes: causal
+- FLOPs: the model FLOPs (`flops.train_flops`; LoRA: no weight gradient for the frozen
+  weights) with what the implementation changes: causal
   kernels ("blockwise", "cudnn") skip the blocks above the diagonal, remat="full" recomputes
   the forward pass ("dots_no_batch": its attention), and blockwise attention's backward pass
   recomputes the scores.
 - HBM bytes: weights (the compute-dtype copy read by each forward pass and the backward pass,
-  a gradient in the parameter dtype written and read back, per micro-batch); the AdamW update
-  on the device's shard (parameter, gradient and two moments read, three written); activations
+  a gradient in the parameter dtype written and read back, per micro-batch; with LoRA, the
+  frozen weights get no gradient); the AdamW update on the device's shard of the trained
+  parameters (parameter, gradient and two moments read, three written); activations
   (each op's inputs and outputs once per forward pass, twice that for the backward pass, with
   attention one fused kernel whose scores stay on chip); float32 logits, written and read in
   both directions.
@@ -75,12 +77,16 @@ def train_flops_executed(config: ModelConfig, batch_size: int, seq_len: int,
   model's."""
   tokens = batch_size * seq_len
   matmul = 2.0 * flops.matmul_params(config, head) * tokens
+  adapters = 2.0 * config.lora_params() * tokens
   attention = (4.0 * config.num_layers * config.num_heads * config.head_dim * seq_len * seq_len
                * batch_size * _computed_fraction(config, seq_len))
-  forward = matmul + attention
+  forward = matmul + adapters + attention
   recompute = {"full": forward, "dots_no_batch": attention}.get(config.remat, 0.0)
   rescore = attention / 2 if config.attention_impl == "blockwise" else 0.0
-  return forward + recompute + 2 * forward + rescore
+  # Backward: the input's and the weights' gradients, each a forward's matmuls; frozen (LoRA)
+  # weights need only the input's.
+  backward = (1 if config.lora_rank else 2) * matmul + 2 * (adapters + attention)
+  return forward + recompute + backward + rescore
 
 
 def _activation_bytes_per_token_layer(config: ModelConfig, tensor: int) -> float:
@@ -112,8 +118,13 @@ def train_roofline(config: ModelConfig, batch_size: int, seq_len: int, mesh: dic
   params, compute, master = (config.num_params(), _itemsize(config.compute_dtype),
                              _itemsize(config.params_dtype))
   forward_passes = 2 if config.remat == "full" else 1
-  weights = micro_batches * params / tensor * ((forward_passes + 1) * compute + 2 * master)
-  optimizer = 7 * master * params / shard
+  # LoRA: the frozen weights are read in the compute dtype and get no gradient; the adapters
+  # are read as weights are and are what the optimizer updates.
+  trained = config.lora_params() if config.lora_rank else params
+  frozen = params if config.lora_rank else 0
+  weights = micro_batches / tensor * ((forward_passes + 1) * compute * (trained + frozen)
+                                      + 2 * master * trained)
+  optimizer = 7 * master * trained / shard
   tokens = batch_size * seq_len / (mesh["data"] * mesh["fsdp"])
   activations = (tokens * config.num_layers * (forward_passes + 2)
                  * _activation_bytes_per_token_layer(config, tensor))
