@@ -70,6 +70,28 @@ def test_the_7b_sft_config_compiles_scaled_down():
       "TPU v5 lite").hbm_bytes
 
 
+def test_the_32b_lora_sft_config_compiles_scaled_down_holding_bf16_base_and_f32_adapters():
+  from coa_jax.model import build_config
+  from configs import sft_qwen2_5_32b_lora
+
+  config = sft_qwen2_5_32b_lora.get_config()
+  model = build_config(config.model).replace(num_layers=2, hidden_size=512,
+                                             intermediate_size=1024, vocab_size=4096)
+  compiled, mesh, _, _ = aot.compile_train_step(
+      model, config.optimizer, aot.topology_devices(config.topology),
+      sharding.MeshConfig(**config.mesh), batch_size=8, seq_len=64, micro_batches=2)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}  # one v5p host
+  # Per chip: the frozen base in bf16 over fsdp; the adapters with their two AdamW moments in
+  # float32, over fsdp where an adapter has the embed axis (A of q, k, v, gate, up; B of o,
+  # down), else replicated (their rank x heads or mlp sides; tensor is 1). Norm scales and the
+  # batch are the rest.
+  r, d, f = model.lora_rank, model.hidden_size, model.intermediate_size
+  q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+  replicated = model.num_layers * r * (q + 2 * kv + q + 3 * f)
+  state = (2 * model.num_params() + 12 * (model.lora_params() - replicated)) / 4 + 12 * replicated
+  assert compiled.memory_analysis().argument_size_in_bytes == pytest.approx(state, rel=0.01)
+
+
 def test_the_32b_dapo_update_compiles_scaled_down():
   from coa_jax.model import build_config
   from coa_jax.rl import dapo
