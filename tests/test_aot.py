@@ -85,7 +85,7 @@ def test_the_32b_lora_sft_config_compiles_scaled_down_holding_bf16_base_and_f32_
   # float32, over fsdp where an adapter has the embed axis (A of q, k, v, gate, up; B of o,
   # down), else replicated (their rank x heads or mlp sides; tensor is 1). Norm scales and the
   # batch are the rest.
-  r, d, f = model.lora_rank, model.hidden_size, model.intermediate_size
+  r, f = model.lora_rank, model.intermediate_size
   q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
   replicated = model.num_layers * r * (q + 2 * kv + q + 3 * f)
   state = (2 * model.num_params() + 12 * (model.lora_params() - replicated)) / 4 + 12 * replicated
