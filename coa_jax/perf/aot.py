@@ -113,7 +113,7 @@ class AotReport:
         f"{gib(self.output_bytes)} (aliased {gib(self.alias_bytes)}), temporaries "
         f"{gib(self.temp_bytes)}, resident beside it {gib(self.resident_bytes)} -> peak {gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
         f"{'FITS' if self.fits else 'DOES NOT FIT'}",
-        f"model FLOPs per step (analytic, 6 x params x tokens + causal attention): "
+        f"model FLOPs per step (analytic: 6 x trained, 4 x frozen params x tokens + attention): "
         f"{self.model_flops:.3e} total, {self.model_flops / self.num_devices:.3e} per device",
         f"roofline per device: {self.roofline.flops:.3e} FLOPs executed, "
         f"{self.roofline.hbm_bytes:.3e} HBM bytes -> {self.roofline.seconds * 1e3:.1f} ms "
