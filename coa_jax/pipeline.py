@@ -64,11 +64,16 @@ class StageTimes:
       json.dump(self.seconds, f, indent=1)
 
 
-def _metrics(cfg: Any, times: StageTimes, name: str) -> dict[str, Any]:
+def _metrics(cfg: Any, times: StageTimes, name: str, world: Any) -> dict[str, Any]:
+  """Returns an evaluation's metrics (running it if needed); on a world with near-miss
+  figures, with pass@1 by where the answer's page states one."""
   path = os.path.join(cfg.output_dir, "metrics.json")
   times.run(name, path, lambda: evaluation.run(cfg))
   with open(path) as f:
-    return json.load(f)
+    metrics = json.load(f)
+  if world.get("distractors"):
+    metrics["pass@1_by_page"] = evaluation.pass_at_1_by_page(world, cfg.tasks, cfg.output_dir)
+  return metrics
 
 
 def metric_names(k: int) -> tuple[str, ...]:
@@ -95,13 +100,13 @@ def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]],
   return summary
 
 
-def family_means(per_seed: dict[int, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
-  """Returns, per system, each task family's pass@1 averaged over seeds (where the score is
-  won and lost)."""
+def family_means(per_seed: dict[int, dict[str, dict[str, Any]]],
+                 key: str = "pass@1_by_family") -> dict[str, dict[str, float]]:
+  """Returns, per system, each task family's pass@1 (or each group's of `key`) averaged over
+  seeds (where the score is won and lost)."""
   means: dict[str, dict[str, float]] = {}
   for system in SYSTEMS:
-    rows = [r[system]["pass@1_by_family"] for r in per_seed.values()
-            if "pass@1_by_family" in r.get(system, {})]
+    rows = [r[system][key] for r in per_seed.values() if key in r.get(system, {})]
     if rows:
       means[system] = {family: float(np.mean([r[family] for r in rows])) for family in rows[0]}
   return means
@@ -242,21 +247,23 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
   times.run("distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
          lambda: distill.run(configs["distill"]))
   # rebuilt: the evaluations' tool spec is the one distillation wrote
-  teacher = _metrics(stage_configs(config)["eval_teacher"], times, "eval teacher")
+  teacher = _metrics(stage_configs(config)["eval_teacher"], times, "eval teacher",
+                     config.world)
   per_seed = {}
   for seed in range(config.seed, config.seed + seeds):
     configs = stage_configs(config, seed)  # the tools spec exists now
     say(f"=== seed {seed}")
     times.run(f"seed {seed} sft", configs["sft"].export_dir, lambda: sft.run(configs["sft"]))
     rows = {"teacher": teacher,
-            "sft": _metrics(configs["eval_sft"], times, f"seed {seed} eval sft")}
+            "sft": _metrics(configs["eval_sft"], times, f"seed {seed} eval sft", config.world)}
 
     def train_rl(configs=configs):
       configs["dapo"].tasks, _ = rl_tasks(config, configs)  # query selection, when on
       rl.run(configs["dapo"])
 
     times.run(f"seed {seed} dapo", configs["dapo"].export_dir, train_rl)
-    rows["dapo"] = _metrics(configs["eval_dapo"], times, f"seed {seed} eval dapo")
+    rows["dapo"] = _metrics(configs["eval_dapo"], times, f"seed {seed} eval dapo",
+                            config.world)
     per_seed[seed] = rows
   k = config.eval.k
   summary = aggregate(per_seed, k)
@@ -267,14 +274,20 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
   by_family = family_means(per_seed)
   results = {"seeds": list(per_seed), "per_seed": per_seed, "summary": summary, "table": table,
              "pass@1_by_family": by_family,
+             **({"pass@1_by_page": family_means(per_seed, "pass@1_by_page")}
+                if config.world.get("distractors") else {}),
              "stage_seconds": seconds, "wall_s": round(time.perf_counter() - start, 1),
              "plot": plot(summary, k, seeds, os.path.join(config.output_dir, "results.png"))}
   with open(os.path.join(config.output_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=1)
   say(f"held-out tasks, mean +- sd over {seeds} seed(s):\n{table}")
-  say("pass@1 by task family, mean over seeds: " + "; ".join(
-      f"{SYSTEMS[system]} " + ", ".join(f"{f} {v:.3f}" for f, v in values.items())
-      for system, values in by_family.items()))
+  groups = {"task family": "pass@1_by_family", "where the answer's page states a near-miss "
+            "figure": "pass@1_by_page"}
+  for what, key in groups.items():
+    if key in results:
+      say(f"pass@1 by {what}, mean over seeds: " + "; ".join(
+          f"{SYSTEMS[system]} " + ", ".join(f"{g} {v:.3f}" for g, v in values.items())
+          for system, values in results[key].items()))
   say("stage wall times (s): " + ", ".join(f"{name} {t:.0f}" for name, t in seconds.items()))
   say(f"pipeline done in {results['wall_s']:.0f}s; results in {config.output_dir}")
   return results

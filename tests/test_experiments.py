@@ -9,6 +9,7 @@ import pytest
 
 from coa_jax.data import load_tasks
 from coa_jax.data.tasks import Task
+from coa_jax import evaluation
 from coa_jax.experiments import Experiment, filters, publish, rl_curves, run, scaling_curves
 from coa_jax.experiments import with_overrides
 from coa_jax.model import ConfigError
@@ -216,10 +217,9 @@ def test_scaling_summary_and_table():
 def test_pass_at_1_by_page_groups_the_samples_by_where_the_near_miss_figure_stands(tmp_path):
   from coa_jax.data import World, WorldConfig
 
-  config = ml_collections.ConfigDict(dict(world=dict(
-      seed=3, entities=6, train_tasks=0, heldout_tasks=40, families=(("mixed", 1.0),),
-      distractors=0.5)))
-  world = World(WorldConfig(**config.world))
+  world_config = dict(seed=3, entities=6, train_tasks=0, heldout_tasks=40,
+                      families=(("mixed", 1.0),), distractors=0.5)
+  world = World(WorldConfig(**world_config))
   world.write(str(tmp_path))
   page = {t["id"]: world.near_miss(t) for t in world.tasks["heldout"]}
   assert set(page.values()) == {"none", "before", "after"}
@@ -230,11 +230,11 @@ def test_pass_at_1_by_page_groups_the_samples_by_where_the_near_miss_figure_stan
                       finish_reason="answer", text="") for c in right[where]]
       f.write(json.dumps({"task_id": task_id, "samples": samples}) + "\n")
   tasks = str(tmp_path / "heldout.jsonl")
-  assert scaling_curves._by_page(config, tasks, str(tmp_path)) == {
+  assert evaluation.pass_at_1_by_page(world_config, tasks, str(tmp_path)) == {
       "after": 0.5, "before": 0.0, "none": 1.0}
-  config.world.seed = 4  # the task file is another world's
-  with pytest.raises(ConfigError, match="not the held-out split of config.world"):
-    scaling_curves._by_page(config, tasks, str(tmp_path))
+  world_config["seed"] = 4  # the task file is another world's
+  with pytest.raises(ConfigError, match="not the held-out split of the config's world"):
+    evaluation.pass_at_1_by_page(world_config, tasks, str(tmp_path))
 
 
 def test_filter_ablation_table():

@@ -2,4 +2,5 @@
 teacher system on held-out tasks; the copy probe of an SFT model."""
 
 from coa_jax.evaluation.copy_probe import copy_accuracy, copy_examples
-from coa_jax.evaluation.job import Sample, pass_at_1_by, pass_at_k, run, summarize
+from coa_jax.evaluation.job import (Sample, pass_at_1_by, pass_at_1_by_page, pass_at_k, run,
+                                    summarize)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import jax
 
-from coa_jax.data import coa_format, rewards
+from coa_jax.data import World, WorldConfig, coa_format, rewards
 from coa_jax.data.tasks import Task, load_tasks
 from coa_jax.data.tokenizer import load_tokenizer
 from coa_jax.evaluation.scaling import curves, pass_at_k
@@ -84,6 +84,23 @@ def pass_at_1_by(outcomes: dict[str, Sequence[Sample]],
     if task_id in group_of:
       groups[group_of[task_id]].append(sum(s.correct for s in samples) / len(samples))
   return {group: sum(values) / len(values) for group, values in sorted(groups.items())}
+
+
+def pass_at_1_by_page(world: Any, tasks_path: str, eval_dir: str) -> dict[str, float]:
+  """Returns pass@1 over the held-out tasks grouped by where the answer's page states a
+  near-miss figure ("before" or "after" the entity's own sentence, or "none"), from an
+  evaluation's samples (eval_dir) and the world that `world` (WorldConfig fields) generates,
+  checked against the task file."""
+  generated = World(WorldConfig(**world))
+  with open(tasks_path) as f:
+    tasks = [json.loads(line) for line in f if line.strip()]
+  if [t["question"] for t in tasks] != [t["question"] for t in generated.tasks["heldout"]]:
+    raise ConfigError(f"{tasks_path} is not the held-out split of the config's world: the "
+                      f"main job there ran on another world")
+  page = {t["id"]: generated.near_miss(t) for t in generated.tasks["heldout"]}
+  with open(os.path.join(eval_dir, "samples.jsonl")) as f:
+    outcomes = {r["task_id"]: [Sample(**s) for s in r["samples"]] for r in map(json.loads, f)}
+  return pass_at_1_by(outcomes, page)
 
 
 def format_table(rows: dict[str, dict[str, Any]], k: int) -> str:

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 
 from coa_jax import evaluation
-from coa_jax.data import World, WorldConfig
+
 from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
                                         shared_dir)
 from coa_jax.model import ConfigError
@@ -55,25 +55,9 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
   result = {"curves": metrics["curves"], "tokens_per_task": metrics["tokens_per_task"],
             "tool_calls_per_task": metrics["tool_calls_per_task"]}
   if config.world.get("distractors"):
-    result["pass@1_by_page"] = _by_page(config, cfg.tasks, cfg.output_dir)
+    result["pass@1_by_page"] = evaluation.pass_at_1_by_page(config.world, cfg.tasks,
+                                                            cfg.output_dir)
   return result
-
-
-def _by_page(config: Any, tasks_path: str, eval_dir: str) -> dict[str, float]:
-  """Returns pass@1 over the held-out tasks grouped by where the answer's page states a
-  near-miss figure ("before" or "after" the entity's own sentence, or "none"), from the
-  evaluation's samples and the world the config generates (checked against the task file)."""
-  world = World(WorldConfig(**config.world))
-  with open(tasks_path) as f:
-    tasks = [json.loads(line) for line in f if line.strip()]
-  if [t["question"] for t in tasks] != [t["question"] for t in world.tasks["heldout"]]:
-    raise ConfigError(f"{tasks_path} is not the held-out split of config.world: the main job "
-                      f"there ran on another world")
-  page = {t["id"]: world.near_miss(t) for t in world.tasks["heldout"]}
-  with open(os.path.join(eval_dir, "samples.jsonl")) as f:
-    outcomes = {r["task_id"]: [evaluation.Sample(**s) for s in r["samples"]]
-                for r in map(json.loads, f)}
-  return evaluation.pass_at_1_by(outcomes, page)
 
 
 def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
