@@ -29,7 +29,7 @@ def test_config_loads_and_its_models_build(name):
 @pytest.mark.parametrize("name", REAL)
 def test_real_config_batches_split_over_its_mesh(name):
   config = importlib.import_module(f"configs.{name}").get_config()
-  devices = 8 if name.endswith("_gpu") else hardware.chips_in_topology(config.topology)
+  devices = hardware.chips_in_topology(config.topology)  # h100:8 is 8 GPUs, v5p:2x2x1 4 chips
   data, fsdp, _ = sharding.MeshConfig(**config.mesh).resolve(devices)
   if "rl" in config:
     rows, micro = config.rl.mini_batch_groups * config.rollout.group_size, config.rl.micro_batches
