@@ -115,8 +115,10 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
     ce, z_total = _loss_sums(model, state.model_params(params), micro, rngs)
     return ce.total + z_loss * z_total, (ce, z_total)
 
+  # LoRA dropout: a key per row, from the run's key and the step; a micro-batch draws its masks
+  # from its first row's.
   keys = None
-  if model.config.lora_rank and model.config.lora_dropout:  # a key per row; a micro-batch draws its masks from its first
+  if model.config.lora_rank and model.config.lora_dropout:
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     keys = jax.random.key_data(jax.random.split(step_key, batch.input_ids.shape[0]))
   (ce, z_total), grad_sums = summed_grads(objective, state.params, (batch, keys), micro_batches)
