@@ -122,13 +122,17 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
   plt, fig, axes = figure
   for ax, metric, label in ((axes[0], "pass@1", "held-out pass@1"),
                             (axes[1], "format_error_rate", "held-out format-error rate")):
+    # Stages that kept the same data (the same point) share one marker and one label.
+    points: dict[tuple[float, float, float], list[str]] = {}
     for name, row in report["summary"].items():
-      x = row["trajectories"]["mean"]
-      ax.errorbar([x], [row[metric]["mean"]], yerr=[row[metric]["sd"]], marker="o", capsize=3,
-                  label=name)
-      ax.annotate(name, (x, row[metric]["mean"]), fontsize=7, xytext=(4, 4),
+      point = (row["trajectories"]["mean"], row[metric]["mean"], row[metric]["sd"])
+      points.setdefault(point, []).append(name)
+    for (x, mean, sd), names in points.items():
+      ax.errorbar([x], [mean], yerr=[sd], marker="o", capsize=3, label=" = ".join(names))
+      ax.annotate(" = ".join(names), (x, mean), fontsize=7, xytext=(4, 4),
                   textcoords="offset points")
     ax.set(xlabel="SFT trajectories (filter stage's output)", ylabel=label)
+    ax.margins(x=0.2)  # room for the labels
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize=7)
   return save_figure(plt, fig, report, path)
