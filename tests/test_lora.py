@@ -13,6 +13,7 @@ from coa_jax.model import ConfigError, Transformer, get_preset
 from coa_jax.model import lora
 from coa_jax.model.config import LORA_TARGETS
 from coa_jax.runtime import sharding
+from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
 
@@ -38,6 +39,7 @@ def test_adapters_sit_on_every_target_projection_with_b_at_zero(params):
   assert attn["o_proj"]["lora_a"].shape == (2, BASE.num_heads, BASE.head_dim, 4)
   assert attn["o_proj"]["lora_b"].shape == (2, 4, BASE.hidden_size)
   assert not any(np.any(p["lora_b"]) for p in (*attn.values(), *mlp.values()))
+  assert all(jax.tree_util.tree_leaves(optimizer.weight_decay_mask(adapters)))  # matrices
   assert sum(a.size for a in jax.tree_util.tree_leaves(adapters)) == LORA.lora_params()
   assert lora.combine(base, adapters).keys() == params.keys()
   assert jax.tree_util.tree_structure(lora.combine(base, adapters)) == (

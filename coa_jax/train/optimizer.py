@@ -42,7 +42,7 @@ def learning_rate_schedule(cfg: Any) -> optax.Schedule:
                               [cfg.warmup_steps])
 
 
-DECAYED_PARAMS = ("kernel", "embedding", "lm_head", "value_head")
+DECAYED_PARAMS = ("kernel", "embedding", "lm_head", "value_head", "lora_a", "lora_b")
 
 
 def weight_decay_mask(params: Any) -> Any:
