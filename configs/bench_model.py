@@ -8,18 +8,21 @@ from configs import common
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
+  # ~100M Qwen2-shaped: 12 layers, d=768, GQA 12/4 heads, SwiGLU 2048, 32k tied vocab.
+  qwen2_100m = dict(vocab_size=32_000, hidden_size=768, intermediate_size=2048, num_layers=12,
+                    num_heads=12, num_kv_heads=4, max_position_embeddings=4096,
+                    attention_impl="blockwise")
   config.models = {
       "tiny": common.model("tiny", attention_impl="blockwise", attention_block=32),
-      # ~100M Qwen2-shaped: 12 layers, d=768, GQA 12/4 heads, SwiGLU 2048, 32k tied vocab.
-      "qwen2_100m": common.model("tiny", vocab_size=32_000, hidden_size=768,
-                                 intermediate_size=2048, num_layers=12, num_heads=12,
-                                 num_kv_heads=4, max_position_embeddings=4096,
-                                 attention_impl="blockwise"),
+      "qwen2_100m": common.model("tiny", **qwen2_100m),
+      # LoRA rank 16 on every projection; HF's side is PEFT's LoRA.
+      "qwen2_100m_lora": common.model("tiny", **qwen2_100m, lora_rank=16, lora_alpha=32.0,
+                                      lora_dropout=0.05),
   }
   config.batch_size = 8
   config.seq_len = 512
   config.warmup_steps = 2
-  config.steps = {"tiny": 20, "qwen2_100m": 4}
+  config.steps = {"tiny": 20, "qwen2_100m": 4, "qwen2_100m_lora": 4}
   config.optimizer = common.optimizer(learning_rate=1e-4, schedule="constant")
   # Decoding (experiments/bench_rollout.py): greedy, for each batch size a prompt, then rounds
   # of new tokens with an observation appended between rounds (a tool's answer).

@@ -13,7 +13,7 @@ import json
 import os
 
 import jax
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
 from coa_jax.model import build_config
@@ -22,6 +22,8 @@ from configs import bench_model
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", bench_model.__file__)
+_MODELS = flags.DEFINE_list("models", [], "the config's models to run (default: all); on a GPU "
+                            "run one per process: JAX keeps the memory it allocated")
 
 
 def main(argv):
@@ -39,6 +41,8 @@ def main(argv):
   b, t = config.batch_size, config.seq_len
   rows = []
   for name, spec in config.models.items():
+    if _MODELS.value and name not in _MODELS.value:
+      continue
     model_config = build_config(spec)
     steps = config.steps[name]
     # PyTorch first: it returns its GPU memory when done, JAX keeps what it allocated.

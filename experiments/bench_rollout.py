@@ -53,6 +53,8 @@ def bench_decode(config, peak):
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   rows = []
   for name, spec in config.models.items():
+    if spec.get("lora_rank"):  # rollouts decode LoRA's merged weights: the base model's cost
+      continue
     model_config = build_config(dict(spec, attention_impl="xla"))  # cached attention decodes
     params = init_params(Transformer(model_config), mesh, jax.random.key(0))
     ceiling = peak / (2 * model_config.num_params())  # tokens/s if matmul-bound

@@ -23,3 +23,28 @@ def test_agent_decode_generates_the_same_greedy_tokens_as_hf_generate_across_ext
   assert ours.shape == theirs.shape == (3, 18)
   np.testing.assert_array_equal(ours, theirs)
   assert len(np.unique(ours)) > 3  # the observations changed what the model generates
+
+
+def test_a_lora_config_step_runs_with_only_its_adapters_trained_in_memory():
+  """measure_config_step (experiments/device_fit.py) runs an SFT config's own step on this
+  machine: the loss is finite and moves, and LoRA's step holds less than full fine-tuning's
+  (float32 adapters and their AdamW moments beside a frozen base in the compute dtype)."""
+  from configs import common, sft_tiny_cpu
+
+  results = {}
+  for rank in (0, 2):
+    config = sft_tiny_cpu.get_config()
+    config.model = common.model("tiny", dtype="bfloat16", lora_rank=rank, lora_alpha=4.0)
+    config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)  # the 8 devices the tests run on
+    config.batch_size, config.seq_len, config.train.micro_batches = 16, 64, 2
+    config.optimizer.warmup_steps = 0
+    results[rank] = bench.measure_config_step(config, steps=2)
+  full, lora = results[0], results[2]
+  assert lora["adapter_params"] > 0 and full["adapter_params"] == 0
+  for r in (full, lora):
+    assert len(r["losses"]) == 3 and np.all(np.isfinite(r["losses"]))
+    assert r["losses"][-1] < r["losses"][0]
+    assert r["step_seconds"] > 0 and r["compiler_peak_bytes"] >= r["compiler_argument_bytes"]
+  # full: 4 + 4 + 4 bytes (f32 weights, two moments) a parameter; LoRA: 2 (the bf16 base), and
+  # 12 for each of the adapters' 4% of parameters
+  assert lora["compiler_argument_bytes"] < 0.5 * full["compiler_argument_bytes"]

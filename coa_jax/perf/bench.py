@@ -111,23 +111,33 @@ def torch_train_step_seconds(config: ModelConfig, optimizer_config: Any, batch_s
                              seq_len: int, warmup: int, steps: int) -> float:
   """Returns median seconds of the same step in HF transformers (PyTorch, AdamW): float32
   parameters, computing in the model config's dtype (bf16 autocast when it is bfloat16),
-  with SDPA attention (flash kernels on a GPU), on `torch_device()`."""
+  with SDPA attention (flash kernels on a GPU), on `torch_device()`. A LoRA config
+  (lora_rank > 0) trains PEFT's adapters (float32) on a base held in the compute dtype, as
+  ours does."""
   import torch
   import transformers
 
   device = torch_device()
+  bf16 = jnp.dtype(config.dtype) == jnp.bfloat16
   hf_config = transformers.AutoConfig.for_model(**to_hf_config(config))
+  base_dtype = torch.bfloat16 if config.lora_rank and bf16 else torch.float32
   model = transformers.AutoModelForCausalLM.from_config(
-      hf_config, dtype=torch.float32, attn_implementation="sdpa").to(device)
+      hf_config, dtype=base_dtype, attn_implementation="sdpa").to(device)
+  if config.lora_rank:
+    import peft
+
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+        target_modules=list(config.lora_targets)))
   model.train()
-  opt = torch.optim.AdamW(model.parameters(), lr=optimizer_config.learning_rate,
+  trained = [p for p in model.parameters() if p.requires_grad]
+  opt = torch.optim.AdamW(trained, lr=optimizer_config.learning_rate,
                           betas=(optimizer_config.b1, optimizer_config.b2),
                           eps=optimizer_config.eps, weight_decay=optimizer_config.weight_decay,
                           fused=device == "cuda")
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch_size, seq_len + 1))
   inputs = torch.as_tensor(tokens[:, :-1], dtype=torch.long, device=device)
   targets = torch.as_tensor(tokens[:, 1:], dtype=torch.long, device=device)
-  bf16 = jnp.dtype(config.dtype) == jnp.bfloat16
 
   def run():
     with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
@@ -135,7 +145,7 @@ def torch_train_step_seconds(config: ModelConfig, optimizer_config: Any, batch_s
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                              targets.reshape(-1))
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), optimizer_config.grad_clip)
+    torch.nn.utils.clip_grad_norm_(trained, optimizer_config.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     _synchronize(device)
@@ -243,3 +253,57 @@ def hf_agent_decode(folder: str, dtype: str, work: AgentDecode, prompts_BxP: np.
   del run, model, cache
   _release(device)
   return seconds, out[0]
+
+
+def measure_config_step(config: Any, steps: int, warmup: int = 1) -> dict[str, Any]:
+  """Runs an SFT config's train step (its model, optimizer, mesh, batch and micro-batches) on
+  this machine's devices, on random weights and full random rows, and returns what the
+  compiler predicted beside what the devices did: bytes per device (compiler: arguments +
+  unaliased outputs + temporaries; measured: the allocator's peak, where the backend reports
+  one), seconds per step, tokens/s and MFU against the device's dense bf16 peak."""
+  from coa_jax.model import build_config
+  from coa_jax.perf import aot, flops
+
+  if "rl" in config:
+    raise ValueError("measure_config_step runs SFT configs; an RL config's update step is not "
+                     "measured yet")
+  model_config = build_config(config.model)
+  devices = jax.devices()
+  compiled, mesh, compile_s, _ = aot.compile_train_step(
+      model_config, config.optimizer, devices, sharding.MeshConfig(**config.mesh),
+      config.batch_size, config.seq_len, config.train.micro_batches)
+  memory = compiled.memory_analysis()
+  model, tx = Transformer(model_config), optimizer.make_optimizer(config.optimizer)
+  state = state_lib.init_state(model, tx, mesh, jax.random.key(0))
+  stats = lambda: devices[0].memory_stats() or {}
+  after_init = stats()
+  tokens = np.random.default_rng(0).integers(0, model_config.vocab_size,
+                                             (config.batch_size, config.seq_len + 1))
+  batch = sharding.shard_batch(step_lib.next_token_batch(tokens), mesh)
+  holder, losses = [state], []
+
+  def run():
+    holder[0], metrics = compiled(holder[0], batch)
+    losses.append(float(metrics["loss"]))
+
+  seconds = time_calls(run, warmup, steps)
+  chip = hardware.chip_for(devices[0].device_kind) if devices[0].platform != "cpu" else None
+  model_flops = flops.train_flops(model_config, config.batch_size, config.seq_len)
+  after = stats()
+  return dict(
+      device=devices[0].device_kind, devices=len(devices), mesh=dict(mesh.shape),
+      params=model_config.num_params(), adapter_params=model_config.lora_params(),
+      batch=config.batch_size, seq_len=config.seq_len,
+      micro_batches=config.train.micro_batches, compile_seconds=compile_s,
+      compiler_peak_bytes=(memory.argument_size_in_bytes + memory.output_size_in_bytes -
+                           memory.alias_size_in_bytes + memory.temp_size_in_bytes),
+      compiler_argument_bytes=memory.argument_size_in_bytes,
+      compiler_temp_bytes=memory.temp_size_in_bytes,
+      measured_in_use_after_init=after_init.get("bytes_in_use"),
+      measured_peak_after_init=after_init.get("peak_bytes_in_use"),
+      measured_peak_bytes=after.get("peak_bytes_in_use"),
+      device_bytes_limit=after.get("bytes_limit"),
+      step_seconds=seconds, tokens_per_s=config.batch_size * config.seq_len / seconds,
+      model_flops=model_flops,
+      mfu=None if chip is None else model_flops / len(devices) / seconds / chip.peak_bf16_flops,
+      losses=losses)
