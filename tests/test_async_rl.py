@@ -4,6 +4,7 @@ random arrival orders, staleness 0 against the synchronous step, weight pushes, 
 import json
 import random
 
+import flax
 import jax
 import numpy as np
 import pytest
@@ -168,6 +169,47 @@ def test_a_weight_push_copies_to_the_rollout_devices_and_leaves_the_trainer_stat
     leaf.delete()  # the trainer's arrays are other buffers
   after = jax.tree_util.tree_map(np.asarray, trainer.state)
   jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
+
+
+def test_lora_pushes_the_merged_weights_and_updates_its_adapters(tmp_path):
+  """With LoRA the worker decodes the base model on the merged weights (the push: kernel +
+  A B alpha / rank, in the compute dtype, on the rollout devices) and the update trains the
+  adapters on what it sampled; the sampler's log-probs equal the adapted model's."""
+  from coa_jax.model import lora
+
+  config = _config(tmp_path, staleness=0)
+  config.model.update(lora_rank=4, lora_alpha=8.0)
+  trainer = AsyncTrainer(config)
+  try:
+    key = iter(jax.random.split(jax.random.key(1), 64))
+    adapters = jax.tree_util.tree_map(  # B = 0 would merge to the base: make every B count
+        lambda x: x + 0.05 * jax.random.normal(next(key), x.shape, x.dtype), trainer.state.params)
+    trainer.state = trainer.state.replace(params=adapters)
+    expected = lora.merge(jax.device_get(trainer.state.model_params()), trainer.model_config)
+    pushed = trainer._push()
+    rollout = {d.id for d in trainer.host.devices.flat}
+    flat_pushed = flax.traverse_util.flatten_dict(pushed)
+    assert flat_pushed.keys() == flax.traverse_util.flatten_dict(expected).keys()
+    for path, leaf in flat_pushed.items():
+      assert {d.id for d in leaf.devices()} == rollout and "lora_a" not in path
+      np.testing.assert_allclose(np.asarray(leaf, np.float32),
+                                 flax.traverse_util.flatten_dict(expected)[path], rtol=1e-6,
+                                 atol=1e-6)
+      leaf.delete()
+    before = jax.device_get(adapters)  # the update donates the state
+    trainer._start_worker(version=0)
+    taken, _ = trainer.worker.queue.take(2, timeout=300)
+    trainer.worker.close(timeout=60)
+    groups = [r.group for r in taken]
+    for group in groups:  # an untrained model fails every task: give the samples advantages
+      group.scores = [1.0, -1.0]
+    metrics = trainer._train_on(groups, 1, proximal_version=0)
+    assert metrics["logp_diff_max"] < 1e-3 and metrics["nonfinite"] == 0
+    moved = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - b).max()),
+                                   trainer.state.params, before)
+    assert min(jax.tree_util.tree_leaves(moved)) > 0
+  finally:
+    trainer.close()
 
 
 @pytest.mark.parametrize("options,message", [

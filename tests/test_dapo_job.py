@@ -3,7 +3,9 @@ exact resume, the dynamic-sampling cap."""
 
 import json
 
+import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -82,10 +84,40 @@ def test_dynamic_sampling_cap_stops_the_run_clearly(tmp_path):
     rl_job.run(config)
 
 
-def test_a_lora_model_is_refused_until_rl_trains_adapters(tmp_path):
-  from coa_jax.model import ConfigError
+def test_lora_dapo_trains_adapters_decodes_merged_weights_and_resumes_exactly(tmp_path):
+  """DAPO with LoRA (dropout set, which RL updates do not apply) and a KL term: the state and
+  optimizer hold the adapters alone, the frozen base is untouched, the sampler's log-probs on
+  the merged weights equal the LoRA model's teacher-forced ones after the adapters moved, the
+  reference (the base, adapters off) moves away from the policy, and a resumed run equals the
+  uninterrupted one; the export writes PEFT's adapters beside the merged model."""
+  from coa_jax.model import lora
 
-  config = _config(tmp_path, "lora")
-  config.model.lora_rank = 4
-  with pytest.raises(ConfigError, match="lora_rank=4: LoRA trains in SFT only so far"):
-    rl_job.run(config)
+  def lora_config(name):
+    config = _config(tmp_path, name, kl_coef=0.1)
+    config.model.update(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1)
+    config.optimizer.learning_rate = 1e-2
+    return config
+
+  whole_config = lora_config("whole")
+  whole_config.export_dir = str(tmp_path / "export")
+  whole = rl_job.run(whole_config)
+  rows = [json.loads(line) for line in open(whole["metrics"])]
+  assert [r["step"] for r in rows] == [1, 2]
+  assert rows[0]["ref_kl"] == 0.0 < rows[1]["ref_kl"]  # B starts at 0: the policy is the base
+  assert rows[1]["logp_diff_max"] < 1e-3  # merged sampling weights = the adapted model
+  state = whole["state"]
+  leaves = lambda tree: {path[-1] for path in flax.traverse_util.flatten_dict(tree)}
+  assert leaves(state.params) == set(lora.ADAPTERS) and "kernel" in leaves(state.frozen)
+  assert leaves(state.opt_state[1][0].mu) == set(lora.ADAPTERS)
+  assert float(jnp.abs(state.params["layers"]["attn"]["q_proj"]["lora_b"]).max()) > 0
+  assert (tmp_path / "export" / "adapter" / "adapter_config.json").exists()
+
+  split_config = lora_config("split")
+  split_config.rl.stop_after = 1
+  assert rl_job.run(split_config)["steps"] == 1
+  second = rl_job.run(split_config)
+  assert second["resumed_from"] == 1
+  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(second["state"].params),
+                         jax.device_get(state.params))
+  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(second["state"].frozen),
+                         jax.device_get(state.frozen))

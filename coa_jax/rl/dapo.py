@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from coa_jax.data import Task, build_rewarder, load_tasks, load_tokenizer
 from coa_jax.losses.dapo import PolicyLossConfig
-from coa_jax.model import ConfigError, Transformer
+from coa_jax.model import ConfigError, Transformer, lora
 from coa_jax.rl import critic as critic_lib
 from coa_jax.rl import update
 from coa_jax.rl.advantages import (ADVANTAGE_ESTIMATORS, group_advantages, needs_critic,
@@ -131,10 +131,14 @@ class Trainer:
     self.rewarder = build_rewarder(config.rewards.to_dict())
 
     model_config, params = load_model(config, self.tokenizer, self.mesh)
-    if model_config.lora_rank:
-      raise ConfigError(f"model.lora_rank={model_config.lora_rank}: LoRA trains in SFT only so "
-                        f"far; RL with LoRA adapters is not built yet (issue 43)")
+    if model_config.lora_rank and critic_config is not None:
+      raise ConfigError(f"model.lora_rank={model_config.lora_rank} with rl.advantage="
+                        f"'{rl.advantage}': PPO's critic does not train LoRA adapters yet; "
+                        f"DAPO (group advantages) does")
     self.model_config, self.model = model_config, Transformer(model_config)
+    # What decodes: without LoRA the model itself; with it, the base model running the weights
+    # with the adapters merged in (`sampling_params`), so decoding costs what it costs without.
+    self.decode_model = Transformer(model_config.replace(lora_rank=0))
     self.schedule = optimizer.learning_rate_schedule(config.optimizer)
     self.tx = optimizer.make_optimizer(config.optimizer)
     rng = jax.random.key(config.seed)
@@ -148,28 +152,37 @@ class Trainer:
       self.critic = critic_lib.Critic(critic_config, model_config, self.state.params, self.mesh,
                                       config.optimizer, rl.micro_batches, config.seed)
     self.critic_pretrained = critic_config is None or not critic_config.pretrain_steps
+    # The KL term's reference policy: a copy of the initial params (the train state's are
+    # donated to the updates), or with LoRA the base model on the frozen weights (no copy).
     self.ref_params = None
-    if rl.kl_coef:  # a copy: the train state's params are donated to the updates
+    if rl.kl_coef and not model_config.lora_rank:
       self.ref_params = jax.tree_util.tree_map(lambda x: x.copy(), self.state.params)
 
     self.seq_len = self.rollout_config.max_prompt_tokens + self.rollout_config.max_response_tokens
     sampling = SamplingConfig(**config.sampling)
     if sampling.temperature == 0:
       raise ConfigError("DAPO needs sampled rollouts: sampling.temperature must be > 0")
-    self.host_shardings = sharding.param_shardings(self.model, self.host)
-    sampler = Sampler(model_config, self.host, batch_size=config.batch_size // self.hosts,
+    self.host_shardings = sharding.param_shardings(self.decode_model, self.host)
+    self._merged = None
+    if model_config.lora_rank:  # one merged copy in the compute dtype, where the state lives
+      self._merged = sharding.bind_mesh(jax.jit(  # the base (frozen) is in the compute dtype
+          lambda p: lora.merge(p, model_config),
+          out_shardings=sharding.param_shardings(self.decode_model, self.mesh)), self.mesh)
+    sampler = Sampler(self.decode_model.config, self.host,
+                      batch_size=config.batch_size // self.hosts,
                       cache_size=self.rollout_config.cache_size, chunk=config.chunk,
                       stop_ids=stop_ids(self.tokenizer), sampling=sampling)
     tools = build_registry(config.tools.to_dict())
-    self.engine = Rollout(sampler, self.state.params, self.tokenizer, tools, self.rollout_config,
+    self.engine = Rollout(sampler, None, self.tokenizer, tools, self.rollout_config,
                           config.system_prompt, seed=config.seed)
     self.update = update.jit_dapo_step(self.model, self.tx, self.mesh,
                                        loss_config=self.loss_config,
                                        micro_batches=rl.micro_batches, schedule=self.schedule,
                                        temperature=sampling.temperature)
-    self.logprobs = update.jit_policy_logprobs(
-        self.model, self.mesh, sharding.param_shardings(self.model, self.mesh),
-        sampling.temperature)
+    self.logprobs, self.ref_logprobs = (
+        update.jit_policy_logprobs(model, self.mesh, sharding.param_shardings(model, self.mesh),
+                                   sampling.temperature)
+        for model in (self.model, self.decode_model))
     self.stream = TaskStream(self.tasks, config.seed)
     self.prompts: dict[str, list[int]] = {}  # task id -> [groups, all correct, all wrong]
     self.reward_pool = concurrent.futures.ThreadPoolExecutor(config.reward_workers,
@@ -195,8 +208,12 @@ class Trainer:
 
   def sampling_params(self) -> Any:
     """Returns the train state's params in the compute dtype on this host's decode mesh: new
-    buffers when the compute dtype or the devices differ (the train state is only read)."""
-    params = self.engine.sampler.sampling_params(self.state.params)
+    buffers when the compute dtype or the devices differ (the train state is only read); with
+    LoRA, the base weights with the adapters merged in, for `decode_model`."""
+    if self._merged is not None:
+      params = self._merged(self.state.model_params())
+    else:
+      params = self.engine.sampler.sampling_params(self.state.params)
     return sharding.to_host_mesh(params, self.mesh, self.host, self.host_shardings)
 
   def score(self, group: list[RolloutRecord]) -> ScoredGroup:
@@ -343,13 +360,16 @@ class Trainer:
     diffs, tokens, worst = 0.0, 0.0, 0.0
     out = []
     for batch in mini_batches:
-      old_logp, _ = self.logprobs(self.state.params, batch)
+      old_logp, _ = self.logprobs(self.state.model_params(), batch)
       mask = batch.loss_mask > 0
       gap = jnp.where(mask, jnp.abs(old_logp - batch.sampler_logp), 0.0)
       diffs += float(gap.sum())
       tokens += float(mask.sum())
       worst = max(worst, float(gap.max()))
-      ref_logp = None if self.ref_params is None else self.logprobs(self.ref_params, batch)[0]
+      ref_logp = None
+      if self.config.rl.kl_coef:  # with LoRA: the base model, adapters off
+        ref_logp = (self.logprobs(self.ref_params, batch)[0] if self.ref_params is not None
+                    else self.ref_logprobs(self.state.frozen, batch)[0])
       out.append(batch.replace(old_logp=old_logp, ref_logp=ref_logp))
     return out, dict(logp_diff_mean=diffs / max(tokens, 1.0), logp_diff_max=worst)
 
@@ -380,12 +400,12 @@ class Trainer:
     """Returns the arrays a checkpoint holds: the actor's train state, and with a critic
     {"actor": ..., "critic": ...}."""
     if self.critic is None:
-      return self.state
-    return {"actor": self.state, "critic": self.critic.state}
+      return self.state.checkpointed()
+    return {"actor": self.state.checkpointed(), "critic": self.critic.state}
 
   def abstract_checkpoint(self) -> Any:
     """Returns `checkpoint_state`'s shapes and shardings (what a restore reads into)."""
-    actor = state_lib.abstract_state(self.model, self.tx, self.mesh)
+    actor = state_lib.abstract_state(self.model, self.tx, self.mesh).checkpointed()
     if self.critic is None:
       return actor
     return {"actor": actor, "critic": self.critic.abstract_state()}
@@ -400,7 +420,8 @@ class Trainer:
     if self.critic is not None:
       state, self.critic.state = state["actor"], state["critic"]
       self.critic_pretrained = bool(data_state["critic_pretrained"])
-    self.state, self.stream.cursor = state, int(data_state["cursor"])
+    self.state = state.replace(frozen=self.state.frozen)  # LoRA: the base is not checkpointed
+    self.stream.cursor = int(data_state["cursor"])
     # Host 0 carries the counts so far; the others count from here (all_prompts sums them).
     self.prompts = data_state.get("prompts", {}) if self.host_index == 0 else {}
 

@@ -40,13 +40,15 @@ def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainSt
   `batch.old_logp` must hold the rollout policy's teacher-forced log-probs and `batch.ref_logp`
   (only when loss_config.kl_coef > 0) the reference policy's. A non-finite loss or gradient,
   or a mini-batch without a trainable token, leaves the state unchanged (is_finite, applied).
+  A LoRA state trains its adapters without dropout: at the first update the ratio's numerator
+  is the very function old_logp was computed with.
   """
   weights_BxT = aggregation_weights(batch.loss_mask, batch.group, loss_config.aggregation,
                                     loss_config.norm_tokens)
 
   def objective(params, micro):
     micro, weights = micro
-    logp, entropy = policy_logprobs(model, params, micro, temperature)
+    logp, entropy = policy_logprobs(model, state.model_params(params), micro, temperature)
     sums = policy_loss(logp, micro.old_logp, micro.advantages, micro.loss_mask, weights,
                        loss_config, micro.ref_logp, entropy, micro.sampler_logp, micro.stale_mask)
     return sums.loss, sums
