@@ -43,6 +43,10 @@ EXPERIMENTS = {e.name: e for e in [
         options={"k": 16},
         about="pass@k and maj@k, k = 1..16, on a world with near-miss figures on its pages"),
     Experiment(
+        "lora-sft", "lora", {"full": {"options.rank": 0}, "lora-r8": {"options.rank": 8}},
+        options={"from_step": 900, "lr_scale": 1.0},
+        about="LoRA (rank 8) against full fine-tuning for the main job's last 800 SFT steps"),
+    Experiment(
         "dapo-lr", "rl", {f"lr-{lr:g}": {"dapo.learning_rate": lr} for lr in (2e-5, 5e-5, 1e-4)},
         options={"every": 8}, about="DAPO's learning rate, 16 updates"),
 ]}

@@ -21,7 +21,8 @@ _CONFIGS = flags.DEFINE_list(
     "configs", ["sft_qwen2_5_7b", "sft_qwen2_5_32b", "dapo_qwen2_5_7b", "dapo_qwen2_5_32b",
                 "sft_qwen2_5_7b_gpu", "dapo_qwen2_5_7b_gpu", "ppo_qwen2_5_7b",
                 "ppo_qwen2_5_7b_gpu", "sft_qwen2_5_32b_lora", "sft_qwen2_5_32b_lora_gpu",
-                "sft_qwen2_5_7b_lora_gpu"], "config modules under configs/")
+                "sft_qwen2_5_7b_lora_gpu", "dapo_qwen2_5_32b_lora", "dapo_qwen2_5_32b_lora_gpu"],
+    "config modules under configs/")
 _OUTPUT = flags.DEFINE_string("output_dir", "runs/pod_fit", "where the JSON and table go")
 
 

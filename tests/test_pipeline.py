@@ -50,15 +50,18 @@ def test_quick_pipeline_runs_every_stage(quick_run):
 
 def test_experiments_run_on_the_main_job_outputs(quick_run):
   """Each experiment kind on the quick main job: RL curves with query selection on, the filter
-  ablation reusing the main job's SFT where its data are the main job's, and test-time
-  scaling; a re-run reuses everything."""
+  ablation reusing the main job's SFT where its data are the main job's, test-time scaling,
+  and LoRA against full fine-tuning from one shared prefix of the main job's SFT; a re-run
+  reuses everything."""
   _, config, results = quick_run
   cells = {"rl": {"selected": {"selection.k": 2, "selection.max_tasks": 6,
                                "selection.high": 0.5}},
            "sft": {"quality": {"options.data": "quality"}},
            "scaling": {"teacher": {"options.system": "teacher"},
-                       "dapo": {"options.system": "dapo"}}}
-  options = {"rl": {"every": 1}, "sft": {}, "scaling": {"k": 2}}
+                       "dapo": {"options.system": "dapo"}},
+           "lora": {"full": {"options.rank": 0}, "lora": {"options.rank": 4}}}
+  options = {"rl": {"every": 1}, "sft": {}, "scaling": {"k": 2},
+             "lora": {"from_step": 2, "lr_scale": 1.0}}
   reports = {kind: experiments.run(experiments.Experiment(kind, kind, cells[kind], seeds=1,
                                                           options=options[kind]),
                                    config, pipeline_tiny_cpu.stage_configs, experiments.KINDS)
@@ -76,6 +79,13 @@ def test_experiments_run_on_the_main_job_outputs(quick_run):
   assert scaling["teacher"]["0"]["curves"]["k"] == [1, 2]
   pass_1, pass_2 = scaling["dapo"]["0"]["curves"]["pass@k"]
   assert 0 <= pass_1 <= pass_2 <= 1
+  full, lora = (reports["lora"]["results"][name]["0"] for name in ("full", "lora"))
+  assert 0 < lora["trained_params"] < full["trained_params"] / 5
+  for row in (full, lora):
+    assert 0 <= row["pass@1"] <= 1 and row["train_loss"] > 0
+  runs = os.listdir(os.path.join(config.output_dir, "experiments", "runs"))
+  assert sum(name.startswith("sft-prefix-") for name in runs) == 1  # both cells start there
+  assert sum(name.startswith("sft-tail-") for name in runs) == 2
   for kind in cells:
     assert reports[kind]["table"] in open(os.path.join(
         config.output_dir, "experiments", kind, "results.md")).read()

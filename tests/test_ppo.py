@@ -104,6 +104,36 @@ def test_critic_export_loads_in_transformers_with_the_same_values(uninterrupted)
   assert np.abs(ours).max() > 0  # the trained head is not the zero it started as
 
 
+def test_lora_ppo_critic_trains_its_adapters_and_head_on_the_actors_base(tmp_path):
+  """PPO with LoRA: the critic holds the actor's frozen base weights (the same arrays, no
+  copy), trains its own adapters and value head, and exports merged, with its values equal in
+  transformers."""
+  config = _config(tmp_path, "lora")
+  config.model.update(lora_rank=4, lora_alpha=8.0)
+  summary = rl_job.run(config)
+  rows = _rows(tmp_path / "lora" / "metrics.jsonl")
+  assert [r["actor_trained"] for r in rows] == [0, 0, 1] and np.isfinite(rows[2]["pg_loss"])
+  actor, critic = summary["state"], summary["critic_state"]
+  body = {k: v for k, v in actor.frozen.items() if k != "lm_head"}
+  assert critic.frozen.keys() == body.keys()
+  assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(critic.frozen),
+                                    jax.tree_util.tree_leaves(body)))
+  assert set(critic.params) == {"layers", "value_head"}
+  assert float(jnp.abs(critic.params["value_head"]).max()) > 0
+  assert float(jnp.abs(critic.params["layers"]["mlp"]["up_proj"]["lora_b"]).max()) > 0
+  folder = summary["critic_export_dir"]
+  hf = transformers.AutoModelForTokenClassification.from_pretrained(folder).eval()
+  model = Transformer(build_config(config.model.to_dict() | dict(checkpoint="",
+                                                                 vocab_size=hf.config.vocab_size)),
+                      head="value")
+  ids = np.random.default_rng(0).integers(0, hf.config.vocab_size, (2, 12))
+  ours = np.asarray(model.apply({"params": jax.device_get(critic.model_params())},
+                                jnp.asarray(ids)))
+  with torch.no_grad():
+    theirs = hf(torch.as_tensor(ids)).logits[..., 0].numpy()
+  np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
 def _record(mask, finish="answer", task="t"):
   n = len(mask)
   return RolloutRecord(task, 0, list(range(n)), mask, [0.0] * n, 1, [0] * n, finish)

@@ -210,7 +210,9 @@ def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list
       step = rl_update.jit_dapo_step(actor, tx, mesh, loss_config=loss_config,
                                      micro_batches=micro_batches)
     compiled = step.lower(states[updated], batch).compile()
-  other = sum(_bytes_per_device(s) for name, s in states.items() if name != updated)
+  # A LoRA critic's frozen base is the actor's: the other state's own arrays are the rest.
+  other = sum(_bytes_per_device(s.checkpointed()) for name, s in states.items()
+              if name != updated)
   return compiled, mesh, time.perf_counter() - start, other
 
 
@@ -306,11 +308,13 @@ class DecodeReport:
   cache_bytes: int  # per device
   roofline: roofline.Roofline  # one decode step, at a full cache
   compiler_seconds: float  # the compiler's estimate of one decode step (1/2-layer compiles)
+  resident_bytes: int = 0  # per device: train states beside the rollout (synchronous RL)
 
   @property
   def peak_bytes(self) -> int:
-    """Arguments plus the largest program's temporaries (outputs alias the donated state)."""
-    return self.argument_bytes + max(self.temp_bytes.values())
+    """Arguments plus the largest program's temporaries (outputs alias the donated state), and
+    what stays resident beside the rollout."""
+    return self.argument_bytes + max(self.temp_bytes.values()) + self.resident_bytes
 
   @property
   def fits(self) -> bool:
@@ -332,8 +336,8 @@ class DecodeReport:
         f"topology {self.topology}: {self.host_devices} x {self.device_kind} per host, mesh "
         f"{self.mesh}, compiled in {self.compile_seconds:.1f}s",
         f"memory per device (compiler): arguments {gib(self.argument_bytes)} (params "
-        f"{gib(self.param_bytes)}, KV cache {gib(self.cache_bytes)}), temporaries {temps} "
-        f"-> peak {gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
+        f"{gib(self.param_bytes)}, KV cache {gib(self.cache_bytes)}), temporaries {temps}, "
+        f"train state resident beside it {gib(self.resident_bytes)} -> peak {gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
         f"{'FITS' if self.fits else 'DOES NOT FIT'}; copies of a layer's KV cache: "
         f"{self.cache_copies}",
         f"roofline of a decode step at a full cache, per device: {self.roofline.flops:.3e} "
@@ -392,10 +396,11 @@ def _compile_rollout_program(config: ModelConfig, mesh, rows: int, cache_size: i
 
 def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, rows: int,
                   cache_size: int, chunk: int, prefill: tuple[int, int],
-                  extend: tuple[int, int]) -> DecodeReport:
+                  extend: tuple[int, int], resident_bytes: int = 0) -> DecodeReport:
   """Compiles the rollout's programs as one host of `topology` runs them (its devices on the
   decode mesh with `tensor`, `rows` rows): the decode chunk, prefill of (prompts, tokens) and
-  extend of (rows, tokens), and returns what the compiler found."""
+  extend of (rows, tokens), and returns what the compiler found; `resident_bytes` per device
+  stay beside it (the train states, when rollouts and updates share the devices)."""
   devices = topology_devices(topology)
   local = [d for d in devices if d.process_index == devices[0].process_index]
   mesh = sharding.decode_mesh(local, tensor)
@@ -431,7 +436,7 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
                                         chip.peak_bf16_flops / per_chip,
                                         chip.hbm_bytes_per_s / per_chip,
                                         state.cache.k.dtype.itemsize),
-      compiler_seconds=_to_depth(*costs, config.num_layers))
+      compiler_seconds=_to_depth(*costs, config.num_layers), resident_bytes=resident_bytes)
 
 
 def config_reports(config: Any) -> dict[str, Any]:
@@ -457,12 +462,33 @@ def config_reports(config: Any) -> dict[str, Any]:
   if "rl" in config:
     hosts = len({d.process_index for d in topology_devices(config.topology)})
     rollout, rows = RolloutConfig(**config.rollout), config.batch_size // hosts
+    # Synchronous RL decodes beside the train states; asynchronous on devices of its own.
+    resident = 0 if config.rl["async"].enabled else train_state_bytes(
+        model, config.optimizer, config.topology, sharding.MeshConfig(**config.mesh), critic)
+    # With LoRA, rollouts run the base model on the merged weights.
     reports["decode"] = decode_report(
-        config.model.preset, model, config.topology, config.mesh.tensor, rows,
-        rollout.cache_size, config.chunk,
+        config.model.preset, model.replace(lora_rank=0), config.topology, config.mesh.tensor,
+        rows, rollout.cache_size, config.chunk,
         prefill=(bucket(rows // rollout.group_size, 1), bucket(rollout.max_prompt_tokens)),
-        extend=(bucket(rows, 1), rollout.observation_bucket))
+        extend=(bucket(rows, 1), rollout.observation_bucket), resident_bytes=resident)
   return reports
+
+
+def train_state_bytes(config: ModelConfig, optimizer_config: Any, topology: str,
+                      mesh_config: sharding.MeshConfig,
+                      critic: critic_lib.CriticConfig | None = None) -> int:
+  """Returns the bytes per device of the actor's train state on `topology`'s mesh, and with
+  `critic` the critic's beside it (a LoRA critic's frozen base is the actor's)."""
+  devices = topology_devices(topology)
+  mesh = sharding.make_mesh(mesh_config, devices=devices)
+  with compiling_for(devices[0].platform):
+    total = _bytes_per_device(state_lib.abstract_state(
+        Transformer(config), optimizer.make_optimizer(optimizer_config), mesh))
+    if critic is not None:
+      critic_tx = optimizer.make_optimizer(critic_lib.optimizer_config(optimizer_config, critic))
+      total += _bytes_per_device(state_lib.abstract_state(
+          Transformer(config, head="value"), critic_tx, mesh).checkpointed())
+  return total
 
 
 def report_json(report: AotReport | DecodeReport) -> dict[str, Any]:
@@ -511,7 +537,8 @@ def pod_fit_rows(config_name: str, reports: dict[str, Any]) -> list[str]:
         f"| `{config_name}` | rollout decode, one host | {d.topology} ({d.host_devices} "
         f"devices) | {mesh(d.mesh)} | {d.rows} rows x {d.cache_size:,} slots | "
         f"{gib(d.peak_bytes)} of {gib(d.hbm_bytes)} GiB (params {gib(d.param_bytes)}, KV "
-        f"{gib(d.cache_bytes)}, temporaries {gib(temps)}) | {'yes' if d.fits else 'NO'} | "
+        f"{gib(d.cache_bytes)}, temporaries {gib(temps)}, train state "
+        f"{gib(d.resident_bytes)}) | {'yes' if d.fits else 'NO'} | "
         f"{d.roofline.flops:.2e} per token step | {d.roofline.hbm_bytes:.2e} | "
         f"{d.step_seconds * 1e3:.1f} ms ({d.roofline.bound}) | "
         f"{d.rows / d.step_seconds:,.0f} tokens/s per host | "

@@ -280,10 +280,11 @@ def measure_config_step(config: Any, steps: int, warmup: int = 1) -> dict[str, A
   tokens = np.random.default_rng(0).integers(0, model_config.vocab_size,
                                              (config.batch_size, config.seq_len + 1))
   batch = sharding.shard_batch(step_lib.next_token_batch(tokens), mesh)
+  step = step_lib.jit_train_step(model, tx, mesh, micro_batches=config.train.micro_batches)
   holder, losses = [state], []
 
   def run():
-    holder[0], metrics = compiled(holder[0], batch)
+    holder[0], metrics = step(holder[0], batch)
     losses.append(float(metrics["loss"]))
 
   seconds = time_calls(run, warmup, steps)

@@ -110,9 +110,12 @@ def outcomes(records: Sequence[RolloutRecord], scores: Sequence[float],
 
 
 def value_params(actor_params: Any, model: Transformer, mesh: Mesh) -> Any:
-  """Returns a value model's params: copies of the actor's body and a zero value head."""
-  body = {k: jax.tree_util.tree_map(lambda x: x.copy(), v) for k, v in actor_params.items()
-          if k != "lm_head"}
+  """Returns a value model's params: the actor's body and a zero value head. The body is a
+  copy (the actor's updates donate their params), except a LoRA actor's frozen base weights
+  (`actor_params` then), which the critic holds as they are: its own adapters and head train
+  on the same arrays."""
+  copy = (lambda x: x) if model.config.lora_rank else (lambda x: x.copy())
+  body = {k: jax.tree_util.tree_map(copy, v) for k, v in actor_params.items() if k != "lm_head"}
   shardings = sharding.param_shardings(model, mesh)
   head = jnp.zeros((model.config.hidden_size, 1), model.config.params_dtype)
   return {**body, "value_head": jax.device_put(head, shardings["value_head"])}
@@ -153,7 +156,8 @@ def critic_step(model: Transformer, tx: optax.GradientTransformation, state: Tra
 
   def objective(params, micro):
     micro, weights = micro
-    sums = value_loss(values(model, params, micro), micro.old_values, micro.returns,
+    sums = value_loss(values(model, state.model_params(params), micro), micro.old_values,
+                      micro.returns,
                       micro.loss_mask, weights, cliprange_value)
     return sums.loss, sums
 
@@ -177,6 +181,7 @@ class Critic:
 
   def __init__(self, config: CriticConfig, model_config: Any, actor_params: Any, mesh: Mesh,
                actor_optimizer: Any, micro_batches: int, seed: int):
+    """`actor_params`: the actor's initial params, or with LoRA its frozen base weights."""
     self.config, self.mesh = config, mesh
     self.model = Transformer(model_config, head="value")
     opt = optimizer_config(actor_optimizer, config)
@@ -200,15 +205,16 @@ class Critic:
         in_shardings=(batch_sh, batch_sh, rep), out_shardings=batch_sh), mesh)
 
   def abstract_state(self) -> TrainState:
-    """Returns the critic's train state as ShapeDtypeStructs with shardings (for restores)."""
-    return state_lib.abstract_state(self.model, self.tx, self.mesh)
+    """Returns the critic's checkpointed train state (without a LoRA critic's frozen base) as
+    ShapeDtypeStructs with shardings (for restores)."""
+    return state_lib.abstract_state(self.model, self.tx, self.mesh).checkpointed()
 
   def prepare(self, batches: list[PolicyBatch], pretraining: bool
               ) -> tuple[list[PolicyBatch], dict[str, float]]:
     """Returns the mini-batches with the critic's values, whitened GAE advantages and returns
     (lambda 1 while `pretraining`), and the step's value statistics over trainable tokens."""
     lam = jnp.float32(1.0 if pretraining else self.config.lambda_critic)
-    parts = [self._estimate(self.state.params, batch, lam) for batch in batches]
+    parts = [self._estimate(self.state.model_params(), batch, lam) for batch in batches]
     moments = np.sum([np.asarray(jax.device_get(p[3])) for p in parts], axis=0)
     adv_moments = moments[0].astype(np.float32)  # a host value: the same on every process
     out = [batch.replace(advantages=self._whiten(adv, batch.loss_mask, adv_moments), old_values=v,

@@ -131,10 +131,6 @@ class Trainer:
     self.rewarder = build_rewarder(config.rewards.to_dict())
 
     model_config, params = load_model(config, self.tokenizer, self.mesh)
-    if model_config.lora_rank and critic_config is not None:
-      raise ConfigError(f"model.lora_rank={model_config.lora_rank} with rl.advantage="
-                        f"'{rl.advantage}': PPO's critic does not train LoRA adapters yet; "
-                        f"DAPO (group advantages) does")
     self.model_config, self.model = model_config, Transformer(model_config)
     # What decodes: without LoRA the model itself; with it, the base model running the weights
     # with the adapters merged in (`sampling_params`), so decoding costs what it costs without.
@@ -149,7 +145,8 @@ class Trainer:
       self.state = state_lib.state_from_params(params, self.tx, self.model, self.mesh, rng)
     self.critic = None  # PPO's value model (rl.advantage = "gae")
     if critic_config is not None:
-      self.critic = critic_lib.Critic(critic_config, model_config, self.state.params, self.mesh,
+      actor = self.state.frozen if model_config.lora_rank else self.state.params
+      self.critic = critic_lib.Critic(critic_config, model_config, actor, self.mesh,
                                       config.optimizer, rl.micro_batches, config.seed)
     self.critic_pretrained = critic_config is None or not critic_config.pretrain_steps
     # The KL term's reference policy: a copy of the initial params (the train state's are
@@ -203,8 +200,11 @@ class Trainer:
     self.engine.key = key
     mine = tasks[self.host_index::self.hosts]
     order = {task.id: i for i, task in enumerate(mine)}
-    return sorted(map(self.score, self.engine.run(mine)),
-                  key=lambda group: order[group.task_id])
+    try:
+      return sorted(map(self.score, self.engine.run(mine)),
+                    key=lambda group: order[group.task_id])
+    finally:  # the sampling weights are not kept beside the updates
+      self.engine.params = None
 
   def sampling_params(self) -> Any:
     """Returns the train state's params in the compute dtype on this host's decode mesh: new
@@ -401,7 +401,7 @@ class Trainer:
     {"actor": ..., "critic": ...}."""
     if self.critic is None:
       return self.state.checkpointed()
-    return {"actor": self.state.checkpointed(), "critic": self.critic.state}
+    return {"actor": self.state.checkpointed(), "critic": self.critic.state.checkpointed()}
 
   def abstract_checkpoint(self) -> Any:
     """Returns `checkpoint_state`'s shapes and shardings (what a restore reads into)."""
@@ -418,7 +418,8 @@ class Trainer:
   def restore(self, state: Any, data_state: dict[str, Any]) -> None:
     """Takes a restored checkpoint (of `abstract_checkpoint`)."""
     if self.critic is not None:
-      state, self.critic.state = state["actor"], state["critic"]
+      state, critic = state["actor"], state["critic"]
+      self.critic.state = critic.replace(frozen=self.critic.state.frozen)
       self.critic_pretrained = bool(data_state["critic_pretrained"])
     self.state = state.replace(frozen=self.state.frozen)  # LoRA: the base is not checkpointed
     self.stream.cursor = int(data_state["cursor"])

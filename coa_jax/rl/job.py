@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from coa_jax.model import lora
 from coa_jax.rl import async_trainer, dapo
 from coa_jax.rl import critic as critic_lib
 from coa_jax.runtime import distributed, hf_checkpoint
@@ -66,9 +67,11 @@ def run(config: Any) -> dict[str, Any]:
     summary["critic_state"] = trainer.critic.state
   if "critic_state" in summary and result.export_dir:
     summary["critic_export_dir"] = critic_export_dir(result.export_dir)
-    hf_checkpoint.save_checkpoint(summary["critic_export_dir"], trainer.model_config,
-                                  trainer.critic.state.params, dtype=config.export_dtype,
-                                  head="value")
+    params, model_config = trainer.critic.state.model_params(), trainer.model_config
+    if model_config.lora_rank:  # the critic's adapters merged into its copy of the base
+      params, model_config = lora.merge(params, model_config), model_config.replace(lora_rank=0)
+    hf_checkpoint.save_checkpoint(summary["critic_export_dir"], model_config, params,
+                                  dtype=config.export_dtype, head="value")
     say(f"exported the critic to {summary['critic_export_dir']}")
   if rl["async"].enabled and result.rows and jax.process_index() == 0:
     summary["overlap_plot"] = async_trainer.plot_overlap(

@@ -44,11 +44,15 @@ class TrainState:
 
 def _split_frozen(params: Any, config) -> tuple[Any, Any]:
   """Returns (trained, frozen) of a model's whole params: (params, None) without LoRA, else
-  (adapters, base weights cast to the compute dtype)."""
+  (adapters, base weights cast to the compute dtype); a value model's head, which no base
+  checkpoint has, trains whole beside the adapters."""
   if not config.lora_rank:
     return params, None
-  base, adapters = lora.split(params)
-  return adapters, jax.tree_util.tree_map(lambda x: x.astype(config.compute_dtype), base)
+  base, trained = lora.split(params)
+  if "value_head" in base:
+    trained["value_head"] = base.pop("value_head")
+  return trained, jax.tree_util.tree_map(
+      lambda x: x if x.dtype == config.compute_dtype else x.astype(config.compute_dtype), base)
 
 
 def abstract_placed_params(model: nn.Module, mesh: Mesh) -> Any:
@@ -88,17 +92,20 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
 
 def state_from_params(params: Any, tx: optax.GradientTransformation, model: nn.Module,
                       mesh: Mesh, rng: jax.Array) -> TrainState:
-  """Returns a step-0 TrainState around already placed params (e.g. from an HF checkpoint);
-  a LoRA model's params are its base weights, and its adapters start fresh."""
+  """Returns a step-0 TrainState around already placed params (e.g. from an HF checkpoint).
+  A LoRA model's params are its base weights (a value model's: and its head), and its adapters
+  start fresh; base weights already in the compute dtype become the state's frozen weights as
+  they are, the same arrays (PPO's critic holds the actor's)."""
   out = state_shardings(model, tx, mesh)
+  trained, frozen = _split_frozen(params, model.config)
 
   def make(p, r):
     init_rng, run_rng = jax.random.split(r)
-    if model.config.lora_rank:
+    if model.config.lora_rank:  # (the compiler drops the base weights' unused init)
       _, adapters = lora.split(nn.unbox(model.init(init_rng, init_ids())["params"]))
       p = lora.combine(p, adapters)
-    p, frozen = _split_frozen(p, model.config)
     return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
-                      rng=jax.random.key_data(run_rng), frozen=frozen)
+                      rng=jax.random.key_data(run_rng))
 
-  return sharding.bind_mesh(jax.jit(make, out_shardings=out), mesh)(params, rng)
+  state = sharding.bind_mesh(jax.jit(make, out_shardings=out.checkpointed()), mesh)(trained, rng)
+  return state.replace(frozen=frozen)

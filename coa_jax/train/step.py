@@ -158,12 +158,32 @@ def jit_state_step(step: Callable, model: nn.Module, tx: optax.GradientTransform
                    mesh: Mesh, donate: bool = True) -> Callable:
   """Returns step(state, batch) -> (state, metrics) jitted on `mesh` with the train state's
   shardings, every batch leaf over the batch axes and replicated metrics; it also offers
-  `.lower(state, batch)` for ahead-of-time compiles. The state is donated unless donate=False."""
+  `.lower(state, batch)` for ahead-of-time compiles. The state is donated unless donate=False,
+  except a LoRA state's frozen base: a separate argument, never donated, so that other
+  programs can hold the same arrays (PPO's critic, the KL reference, the sampling weights)."""
   state_sh = state_shardings(model, tx, mesh)
-  jitted = jax.jit(step, in_shardings=(state_sh, sharding.batch_sharding(mesh)),
-                   out_shardings=(state_sh, sharding.replicated(mesh)),
-                   donate_argnums=(0,) if donate else ())
-  return sharding.bind_mesh(jitted, mesh)
+  batch_sh, replicated = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+  donated = (0,) if donate else ()
+  if not model.config.lora_rank:
+    jitted = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                     donate_argnums=donated)
+    return sharding.bind_mesh(jitted, mesh)
+
+  def frozen_apart(trained, frozen, batch):
+    new, metrics = step(trained.replace(frozen=frozen), batch)
+    return new.checkpointed(), metrics
+
+  trained_sh = state_sh.checkpointed()
+  bound = sharding.bind_mesh(jax.jit(
+      frozen_apart, in_shardings=(trained_sh, state_sh.frozen, batch_sh),
+      out_shardings=(trained_sh, replicated), donate_argnums=donated), mesh)
+
+  def call(state, batch):
+    new, metrics = bound(state.checkpointed(), state.frozen, batch)
+    return new.replace(frozen=state.frozen), metrics
+
+  call.lower = lambda state, batch: bound.lower(state.checkpointed(), state.frozen, batch)
+  return call
 
 
 def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,

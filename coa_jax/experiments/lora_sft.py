@@ -1,0 +1,131 @@
+"""The "lora" experiment kind: LoRA against full fine-tuning at a fixed budget. The main job's SFT
+starts from scratch, where LoRA has no base to adapt; so every cell starts from the main job's
+own SFT stopped at step options "from_step" (the same run, schedule and data order up to
+there; its export is shared by the cells of a seed), and trains the rest of the main job's
+steps on the main job's data with options "rank" (0: every weight, else LoRA adapters of that
+rank on every projection, alpha 2 x rank) and the main job's learning rate times options
+"lr_scale", on the tail of the main job's schedule (its hold, then its decay). Each cell's
+merged export is evaluated like the main job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import ml_collections
+import numpy as np
+
+from coa_jax import evaluation, sft
+from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
+                                        shared_dir)
+from coa_jax.model import ConfigError, build_config
+from coa_jax.runtime.cache import exists
+from coa_jax.runtime.distributed import say
+
+COLUMNS = ("trained_params", "train_loss", "pass@1", "format_error_rate", "tokens_per_task")
+
+
+def _settings(train: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Returns what names an SFT run's folder: its config without its output paths."""
+  settings = train.to_dict()
+  for path in ("workdir", "export_dir", "checkpoint"):
+    settings.pop(path)
+  return settings
+
+
+def _run_sft(config: Any, train: ml_collections.ConfigDict, kind: str, what: str) -> str:
+  """Runs `train` in its content-addressed folder unless its export exists; returns the
+  folder."""
+  folder = shared_dir(config, kind, _settings(train))
+  train.workdir, train.export_dir = folder, os.path.join(folder, "hf_export")
+  # saved every 250 steps: a run cut short resumes
+  train.checkpoint.update(directory=os.path.join(folder, "checkpoints"), every=250)
+  if not exists(train.export_dir):
+    say(f"== {what} in {folder}")
+    sft.run(train)
+  return folder
+
+
+def _final_loss(folder: str, last: int = 50) -> float:
+  """Returns the mean training loss of a run's last `last` steps (its metrics.jsonl)."""
+  with open(os.path.join(folder, "metrics.jsonl")) as f:
+    losses = [json.loads(line)["loss"] for line in f if line.strip()]
+  return float(np.mean(losses[-last:]))
+
+
+def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
+             options: Mapping[str, Any]) -> dict[str, Any]:
+  """Returns one seed's held-out metrics after the cell's fine-tuning (see the module doc)."""
+  main = stage_configs(config, seed)
+  sft_main, start = main["sft"], int(options["from_step"])
+  total, rank = sft_main.train.steps, int(options["rank"])
+  if not 0 < start < total:
+    raise ConfigError(f"lora experiment: from_step={start} must lie inside the main job's "
+                      f"{total} SFT steps")
+  base = ml_collections.ConfigDict(sft_main.to_dict())
+  base.train.steps = start  # the schedule's total_steps stays the main job's
+  base_dir = _run_sft(config, base, "sft-prefix", f"the main job's SFT up to step {start}")
+
+  train = ml_collections.ConfigDict(sft_main.to_dict())
+  train.model.checkpoint = os.path.join(base_dir, "hf_export")
+  if rank:
+    train.model.update(dict(lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0))
+  train.train.steps = total - start
+  # The tail of the main job's schedule: its hold at the peak, then its decay.
+  train.optimizer.update(learning_rate=sft_main.optimizer.learning_rate * options["lr_scale"],
+                         warmup_steps=0, total_steps=total - start)
+  what = f"rank-{rank} LoRA" if rank else "full fine-tuning"
+  folder = _run_sft(config, train, "sft-tail", f"{what} from step {start} to {total}")
+  evaluate = ml_collections.ConfigDict(main["eval_sft"].to_dict())
+  evaluate.model.checkpoint = train.export_dir
+  evaluate.output_dir = os.path.join(folder, "eval")
+  metrics_path = os.path.join(evaluate.output_dir, "metrics.json")
+  if not exists(metrics_path):
+    evaluation.run(evaluate)
+  with open(metrics_path) as f:
+    metrics = json.load(f)
+  model = build_config(train.model.to_dict())
+  return {"trained_params": model.lora_params() if rank else model.num_params(),
+          "train_loss": _final_loss(folder), **{c: metrics[c] for c in COLUMNS[2:]},
+          "pass@1_by_family": metrics.get("pass@1_by_family", {})}
+
+
+def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+  """Returns, per cell, the mean +- sd over seeds of each column."""
+  return {name: {c: mean_sd([r[c] for r in by_seed.values()]) for c in COLUMNS}
+          for name, by_seed in results.items()}
+
+
+def table(summary: Mapping[str, Any]) -> str:
+  """Returns the markdown table: per cell, its trained parameters, final training loss and the
+  held-out pass@1, format-error rate and tokens per task (mean +- sd over seeds)."""
+  lines = ["| fine-tuning | trained parameters | training loss (last 50 steps) | pass@1 | "
+           "format errors | tokens per task |", "|---|---|---|---|---|---|"]
+  for name, row in summary.items():
+    lines.append(f"| {name} | {row['trained_params']['mean']:,.0f} | {cell(row['train_loss'])} | "
+                 f"{cell(row['pass@1'])} | {cell(row['format_error_rate'])} | "
+                 f"{cell(row['tokens_per_task'], 1)} |")
+  return "\n".join(lines)
+
+
+def plot(report: Mapping[str, Any], path: str) -> str | None:
+  """Writes held-out pass@1 and the final training loss of each cell (every seed's point and
+  the mean); returns the path, or None without matplotlib."""
+  figure = new_figure(2, (10, 4))
+  if figure is None:
+    return None
+  plt, fig, axes = figure
+  names = list(report["summary"])
+  for ax, metric, label in ((axes[0], "pass@1", "held-out pass@1"),
+                            (axes[1], "train_loss", "training loss, last 50 steps")):
+    for x, name in enumerate(names):
+      stat = report["summary"][name][metric]
+      ax.scatter([x] * len(stat["values"]), stat["values"], color="0.6", s=14)
+      ax.errorbar([x], [stat["mean"]], yerr=[stat["sd"]], marker="o", capsize=4)
+    ax.set_xticks(range(len(names)), names)
+    ax.set(ylabel=label)
+    ax.margins(x=0.3)
+    ax.grid(alpha=0.3)
+  return save_figure(plt, fig, report, path)
