@@ -116,3 +116,22 @@ def test_lora_steps_on_eight_devices_equal_one_device(single_device_mesh):
 def test_bad_lora_settings_are_named(change, message):
   with pytest.raises(ConfigError, match=message):
     BASE.replace(**change)
+
+
+def test_a_lora_models_base_loads_in_the_compute_dtype_and_becomes_the_frozen_weights(tmp_path):
+  """The base of a LoRA model is read straight into bf16 (no float32 pass) and the train state
+  takes those arrays as its frozen weights, without a copy."""
+  from hf_reference import make_hf_model
+  from coa_jax.runtime import hf_checkpoint
+
+  make_hf_model("qwen2", vocab=96, heads=4, kv_heads=2, layers=1).save_pretrained(tmp_path)
+  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  config, base = hf_checkpoint.load_checkpoint(str(tmp_path), mesh, dtype="bfloat16",
+                                               param_dtype="float32", lora_rank=4)
+  assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(base)} == {jnp.dtype(jnp.bfloat16)}
+  model = Transformer(config)
+  state = state_lib.state_from_params(base, optax.adamw(1e-3), model, mesh, jax.random.key(0))
+  assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(state.frozen),
+                                    jax.tree_util.tree_leaves(base)))
+  assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(state.params)} == {
+      jnp.dtype(jnp.float32)}

@@ -156,6 +156,8 @@ def load_params(folder: str, config: ModelConfig, shardings: Any,
   When `config.vocab_size` exceeds the checkpoint's (tokens were added, e.g. the CoA tags),
   the new embedding and LM-head rows are the mean of the checkpoint's rows; rows listed in
   `mean_init_ids` (new tokens that fall inside an already padded vocabulary) get the mean too.
+  A LoRA model's weights are its frozen base: they are read straight into the compute dtype
+  (a 32B base in bf16 is 64 GB; in float32 it would pass through 128).
   """
   source = _TensorSource(folder)
   source_vocab = source.shape("model.embed_tokens.weight")[0]
@@ -167,7 +169,7 @@ def load_params(folder: str, config: ModelConfig, shardings: Any,
   for t in tensors:  # validate every name and shape before reading any data
     for name in _names(t, config):
       source.check(name, t.hf_shape)
-  dtype = config.params_dtype
+  dtype = config.compute_dtype if config.lora_rank else config.params_dtype
   mean_ids = np.asarray(sorted(set(int(i) for i in mean_init_ids)), np.int64)
   if mean_ids.size and (mean_ids.min() < 0 or mean_ids.max() >= config.vocab_size):
     raise CheckpointError(f"mean_init_ids must lie in [0, {config.vocab_size})")
