@@ -80,12 +80,12 @@ def test_experiments_run_on_the_main_job_outputs(quick_run):
   pass_1, pass_2 = scaling["dapo"]["0"]["curves"]["pass@k"]
   assert 0 <= pass_1 <= pass_2 <= 1
   full, lora = (reports["lora"]["results"][name]["0"] for name in ("full", "lora"))
+  assert full["pass@1"] == results["per_seed"][0]["sft"]["pass@1"]  # the main job's SFT
   assert 0 < lora["trained_params"] < full["trained_params"] / 5
-  for row in (full, lora):
-    assert 0 <= row["pass@1"] <= 1 and row["train_loss"] > 0
+  assert 0 <= lora["pass@1"] <= 1 and lora["train_loss"] > 0
   runs = os.listdir(os.path.join(config.output_dir, "experiments", "runs"))
-  assert sum(name.startswith("sft-prefix-") for name in runs) == 1  # both cells start there
-  assert sum(name.startswith("sft-tail-") for name in runs) == 2
+  assert [sum(name.startswith(f"sft-{run}-") for name in runs) for run in ("prefix", "lora")
+          ] == [1, 1]
   for kind in cells:
     assert reports[kind]["table"] in open(os.path.join(
         config.output_dir, "experiments", kind, "results.md")).read()

@@ -1,11 +1,12 @@
 """The "lora" experiment kind: LoRA against full fine-tuning at a fixed budget. The main job's SFT
-starts from scratch, where LoRA has no base to adapt; so every cell starts from the main job's
-own SFT stopped at step options "from_step" (the same run, schedule and data order up to
-there; its export is shared by the cells of a seed), and trains the rest of the main job's
-steps on the main job's data with options "rank" (0: every weight, else LoRA adapters of that
-rank on every projection, alpha 2 x rank) and the main job's learning rate times options
-"lr_scale", on the tail of the main job's schedule (its hold, then its decay). Each cell's
-merged export is evaluated like the main job.
+starts from scratch, where LoRA has no base to adapt; so a LoRA cell (options "rank" > 0:
+adapters of that rank on every projection, alpha 2 x rank) starts from the main job's own SFT
+stopped at step options "from_step" (the same run, schedule and data order up to there,
+exported; shared by the cells of a seed) and trains the rest of the main job's steps on its
+data, at the main job's learning rate times options "lr_scale", on the tail of its schedule
+(the hold, then the decay), with fresh AdamW moments and the data from the start of their
+order. Its merged export is evaluated like the main job. Rank 0 is full fine-tuning over the
+same steps: the main job's SFT itself, whose model and evaluation are reused.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _run_sft(config: Any, train: ml_collections.ConfigDict, kind: str, what: str
 
 
 def _final_loss(folder: str, last: int = 50) -> float:
-  """Returns the mean training loss of a run's last `last` steps (its metrics.jsonl)."""
+  """Returns the mean training loss of a run's last `last` steps (its metrics.jsonl; a resumed
+  run's file holds every invocation's steps)."""
   with open(os.path.join(folder, "metrics.jsonl")) as f:
     losses = [json.loads(line)["loss"] for line in f if line.strip()]
   return float(np.mean(losses[-last:]))
@@ -64,31 +66,41 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
   if not 0 < start < total:
     raise ConfigError(f"lora experiment: from_step={start} must lie inside the main job's "
                       f"{total} SFT steps")
+  if not rank:  # full fine-tuning: the main job's SFT
+    metrics_path = os.path.join(main["eval_sft"].output_dir, "metrics.json")
+    if not exists(metrics_path):
+      raise ConfigError(f"{metrics_path} is missing: run the main job first (make pipeline "
+                        f"ARGS=\"--seeds 3\")")
+    return _result(build_config(sft_main.model.to_dict()).num_params(), sft_main.workdir,
+                   metrics_path)
   base = ml_collections.ConfigDict(sft_main.to_dict())
   base.train.steps = start  # the schedule's total_steps stays the main job's
   base_dir = _run_sft(config, base, "sft-prefix", f"the main job's SFT up to step {start}")
 
   train = ml_collections.ConfigDict(sft_main.to_dict())
   train.model.checkpoint = os.path.join(base_dir, "hf_export")
-  if rank:
-    train.model.update(dict(lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0))
+  train.model.update(dict(lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0))
   train.train.steps = total - start
   # The tail of the main job's schedule: its hold at the peak, then its decay.
   train.optimizer.update(learning_rate=sft_main.optimizer.learning_rate * options["lr_scale"],
                          warmup_steps=0, total_steps=total - start)
-  what = f"rank-{rank} LoRA" if rank else "full fine-tuning"
-  folder = _run_sft(config, train, "sft-tail", f"{what} from step {start} to {total}")
+  folder = _run_sft(config, train, "sft-lora", f"rank-{rank} LoRA from step {start} to {total}")
   evaluate = ml_collections.ConfigDict(main["eval_sft"].to_dict())
   evaluate.model.checkpoint = train.export_dir
   evaluate.output_dir = os.path.join(folder, "eval")
   metrics_path = os.path.join(evaluate.output_dir, "metrics.json")
   if not exists(metrics_path):
     evaluation.run(evaluate)
+  return _result(build_config(train.model.to_dict()).lora_params(), folder, metrics_path)
+
+
+def _result(trained_params: int, run_dir: str, metrics_path: str) -> dict[str, Any]:
+  """Returns a cell's result: what trained, the run's final training loss and its held-out
+  evaluation (metrics.json)."""
   with open(metrics_path) as f:
     metrics = json.load(f)
-  model = build_config(train.model.to_dict())
-  return {"trained_params": model.lora_params() if rank else model.num_params(),
-          "train_loss": _final_loss(folder), **{c: metrics[c] for c in COLUMNS[2:]},
+  return {"trained_params": trained_params, "train_loss": _final_loss(run_dir),
+          **{c: metrics[c] for c in COLUMNS[2:]},
           "pass@1_by_family": metrics.get("pass@1_by_family", {})}
 
 
