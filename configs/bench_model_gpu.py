@@ -14,8 +14,8 @@ from configs import bench_model, common
 
 def get_config() -> ml_collections.ConfigDict:
   config = bench_model.get_config()
-  # Batch 4 x 2048 without remat: 59.9 GiB per H100 by an ahead-of-time compile (8 x 2048
-  # needs 99.7 GiB).
+  # Batch 2 x 2048 without remat. 4 x 2048 (59.9 GiB per H100 by an ahead-of-time compile)
+  # ran out of memory beside PyTorch's leftovers in the same process (docs/benchmarks.md).
   full = dict(dtype="bfloat16", param_dtype="float32", attention_impl="cudnn")
   config.models = {
       "qwen2_5_1_5b": common.model("qwen2_5_1_5b", **full),

@@ -3,9 +3,9 @@
 projection, the base frozen in bf16 (16 GB a chip with 4-way tensor parallelism), instead of
 float32 weights and two AdamW moments over 64 chips.
 
-Rollouts decode the base model on the adapters merged into one bf16 copy (16 GB a chip while
-decoding, freed for the updates), tensor-parallel over the 4 chips like the full recipe's host;
-a 32B KV cache of 16k slots takes 4.3 GB a row, so the host decodes 32 rows at a time.
+Rollouts decode the LoRA model itself (the frozen base and the adapters, which add under 1% to
+a decode step's bytes), tensor-parallel over the 4 chips like the full recipe's host; a 32B KV
+cache of 16k slots takes 4.3 GB a row, so the host decodes 32 rows at a time.
 The update trains one 16k-token row at a time over the 4 chips. RL updates apply no LoRA
 dropout (`coa_jax.rl.update.dapo_step`).
 """
@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = common.model("qwen2_5_32b", dtype="bfloat16", param_dtype="float32",
                               remat="full", attention_impl="blockwise", attention_block=512,
                               lora_rank=16, lora_alpha=32.0, lora_dropout=0.0)
-  config.model.checkpoint = "/ckpt/afm-sft-qwen2.5-32b"  # the SFT model (merged), a local HF folder
+  config.model.checkpoint = "/ckpt/afm-sft-qwen2.5-32b"  # the SFT model (an HF folder)
   config.mesh = common.mesh(data=1, fsdp=1, tensor=4)
   config.topology = "v5p:2x2x1"  # one host
   config.batch_size = 32  # decode rows: 2 groups of 16

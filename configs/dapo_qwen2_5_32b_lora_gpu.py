@@ -1,7 +1,7 @@
 """DAPO of a Qwen2.5-32B AFM with LoRA on one node of 8 GPUs (e.g. 8 x H100 80 GB): the TPU LoRA
 recipe (configs/dapo_qwen2_5_32b_lora.py) with 8-way tensor parallelism over the node (NVLink)
-and cuDNN's fused attention: the base frozen in bf16 is 8 GB a GPU, its merged decode copy 8 GB
-more while decoding, and the node decodes 64 rows (4 groups of 16) at a time."""
+and cuDNN's fused attention: the base frozen in bf16 is 8 GB a GPU, and the node decodes 64
+rows (4 groups of 16) at a time."""
 
 import ml_collections
 

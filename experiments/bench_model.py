@@ -61,11 +61,14 @@ def main(argv):
           f"{row['jax_tokens_per_s']:9,.0f} tok/s (MFU {row['jax_mfu']:.1%})  HF/PyTorch "
           f"{row['torch_tokens_per_s']:9,.0f} tok/s (MFU {row['torch_mfu']:.1%})  ratio "
           f"{row['ratio']:.2f}x", flush=True)
-  os.makedirs(os.path.dirname(config.output) or ".", exist_ok=True)
-  with open(config.output, "w") as f:
+  output = config.output  # one file per choice of models: runs one at a time do not overwrite
+  if _MODELS.value:
+    output = output.replace(".json", "_" + "_".join(_MODELS.value) + ".json")
+  os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+  with open(output, "w") as f:
     json.dump(dict(device=device.device_kind, peak_flops=peak, peak_source=source, rows=rows),
               f, indent=2)
-  print(f"wrote {config.output}")
+  print(f"wrote {output}")
 
 
 if __name__ == "__main__":

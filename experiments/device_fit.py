@@ -24,7 +24,8 @@ _OUTPUT = flags.DEFINE_string("output", "", "the JSON file (default runs/device_
 
 def main(argv):
   del argv
-  name = os.path.splitext(os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0]
+  path = config_flags.get_config_filename(flags.FLAGS["config"])
+  name = os.path.splitext(os.path.basename(path))[0]
   result = dict(config=name, topology=_CONFIG.value.get("topology"),
                 **bench.measure_config_step(_CONFIG.value, _STEPS.value))
   gib = lambda b: "n/a" if b is None else f"{b / hardware.GIB:.1f} GiB"

@@ -84,10 +84,10 @@ def test_dynamic_sampling_cap_stops_the_run_clearly(tmp_path):
     rl_job.run(config)
 
 
-def test_lora_dapo_trains_adapters_decodes_merged_weights_and_resumes_exactly(tmp_path):
+def test_lora_dapo_trains_adapters_decodes_them_and_resumes_exactly(tmp_path):
   """DAPO with LoRA (dropout set, which RL updates do not apply) and a KL term: the state and
   optimizer hold the adapters alone, the frozen base is untouched, the sampler's log-probs on
-  the merged weights equal the LoRA model's teacher-forced ones after the adapters moved, the
+  the LoRA model (base and adapters) equal its teacher-forced ones after the adapters moved, the
   reference (the base, adapters off) moves away from the policy, and a resumed run equals the
   uninterrupted one; the export writes PEFT's adapters beside the merged model."""
   from coa_jax.model import lora
@@ -104,7 +104,7 @@ def test_lora_dapo_trains_adapters_decodes_merged_weights_and_resumes_exactly(tm
   rows = [json.loads(line) for line in open(whole["metrics"])]
   assert [r["step"] for r in rows] == [1, 2]
   assert rows[0]["ref_kl"] == 0.0 < rows[1]["ref_kl"]  # B starts at 0: the policy is the base
-  assert rows[1]["logp_diff_max"] < 1e-3  # merged sampling weights = the adapted model
+  assert rows[1]["logp_diff_max"] < 1e-3  # the sampler runs the adapted model
   state = whole["state"]
   leaves = lambda tree: {path[-1] for path in flax.traverse_util.flatten_dict(tree)}
   assert leaves(state.params) == set(lora.ADAPTERS) and "kernel" in leaves(state.frozen)

@@ -63,9 +63,12 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
   main = stage_configs(config, seed)
   sft_main, start = main["sft"], int(options["from_step"])
   total, rank = sft_main.train.steps, int(options["rank"])
-  if not 0 < start < total:
-    raise ConfigError(f"lora experiment: from_step={start} must lie inside the main job's "
-                      f"{total} SFT steps")
+  opt = sft_main.optimizer
+  if opt.schedule != "wsd" or not opt.warmup_steps <= start <= total - opt.decay_steps:
+    raise ConfigError(f"lora experiment: from_step={start} must lie in the main job's SFT "
+                      f"schedule's hold (a 'wsd' schedule: warm-up to step {opt.warmup_steps}, "
+                      f"decay over the last {opt.decay_steps} of {total} steps; this one is "
+                      f"{opt.schedule!r}), where its tail is a hold and a decay")
   if not rank:  # full fine-tuning: the main job's SFT
     metrics_path = os.path.join(main["eval_sft"].output_dir, "metrics.json")
     if not exists(metrics_path):

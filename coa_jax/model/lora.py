@@ -34,8 +34,9 @@ def combine(base: Any, adapters: Any) -> dict:
 
 def merge(params: Any, config: ModelConfig) -> dict:
   """Returns the base parameters with each adapter folded into its kernel: kernel + A B
-  alpha / rank, computed in float32 and stored in the kernel's dtype. The result runs in the
-  model without LoRA (config.replace(lora_rank=0)) as the LoRA model runs `params`."""
+  alpha / rank in float32 (a bf16 kernel would round small adapter updates away; the export
+  casts once, to its own dtype). The result runs in the model without LoRA
+  (config.replace(lora_rank=0)) as the LoRA model runs `params`."""
   base, adapters = split(params)
   flat_base = traverse_util.flatten_dict(base)
   flat_adapters = traverse_util.flatten_dict(adapters)
@@ -49,5 +50,5 @@ def merge(params: Any, config: ModelConfig) -> dict:
     a_2d = a.astype(jnp.float32).reshape(lead + (-1, rank))
     b_2d = b.astype(jnp.float32).reshape(lead + (rank, math.prod(kernel.shape[-n_out:])))
     delta = jnp.matmul(a_2d, b_2d).reshape(kernel.shape) * (config.lora_alpha / rank)
-    flat_base[path + ("kernel",)] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+    flat_base[path + ("kernel",)] = kernel.astype(jnp.float32) + delta
   return traverse_util.unflatten_dict(flat_base)

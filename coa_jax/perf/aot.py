@@ -111,7 +111,8 @@ class AotReport:
         f"compiled in {self.compile_seconds:.1f}s",
         f"memory per device (compiler): arguments {gib(self.argument_bytes)}, outputs "
         f"{gib(self.output_bytes)} (aliased {gib(self.alias_bytes)}), temporaries "
-        f"{gib(self.temp_bytes)}, resident beside it {gib(self.resident_bytes)} -> peak {gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
+        f"{gib(self.temp_bytes)}, resident beside it {gib(self.resident_bytes)} -> peak "
+        f"{gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
         f"{'FITS' if self.fits else 'DOES NOT FIT'}",
         f"model FLOPs per step (analytic: 6 x trained, 4 x frozen params x tokens + attention): "
         f"{self.model_flops:.3e} total, {self.model_flops / self.num_devices:.3e} per device",
@@ -210,9 +211,11 @@ def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list
       step = rl_update.jit_dapo_step(actor, tx, mesh, loss_config=loss_config,
                                      micro_batches=micro_batches)
     compiled = step.lower(states[updated], batch).compile()
-  # A LoRA critic's frozen base is the actor's: the other state's own arrays are the rest.
+  # A LoRA critic's frozen base is the actor's body (the same arrays): resident beside the
+  # updated state are the other's own arrays and whatever of the actor's base it lacks.
+  frozen = {name: _bytes_per_device(s.frozen) for name, s in states.items()}
   other = sum(_bytes_per_device(s.checkpointed()) for name, s in states.items()
-              if name != updated)
+              if name != updated) + max(frozen.values()) - frozen[updated]
   return compiled, mesh, time.perf_counter() - start, other
 
 
@@ -337,7 +340,8 @@ class DecodeReport:
         f"{self.mesh}, compiled in {self.compile_seconds:.1f}s",
         f"memory per device (compiler): arguments {gib(self.argument_bytes)} (params "
         f"{gib(self.param_bytes)}, KV cache {gib(self.cache_bytes)}), temporaries {temps}, "
-        f"train state resident beside it {gib(self.resident_bytes)} -> peak {gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
+        f"train state resident beside it {gib(self.resident_bytes)} -> peak "
+        f"{gib(self.peak_bytes)} of {gib(self.hbm_bytes)} HBM: "
         f"{'FITS' if self.fits else 'DOES NOT FIT'}; copies of a layer's KV cache: "
         f"{self.cache_copies}",
         f"roofline of a decode step at a full cache, per device: {self.roofline.flops:.3e} "
@@ -465,10 +469,9 @@ def config_reports(config: Any) -> dict[str, Any]:
     # Synchronous RL decodes beside the train states; asynchronous on devices of its own.
     resident = 0 if config.rl["async"].enabled else train_state_bytes(
         model, config.optimizer, config.topology, sharding.MeshConfig(**config.mesh), critic)
-    # With LoRA, rollouts run the base model on the merged weights.
     reports["decode"] = decode_report(
-        config.model.preset, model.replace(lora_rank=0), config.topology, config.mesh.tensor,
-        rows, rollout.cache_size, config.chunk,
+        config.model.preset, model, config.topology, config.mesh.tensor, rows,
+        rollout.cache_size, config.chunk,
         prefill=(bucket(rows // rollout.group_size, 1), bucket(rollout.max_prompt_tokens)),
         extend=(bucket(rows, 1), rollout.observation_bucket), resident_bytes=resident)
   return reports

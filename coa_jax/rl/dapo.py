@@ -26,6 +26,7 @@ the batch is the same.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 from typing import Any
 
@@ -36,7 +37,7 @@ from jax.sharding import Mesh
 
 from coa_jax.data import Task, build_rewarder, load_tasks, load_tokenizer
 from coa_jax.losses.dapo import PolicyLossConfig
-from coa_jax.model import ConfigError, Transformer, lora
+from coa_jax.model import ConfigError, Transformer
 from coa_jax.rl import critic as critic_lib
 from coa_jax.rl import update
 from coa_jax.rl.advantages import (ADVANTAGE_ESTIMATORS, group_advantages, needs_critic,
@@ -132,9 +133,8 @@ class Trainer:
 
     model_config, params = load_model(config, self.tokenizer, self.mesh)
     self.model_config, self.model = model_config, Transformer(model_config)
-    # What decodes: without LoRA the model itself; with it, the base model running the weights
-    # with the adapters merged in (`sampling_params`), so decoding costs what it costs without.
-    self.decode_model = Transformer(model_config.replace(lora_rank=0))
+    # The KL term's reference with LoRA: the base model on the frozen weights (adapters off).
+    self.base_model = Transformer(model_config.replace(lora_rank=0))
     self.schedule = optimizer.learning_rate_schedule(config.optimizer)
     self.tx = optimizer.make_optimizer(config.optimizer)
     rng = jax.random.key(config.seed)
@@ -159,14 +159,8 @@ class Trainer:
     sampling = SamplingConfig(**config.sampling)
     if sampling.temperature == 0:
       raise ConfigError("DAPO needs sampled rollouts: sampling.temperature must be > 0")
-    self.host_shardings = sharding.param_shardings(self.decode_model, self.host)
-    self._merged = None
-    if model_config.lora_rank:  # one merged copy in the compute dtype, where the state lives
-      self._merged = sharding.bind_mesh(jax.jit(  # the base (frozen) is in the compute dtype
-          lambda p: lora.merge(p, model_config),
-          out_shardings=sharding.param_shardings(self.decode_model, self.mesh)), self.mesh)
-    sampler = Sampler(self.decode_model.config, self.host,
-                      batch_size=config.batch_size // self.hosts,
+    self.host_shardings = sharding.param_shardings(self.model, self.host)
+    sampler = Sampler(model_config, self.host, batch_size=config.batch_size // self.hosts,
                       cache_size=self.rollout_config.cache_size, chunk=config.chunk,
                       stop_ids=stop_ids(self.tokenizer), sampling=sampling)
     tools = build_registry(config.tools.to_dict())
@@ -179,7 +173,7 @@ class Trainer:
     self.logprobs, self.ref_logprobs = (
         update.jit_policy_logprobs(model, self.mesh, sharding.param_shardings(model, self.mesh),
                                    sampling.temperature)
-        for model in (self.model, self.decode_model))
+        for model in (self.model, self.base_model))
     self.stream = TaskStream(self.tasks, config.seed)
     self.prompts: dict[str, list[int]] = {}  # task id -> [groups, all correct, all wrong]
     self.reward_pool = concurrent.futures.ThreadPoolExecutor(config.reward_workers,
@@ -195,25 +189,30 @@ class Trainer:
 
   def _rollouts(self, tasks: list[Task], key: jax.Array) -> list[ScoredGroup]:
     """Returns the scored groups of this host's share of `tasks` (in task order), rolled out
-    with the current params from `key`."""
-    self.engine.params = self.sampling_params()
+    from `key` with the sampling weights of the step (`_sampling`)."""
     self.engine.key = key
     mine = tasks[self.host_index::self.hosts]
     order = {task.id: i for i, task in enumerate(mine)}
+    return sorted(map(self.score, self.engine.run(mine)), key=lambda group: order[group.task_id])
+
+  @contextlib.contextmanager
+  def _sampling(self):
+    """Holds the current params as the engine's sampling weights while its body rolls out:
+    gathered once (a collective: every host, whatever rounds of dynamic sampling it needs),
+    then dropped, so that the updates do not hold them."""
+    self.engine.params = self.sampling_params()
     try:
-      return sorted(map(self.score, self.engine.run(mine)),
-                    key=lambda group: order[group.task_id])
-    finally:  # the sampling weights are not kept beside the updates
+      yield
+    finally:
       self.engine.params = None
 
   def sampling_params(self) -> Any:
     """Returns the train state's params in the compute dtype on this host's decode mesh: new
-    buffers when the compute dtype or the devices differ (the train state is only read); with
-    LoRA, the base weights with the adapters merged in, for `decode_model`."""
-    if self._merged is not None:
-      params = self._merged(self.state.model_params())
-    else:
-      params = self.engine.sampler.sampling_params(self.state.params)
+    buffers when the compute dtype or the devices differ (the train state is only read). A
+    LoRA model decodes as it trains: its frozen base (already in the compute dtype) and its
+    adapters, cast as the update's forward pass casts them. (Merged into bf16 kernels, small
+    adapter updates would round away, and the rollouts would not sample the trained policy.)"""
+    params = self.engine.sampler.sampling_params(self.state.model_params())
     return sharding.to_host_mesh(params, self.mesh, self.host, self.host_shardings)
 
   def score(self, group: list[RolloutRecord]) -> ScoredGroup:
@@ -257,9 +256,10 @@ class Trainer:
 
     t0, tool_wait = time.perf_counter(), self.engine.tool_wait_s
     # A failure on any host (dynamic sampling gave up, a tool or reward crashed) stops all.
-    kept, stats = distributed.agreed(
-        lambda: fill_batch(next_round, rl.batch_groups // self.hosts, rl.max_rounds,
-                           rl.dynamic_sampling), f"rollouts of step {step}")
+    with self._sampling():
+      kept, stats = distributed.agreed(
+          lambda: fill_batch(next_round, rl.batch_groups // self.hosts, rl.max_rounds,
+                             rl.dynamic_sampling), f"rollouts of step {step}")
     # Hosts that needed fewer rounds skip the prompts of the others' extra rounds.
     self.stream.cursor = max(distributed.gather_json(self.stream.cursor))
     t1 = time.perf_counter()
@@ -376,8 +376,9 @@ class Trainer:
   def evaluate(self, step: int) -> dict[str, float]:
     """Returns accuracy (avg@n at the sampling temperature) and lengths on the held-out tasks."""
     key = jax.random.fold_in(jax.random.key(self.config.seed + 1), step)
-    groups = distributed.agreed(lambda: self._rollouts(self.eval_tasks, key),
-                                f"evaluation at step {step}")
+    with self._sampling():
+      groups = distributed.agreed(lambda: self._rollouts(self.eval_tasks, key),
+                                  f"evaluation at step {step}")
     return over_hosts(means=dict(
         eval_accuracy=[c for g in groups for c in g.correct],
         eval_response_len=[r.response_len for g in groups for r in g.records]))

@@ -54,7 +54,8 @@ def run(config: Any) -> dict[str, Any]:
                     log_every=rl.log_every, stop_after=rl.stop_after,
                     nonfinite_skips=rl.nonfinite_skips,
                     export_dir=config.export_dir, export_dtype=config.export_dtype,
-                    base_checkpoint=config.model.get("checkpoint", ""), unit="samples", units_per_step=rl.batch_groups * trainer.n, shown=shown,
+                    base_checkpoint=config.model.get("checkpoint", ""), unit="samples",
+                    units_per_step=rl.batch_groups * trainer.n, shown=shown,
                     plot_keys=plot_keys, plot_file="dapo.png", title=name)
   try:
     result = run_loop(trainer, loop, trainer.abstract_checkpoint(), trainer.model_config)
