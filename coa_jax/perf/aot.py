@@ -515,7 +515,12 @@ def pod_fit_rows(config_name: str, reports: dict[str, Any]) -> list[str]:
   """Returns the pod-fit table's markdown rows of one config's reports (`config_reports`)."""
   gib = lambda b: f"{b / hardware.GIB:.1f}"
   mesh = lambda m: f"{m['data']}x{m['fsdp']}x{m['tensor']}"
-  maybe = lambda x, text: "none (XLA:GPU without a device)" if math.isnan(x) else text
+  def maybe(seconds: float, text: str, device_kind: str) -> str:
+    if not math.isnan(seconds):
+      return text
+    return ("none (XLA:GPU without a device)" if device_kind.startswith("NVIDIA") else
+            "none (XLA gave no time for the 1- and 2-layer compiles)")
+
   rows = []
   programs = {"train": "DAPO update (one mini-batch)" if "decode" in reports else "SFT step"}
   if "critic" in reports:
@@ -532,7 +537,8 @@ def pod_fit_rows(config_name: str, reports: dict[str, Any]) -> list[str]:
         f"{train.roofline.hbm_bytes:.2e} | {train.roofline.seconds:.2f} s "
         f"({train.roofline.bound}) | {train.projected_mfu:.0%} | "
         + maybe(train.compiler_seconds,
-                f"{train.compiler_seconds:.2f} s (MFU {train.implied_mfu:.0%})") + " |")
+                f"{train.compiler_seconds:.2f} s (MFU {train.implied_mfu:.0%})",
+                train.device_kind) + " |")
   if "decode" in reports:
     d = reports["decode"]
     temps = max(d.temp_bytes.values())
@@ -545,5 +551,5 @@ def pod_fit_rows(config_name: str, reports: dict[str, Any]) -> list[str]:
         f"{d.roofline.flops:.2e} per token step | {d.roofline.hbm_bytes:.2e} | "
         f"{d.step_seconds * 1e3:.1f} ms ({d.roofline.bound}) | "
         f"{d.rows / d.step_seconds:,.0f} tokens/s per host | "
-        + maybe(d.compiler_seconds, f"{d.compiler_seconds * 1e3:.1f} ms") + " |")
+        + maybe(d.compiler_seconds, f"{d.compiler_seconds * 1e3:.1f} ms", d.device_kind) + " |")
   return rows
