@@ -81,6 +81,7 @@ def test_experiments_run_on_the_main_job_outputs(quick_run):
   assert 0 <= pass_1 <= pass_2 <= 1
   full, lora = (reports["lora"]["results"][name]["0"] for name in ("full", "lora"))
   assert full["pass@1"] == results["per_seed"][0]["sft"]["pass@1"]  # the main job's SFT
+  assert full["start_pass@1"] == lora["start_pass@1"]  # one prefix, evaluated once
   assert 0 < lora["trained_params"] < full["trained_params"] / 5
   assert 0 <= lora["pass@1"] <= 1 and lora["train_loss"] > 0
   runs = os.listdir(os.path.join(config.output_dir, "experiments", "runs"))

@@ -5,8 +5,9 @@ stopped at step options "from_step" (the same run, schedule and data order up to
 exported; shared by the cells of a seed) and trains the rest of the main job's steps on its
 data, at the main job's learning rate times options "lr_scale", on the tail of its schedule
 (the hold, then the decay), with fresh AdamW moments and the data from the start of their
-order. Its merged export is evaluated like the main job. Rank 0 is full fine-tuning over the
-same steps: the main job's SFT itself, whose model and evaluation are reused.
+order. Its merged export is evaluated like the main job, and so is the prefix's (the cells'
+starting point). Rank 0 is full fine-tuning over the same steps: the main job's SFT itself,
+whose model and evaluation are reused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from coa_jax.model import ConfigError, build_config
 from coa_jax.runtime.cache import exists
 from coa_jax.runtime.distributed import say
 
-COLUMNS = ("trained_params", "train_loss", "pass@1", "format_error_rate", "tokens_per_task")
+COLUMNS = ("trained_params", "train_loss", "start_pass@1", "pass@1", "format_error_rate",
+           "tokens_per_task")
 
 
 def _settings(train: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -69,41 +71,50 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
                       f"schedule's hold (a 'wsd' schedule: warm-up to step {opt.warmup_steps}, "
                       f"decay over the last {opt.decay_steps} of {total} steps; this one is "
                       f"{opt.schedule!r}), where its tail is a hold and a decay")
+  base = ml_collections.ConfigDict(sft_main.to_dict())
+  base.train.steps = start  # the schedule's total_steps stays the main job's
+  base_dir = _run_sft(config, base, "sft-prefix", f"the main job's SFT up to step {start}")
+  start_metrics = _evaluate(main["eval_sft"], base.export_dir, base_dir)
   if not rank:  # full fine-tuning: the main job's SFT
     metrics_path = os.path.join(main["eval_sft"].output_dir, "metrics.json")
     if not exists(metrics_path):
       raise ConfigError(f"{metrics_path} is missing: run the main job first (make pipeline "
                         f"ARGS=\"--seeds 3\")")
     return _result(build_config(sft_main.model.to_dict()).num_params(), sft_main.workdir,
-                   metrics_path)
-  base = ml_collections.ConfigDict(sft_main.to_dict())
-  base.train.steps = start  # the schedule's total_steps stays the main job's
-  base_dir = _run_sft(config, base, "sft-prefix", f"the main job's SFT up to step {start}")
-
+                   metrics_path, start_metrics)
   train = ml_collections.ConfigDict(sft_main.to_dict())
-  train.model.checkpoint = os.path.join(base_dir, "hf_export")
+  train.model.checkpoint = base.export_dir
   train.model.update(dict(lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0))
   train.train.steps = total - start
   # The tail of the main job's schedule: its hold at the peak, then its decay.
   train.optimizer.update(learning_rate=sft_main.optimizer.learning_rate * options["lr_scale"],
                          warmup_steps=0, total_steps=total - start)
   folder = _run_sft(config, train, "sft-lora", f"rank-{rank} LoRA from step {start} to {total}")
-  evaluate = ml_collections.ConfigDict(main["eval_sft"].to_dict())
-  evaluate.model.checkpoint = train.export_dir
-  evaluate.output_dir = os.path.join(folder, "eval")
+  return _result(build_config(train.model.to_dict()).lora_params(), folder,
+                 _evaluate(main["eval_sft"], train.export_dir, folder), start_metrics)
+
+
+def _evaluate(main_eval: ml_collections.ConfigDict, checkpoint: str, run_dir: str) -> str:
+  """Evaluates `checkpoint` as the main job evaluates its SFT model, once, into
+  <run_dir>/eval; returns the path of its metrics.json."""
+  evaluate = ml_collections.ConfigDict(main_eval.to_dict())
+  evaluate.model.checkpoint, evaluate.output_dir = checkpoint, os.path.join(run_dir, "eval")
   metrics_path = os.path.join(evaluate.output_dir, "metrics.json")
   if not exists(metrics_path):
     evaluation.run(evaluate)
-  return _result(build_config(train.model.to_dict()).lora_params(), folder, metrics_path)
+  return metrics_path
 
 
-def _result(trained_params: int, run_dir: str, metrics_path: str) -> dict[str, Any]:
-  """Returns a cell's result: what trained, the run's final training loss and its held-out
-  evaluation (metrics.json)."""
+def _result(trained_params: int, run_dir: str, metrics_path: str,
+            start_metrics_path: str) -> dict[str, Any]:
+  """Returns a cell's result: what trained, the run's final training loss, the held-out
+  pass@1 of the model it started from and its own held-out evaluation (metrics.json)."""
   with open(metrics_path) as f:
     metrics = json.load(f)
+  with open(start_metrics_path) as f:
+    start = json.load(f)["pass@1"]
   return {"trained_params": trained_params, "train_loss": _final_loss(run_dir),
-          **{c: metrics[c] for c in COLUMNS[2:]},
+          "start_pass@1": start, **{c: metrics[c] for c in COLUMNS[3:]},
           "pass@1_by_family": metrics.get("pass@1_by_family", {})}
 
 
@@ -114,14 +125,16 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def table(summary: Mapping[str, Any]) -> str:
-  """Returns the markdown table: per cell, its trained parameters, final training loss and the
-  held-out pass@1, format-error rate and tokens per task (mean +- sd over seeds)."""
-  lines = ["| fine-tuning | trained parameters | training loss (last 50 steps) | pass@1 | "
-           "format errors | tokens per task |", "|---|---|---|---|---|---|"]
+  """Returns the markdown table: per cell, its trained parameters, final training loss, the
+  held-out pass@1 of its starting point, and its held-out pass@1, format-error rate and tokens
+  per task (mean +- sd over seeds)."""
+  lines = ["| fine-tuning | trained parameters | training loss (last 50 steps) | pass@1 at "
+           "the start | pass@1 | format errors | tokens per task |",
+           "|---|---|---|---|---|---|---|"]
   for name, row in summary.items():
     lines.append(f"| {name} | {row['trained_params']['mean']:,.0f} | {cell(row['train_loss'])} | "
-                 f"{cell(row['pass@1'])} | {cell(row['format_error_rate'])} | "
-                 f"{cell(row['tokens_per_task'], 1)} |")
+                 f"{cell(row['start_pass@1'])} | {cell(row['pass@1'])} | "
+                 f"{cell(row['format_error_rate'])} | {cell(row['tokens_per_task'], 1)} |")
   return "\n".join(lines)
 
 
@@ -139,6 +152,11 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
       stat = report["summary"][name][metric]
       ax.scatter([x] * len(stat["values"]), stat["values"], color="0.6", s=14)
       ax.errorbar([x], [stat["mean"]], yerr=[stat["sd"]], marker="o", capsize=4)
+      if metric == "pass@1":  # where the cell started (the prefix of the main job's SFT)
+        start = report["summary"][name]["start_pass@1"]["mean"]
+        ax.scatter([x], [start], marker="x", color="k", label="start" if x == 0 else None)
+    if metric == "pass@1":
+      ax.legend(fontsize=8)
     ax.set_xticks(range(len(names)), names)
     ax.set(ylabel=label)
     ax.margins(x=0.3)
