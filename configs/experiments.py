@@ -43,7 +43,8 @@ EXPERIMENTS = {e.name: e for e in [
         options={"k": 16},
         about="pass@k and maj@k, k = 1..16, on a world with near-miss figures on its pages"),
     Experiment(
-        "lora-sft", "lora", {"full": {"options.rank": 0}, "lora-r8": {"options.rank": 8}},
+        "lora-sft", "lora", {"full": {"options.rank": 0}, "lora-r8": {"options.rank": 8},
+                             "lora-r8-lr3x": {"options.rank": 8, "options.lr_scale": 3.0}},
         options={"from_step": 900, "lr_scale": 1.0},
         about="LoRA (rank 8) against full fine-tuning for the main job's last 800 SFT steps"),
     Experiment(
