@@ -156,9 +156,9 @@ def critic_step(model: Transformer, tx: optax.GradientTransformation, state: Tra
 
   def objective(params, micro):
     micro, weights = micro
-    sums = value_loss(values(model, state.model_params(params), micro), micro.old_values,
-                      micro.returns,
-                      micro.loss_mask, weights, cliprange_value)
+    values_BxT = values(model, state.model_params(params), micro)
+    sums = value_loss(values_BxT, micro.old_values, micro.returns, micro.loss_mask, weights,
+                      cliprange_value)
     return sums.loss, sums
 
   new_state, sums, metrics = summed_update(objective, tx, state, (batch, weights_BxT),
