@@ -6,10 +6,14 @@ import shutil
 import tempfile
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-# The suite compiles hundreds of small programs and runs each a few times: LLVM's optimisation
-# passes cost more than the unoptimised code's run time (the suite needs 27% less CPU).
-# Subprocesses that check the documented commands' numerics (the copy guard) set their own flags.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# The suite compiles hundreds of small programs and runs each a few times: compiling costs more
+# than running. LLVM's optimisation passes off (the suite needed 27% less CPU), and XLA:CPU's
+# older, cheaper code generation: elemental emitters in place of the MLIR fusion emitters, no
+# XNNPACK fusions, one LLVM module per program (half the CPU again on test_rl, test_model and
+# test_lora). Subprocesses that check the documented commands' numerics (the copy guard) set
+# their own flags.
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                "--xla_cpu_use_xnnpack=false --xla_cpu_parallel_codegen_split_count=1")
 # A collective on fake CPU devices waits for one thread per device; XLA aborts the process when
 # one has not arrived after 40 s, which a loaded 2-core machine can exceed (the suite beside a
 # pipeline run). Tests bound their own waits.
