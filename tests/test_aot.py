@@ -54,20 +54,22 @@ def test_topology_chip_counts():
     hardware.chips_in_topology("v5p-8")
 
 
-def test_the_7b_sft_config_compiles_scaled_down():
+def test_the_7b_sft_config_compiles_scaled_down_with_its_state_split_over_every_chip():
   from coa_jax.model import build_config
   from configs import sft_qwen2_5_7b
 
   config = sft_qwen2_5_7b.get_config()
-  model = build_config(config.model).replace(num_layers=2)
+  model = build_config(config.model).replace(num_layers=2, hidden_size=512,
+                                             intermediate_size=1024, vocab_size=4096)
   compiled, mesh, _, _ = aot.compile_train_step(
       model, config.optimizer, aot.topology_devices("v5e:2x2"),
       sharding.MeshConfig(**config.mesh), batch_size=16, seq_len=128,
       micro_batches=config.train.micro_batches)
-  memory = compiled.memory_analysis()
   assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
-  assert memory.argument_size_in_bytes + memory.temp_size_in_bytes < hardware.chip_for(
-      "TPU v5 lite").hbm_bytes
+  # float32 weights and AdamW's two moments, a quarter on each chip (the batch and the
+  # replicated norm scales are the rest)
+  state = 12 * model.num_params() / 4
+  assert compiled.memory_analysis().argument_size_in_bytes == pytest.approx(state, rel=0.01)
 
 
 def test_the_32b_lora_sft_config_compiles_scaled_down_holding_bf16_base_and_f32_adapters():
