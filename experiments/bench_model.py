@@ -63,7 +63,8 @@ def main(argv):
           f"{row['ratio']:.2f}x", flush=True)
   output = config.output  # one file per choice of models: runs one at a time do not overwrite
   if _MODELS.value:
-    output = output.replace(".json", "_" + "_".join(_MODELS.value) + ".json")
+    stem, ext = os.path.splitext(output)
+    output = f"{stem}_{'_'.join(_MODELS.value)}{ext}"
   os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
   with open(output, "w") as f:
     json.dump(dict(device=device.device_kind, peak_flops=peak, peak_source=source, rows=rows),
