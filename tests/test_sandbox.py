@@ -12,6 +12,7 @@ import sys
 import tempfile
 import uuid
 
+import numpy
 import pytest
 
 from tools_env import base, sandbox_boot
@@ -311,6 +312,44 @@ def test_as_root_the_rlimit_mode_refuses_an_interpreter_its_uid_cannot_reach(mon
       f"code sandbox isolation 'rlimit' cannot work on this machine: 'rlimit' is unusable: as "
       f"root it runs programs under an unprivileged uid, which cannot enter {private} (mode 700) "
       f"to reach {private}/lib; use a python installed where every user can read it")
+
+
+def test_as_root_a_namespace_mode_names_the_folder_that_hides_the_venv(sandbox, monkeypatch):
+  if os.geteuid() != 0:
+    pytest.skip("namespace modes run programs under another uid only as root")
+  if not os.path.isdir("/var/tmp"):
+    pytest.skip("no /var/tmp (the bwrap mode makes every folder of /tmp anew)")
+  prefixes, path, _ = sandbox_module._interpreter_paths(sys.executable)
+  private = os.path.realpath(tempfile.mkdtemp(dir="/var/tmp"))  # mode 700, as `mktemp -d` makes
+  try:
+    site = f"{private}/venv/lib/site-packages"
+    os.makedirs(site)
+    os.symlink(os.path.dirname(numpy.__file__), f"{site}/numpy")  # numpy is there, for root
+    stdlib = [p for p in path if "-packages" not in p]
+    monkeypatch.setattr(sandbox_module, "_interpreter_paths",
+                        lambda python: (prefixes + [f"{private}/venv"], stdlib + [site], True))
+    monkeypatch.setattr(sandbox_module, "_PROBED", {})
+    mode = sandbox.isolation
+    with pytest.raises(IsolationUnavailable) as raised:
+      CodeSandbox(LIMITS, isolation=mode)
+  finally:
+    shutil.rmtree(private)
+  assert str(raised.value) == (
+      f"code sandbox isolation '{mode}' cannot work on this machine: '{mode}' is unusable: its "
+      f"self-test (imports as the sandboxed user) failed with status 1: ModuleNotFoundError: No "
+      f"module named 'numpy'; as root it runs programs under an unprivileged uid, which cannot "
+      f"enter {private} (mode 700) to reach {private}/venv; use a python installed where every "
+      f"user can read it; isolation='auto' would accept a weaker mode")
+
+
+def test_folders_a_mode_makes_anew_are_not_blamed_for_blocking():
+  hidden, exposed = ["/root", "/home"], ["/root/.pyenv/versions/3.11", "/tmp/tmp.x/venv"]
+  assert sandbox_module._remade_dirs("bwrap", hidden, exposed) == {
+      "/root", "/home", "/tmp", "/root/.pyenv", "/root/.pyenv/versions", "/tmp/tmp.x"}
+  # The unshare mode keeps the host's /tmp, whose folders keep their modes.
+  assert sandbox_module._remade_dirs("unshare", hidden, exposed) == {
+      "/root", "/home", "/root/.pyenv", "/root/.pyenv/versions"}
+  assert sandbox_module._remade_dirs("rlimit", hidden, exposed) == set()
 
 
 def fake_mounts(monkeypatch, before, after, fail=None):

@@ -241,14 +241,39 @@ def _needed_paths(python: str, paths: list[str]) -> list[str]:
                    os.path.dirname(_BOOT)})
 
 
-def _untraversable(path: str) -> str | None:
-  """Returns the first directory on the way to `path` that other users cannot enter, or None."""
+def _untraversable(path: str, remade: frozenset[str] = frozenset()) -> str | None:
+  """Returns the first directory on the way to `path` that other users cannot enter, or None;
+  the `remade` directories (made anew by the sandbox, enterable by all) are passed over."""
   parts = path.split("/")
   for i in range(1, len(parts) + 1):
     directory = "/".join(parts[:i]) or "/"
-    if not os.stat(directory).st_mode & 0o001:
+    if directory not in remade and not os.stat(directory).st_mode & 0o001:
       return directory
   return None
+
+
+def _parents_below(path: str, roots: Sequence[str]) -> list[str]:
+  """Returns the directories between the one of `roots` that holds `path` and `path`,
+  outermost first."""
+  parents = []
+  parent = os.path.dirname(path)
+  while parent not in (*roots, "/"):
+    parents.insert(0, parent)
+    parent = os.path.dirname(parent)
+  return parents
+
+
+def _remade_dirs(mode: str, hidden: Sequence[str], exposed: Sequence[str]) -> frozenset[str]:
+  """Returns the directories that `mode` replaces with fresh ones of mode 755: the hidden ones
+  (and the bwrap mode's private /tmp) and those made on the way to the exposed paths in them."""
+  if mode == "rlimit":
+    return frozenset()
+  roots = (*hidden, "/tmp") if mode == "bwrap" else tuple(hidden)
+  remade = set(roots)
+  for path in exposed:
+    if any(path.startswith(root + "/") for root in roots):
+      remade.update(_parents_below(path, roots))
+  return frozenset(remade)
 
 
 def _hidden_and_exposed(needed: list[str]) -> tuple[list[str], list[str]]:
@@ -322,13 +347,9 @@ class CodeSandbox(Tool):
     """Returns why `mode` fails its self-test, or None if the test program ran."""
     if mode != "rlimit" and shutil.which(mode) is None:
       return f"{mode} is not installed"
-    if mode == "rlimit" and os.geteuid() == 0:  # programs run as a dedicated unprivileged uid
-      for path in self.needed:
-        blocked = _untraversable(path)
-        if blocked:
-          return (f"as root it runs programs under an unprivileged uid, which cannot enter "
-                  f"{blocked} (mode {os.stat(blocked).st_mode & 0o777:o}) to reach {path}; "
-                  f"use a python installed where every user can read it")
+    unreachable = self._unreachable(mode)
+    if mode == "rlimit" and unreachable:  # the self-test could not even import its stdlib
+      return unreachable
     try:
       run = self._execute(self.self_test, None, mode)
     except OSError as e:
@@ -336,8 +357,25 @@ class CodeSandbox(Tool):
     if run.returncode == 0 and run.stopped is None and run.output.strip() == b"42":
       return None
     lines = run.output.decode("utf-8", errors="replace").strip().splitlines()
-    return (f"its self-test (imports as the sandboxed user) failed with status {run.returncode}"
-            f"{f' ({run.stopped})' if run.stopped else ''}: {lines[-1] if lines else 'no output'}")
+    failed = (f"its self-test (imports as the sandboxed user) failed with status "
+              f"{run.returncode}{f' ({run.stopped})' if run.stopped else ''}: "
+              f"{lines[-1] if lines else 'no output'}")
+    return f"{failed}; {unreachable}" if unreachable else failed
+
+  def _unreachable(self, mode: str) -> str | None:
+    """Returns why the unprivileged uid that runs programs when the host is root cannot reach
+    a directory the interpreter needs, as `mode` shows the filesystem; None if it can (or the
+    host is not root: programs then reach what the host user reaches)."""
+    if os.geteuid() != 0:
+      return None
+    remade = _remade_dirs(mode, self.hidden, self.exposed)
+    for path in self.needed:
+      blocked = _untraversable(path, remade)
+      if blocked:
+        return (f"as root it runs programs under an unprivileged uid, which cannot enter "
+                f"{blocked} (mode {os.stat(blocked).st_mode & 0o777:o}) to reach {path}; "
+                f"use a python installed where every user can read it")
+    return None
 
   def _environment(self, workdir: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
@@ -362,12 +400,8 @@ class CodeSandbox(Tool):
       for path in self.hidden:
         prefix += ["--tmpfs", path]
       for path in self.exposed:
-        parents = []
-        parent = os.path.dirname(path)
-        while parent not in (*self.hidden, "/tmp", "/"):
-          parents.insert(0, parent)
-          parent = os.path.dirname(parent)
-        for parent in parents:  # bwrap would create them traversable by root only
+        # bwrap would create them traversable by root only
+        for parent in _parents_below(path, (*self.hidden, "/tmp")):
           prefix += ["--perms", "0755", "--dir", parent]
         prefix += ["--ro-bind", path, path]
       prefix += ["--bind", workdir, workdir, "--chdir", workdir, "--clearenv"]
