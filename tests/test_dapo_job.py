@@ -27,6 +27,7 @@ def _config(tmp_path, name, **rl):
                                   mini_batch_groups=2, overlong_cache=16, eval_every=2,
                                   dynamic_sampling=False), **rl})
   config.optimizer = common.optimizer(learning_rate=1e-3, schedule="constant", weight_decay=0.0)
+  config.rewards.domains["code"] = {"kind": "code"}  # a code reward (no task of it here)
   config.checkpoint = common.checkpoint(str(tmp_path / name / "ckpt"), every=1, max_to_keep=3,
                                         async_save=False)
   config.workdir = str(tmp_path / name)
@@ -44,7 +45,9 @@ def test_job_writes_metrics_plot_and_checkpoints(uninterrupted):
   tmp, summary = uninterrupted
   rows = [json.loads(line) for line in open(tmp / "whole" / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2] and summary["steps"] == 2
-  assert summary["sandbox_isolation"] == CodeSandbox().isolation  # what the code tool ran in
+  # What the code tool and the code reward ran programs in.
+  assert summary["sandbox_isolation"] == summary["reward_sandbox_isolation"] == \
+      CodeSandbox().isolation
   for key in ("reward", "accuracy", "response_len", "entropy", "clip_high", "clip_low",
               "dual_clip", "approx_kl", "pg_loss", "grad_norm", "logp_diff_mean",
               "logp_diff_max", "kept", "rounds"):

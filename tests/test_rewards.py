@@ -396,6 +396,23 @@ def test_rewarder_runs_code_tasks_in_the_sandbox():
   assert (reward.score, reward.details["passed"]) == (1.0, 2)
 
 
+def test_rewarder_names_the_isolation_its_code_domain_runs_under():
+  rewarder = build_rewarder({"domains": {"qa": {"kind": "qa"}, "code": {"kind": "code"}},
+                             "default_domain": "qa"})
+  assert rewarder.sandbox_isolation() == CodeSandbox().isolation  # "auto": the strongest here
+  assert build_rewarder(SPEC).sandbox_isolation() is None  # no code domain
+
+
+def test_rewarder_with_several_code_domains_names_the_weakest_isolation(monkeypatch):
+  # Each sandbox takes the mode it is asked for, whatever this machine offers.
+  monkeypatch.setattr(CodeSandbox, "_choose_isolation", lambda self, requested: requested)
+  rewarder = build_rewarder({"domains": {"a": {"kind": "code", "isolation": "bwrap"},
+                                         "b": {"kind": "code", "isolation": "unshare"},
+                                         "c": {"kind": "code", "isolation": "bwrap"}},
+                             "default_domain": "a"})
+  assert rewarder.sandbox_isolation() == "unshare"
+
+
 def test_rewarder_asks_the_judge_for_judge_domains(judge_server):
   spec = {"domains": {"judge": {"kind": "judge", "base_url": judge_server.url("/wrong"),
                                 "model": "m", "api_key_env": None, "http": {"backoff_s": 0.01}}},

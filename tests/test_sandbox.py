@@ -401,7 +401,7 @@ def test_outputs_of_several_hosts_report_the_weakest_isolation():
   assert sandbox_module.weakest([None]) is None
 
 
-def test_the_evaluation_records_the_isolation_of_its_code_tool(tmp_path):
+def test_the_evaluation_records_the_isolation_of_its_code_tool_and_code_reward(tmp_path):
   from coa_jax.data import World, WorldConfig
   from coa_jax.evaluation import job as evaluation
   from configs import evaluate_tiny
@@ -412,7 +412,10 @@ def test_the_evaluation_records_the_isolation_of_its_code_tool(tmp_path):
   config.system, config.k, config.tasks = "teacher", 1, paths["heldout"]
   config.tools = world.tools_spec(paths["corpus"])
   config.output_dir = str(tmp_path / "eval")
+  config.rewards.domains["code"] = {"kind": "code"}  # a code reward (no task of it here)
   expected = CodeSandbox(isolation="auto").isolation
-  assert evaluation.run(config)["sandbox_isolation"] == expected
+  metrics = evaluation.run(config)
+  assert metrics["sandbox_isolation"] == metrics["reward_sandbox_isolation"] == expected
   with open(tmp_path / "eval" / "metrics.json") as f:
-    assert json.load(f)["sandbox_isolation"] == expected
+    saved = json.load(f)
+  assert saved["sandbox_isolation"] == saved["reward_sandbox_isolation"] == expected

@@ -13,7 +13,8 @@ failure scores 0.0 with an "error" in details):
 
 `build_rewarder(spec)` maps each task's domain to one of them and turns the result into a
 `Reward`: the `correct` / `incorrect` values (DAPO: +1 / -1), minus a format penalty when the
-response breaks the CoA format.
+response breaks the CoA format. `Rewarder.sandbox_isolation()` names the weakest isolation its code
+domains run programs under (the RL and evaluation summaries' `reward_sandbox_isolation`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Callable, Mapping
 from coa_jax.data import coa_format
 from tools_env.base import ToolFailure
 from tools_env.remote import ChatClient, HttpLimits
-from tools_env.sandbox import CodeSandbox, SandboxLimits, extract_program
+from tools_env.sandbox import CodeSandbox, SandboxLimits, extract_program, weakest
 
 KINDS = ("math", "qa", "code", "judge")
 QA_METRICS = ("em", "f1")
@@ -535,8 +536,7 @@ def _build_scorer(name: str, config: Mapping[str, Any], spec: RewardSpec) -> Sco
   try:
     if kind == "code":
       options = _options(name, config, ("limits", "isolation", "workers"))
-      sandbox = CodeSandbox(SandboxLimits(**dict(options.pop("limits", {}))), **options)
-      return lambda answer, task: code_reward(answer, task.get("tests"), sandbox)
+      return CodeScorer(CodeSandbox(SandboxLimits(**dict(options.pop("limits", {}))), **options))
     options = _options(name, config, ("base_url", "model", "api_key_env", "max_tokens", "http"))
     if "http" in options:
       options["limits"] = HttpLimits(**dict(options.pop("http")))
@@ -547,6 +547,16 @@ def _build_scorer(name: str, config: Mapping[str, Any], spec: RewardSpec) -> Sco
     raise ValueError(f"rewards.domains.{name} ({kind}): {e}") from None
 
 
+class CodeScorer:
+  """A code domain's scorer: `code_reward` on the task's tests in its own sandbox."""
+
+  def __init__(self, sandbox: CodeSandbox):
+    self.sandbox = sandbox
+
+  def __call__(self, answer: str, task: Mapping[str, Any]) -> tuple[float, dict[str, Any]]:
+    return code_reward(answer, task.get("tests"), self.sandbox)
+
+
 class Rewarder:
   """Scores a response against its task with the scorer of the task's domain."""
 
@@ -554,6 +564,12 @@ class Rewarder:
     self.spec = spec
     self.scorers = {name: _build_scorer(name, config, spec)
                     for name, config in spec.domains.items()}
+
+  def sandbox_isolation(self) -> str | None:
+    """Returns the weakest isolation mode the code domains' sandboxes run programs under (None
+    without a code domain)."""
+    return weakest([scorer.sandbox.isolation for scorer in self.scorers.values()
+                    if isinstance(scorer, CodeScorer)])
 
   def domain_of(self, task_data: Mapping[str, Any]) -> str:
     """Returns the task's domain: its `domain` or `data_source`, through `sources`, else the

@@ -181,8 +181,9 @@ def _copy_probe(engine: Any, tokenizer: Any, path: str, max_len: int,
 
 def run(config: Any) -> dict[str, Any]:
   """Evaluates config.system ("model": a checkpoint with tools, or "teacher") on config.tasks
-  with k samples per task; prints the table and writes metrics.json (with `sandbox_isolation`,
-  the weakest isolation the code tool ran under) and samples.jsonl."""
+  with k samples per task; prints the table and writes metrics.json (with `sandbox_isolation`
+  and `reward_sandbox_isolation`, the weakest isolation the code tool and the code reward ran
+  under) and samples.jsonl."""
   from coa_jax.distill.teacher import ScriptedTeacher, TeacherConfig
   from coa_jax.rollout import job as rollout_job
   from coa_jax.runtime.distributed import say
@@ -223,7 +224,9 @@ def run(config: Any) -> dict[str, Any]:
   # In task-file order: groups finish in an order that tool and thread timing move, and the
   # metrics' float sums (and samples.jsonl) must not depend on it.
   outcomes = {task.id: outcomes[task.id] for task in tasks if task.id in outcomes}
+  reward_isolation = sandbox.weakest(distributed.gather_json(rewarder.sandbox_isolation()))
   metrics = {**summarize(outcomes, k), "sandbox_isolation": isolation,
+             "reward_sandbox_isolation": reward_isolation,
              "curves": curves(outcomes, range(1, k + 1))}  # test-time scaling
   families = {task.id: task.data["family"] for task in tasks if "family" in task.data}
   if families:

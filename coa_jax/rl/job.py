@@ -32,7 +32,8 @@ def critic_export_dir(export_dir: str) -> str:
 
 
 def run(config: Any) -> dict[str, Any]:
-  """Trains per `config`; returns a summary (rewards, accuracy, steps, paths)."""
+  """Trains per `config`; returns a summary (rewards, accuracy, steps, paths, and the isolation
+  the code tool and the code reward ran programs under)."""
   rl = config.rl
   plot_keys, shown = dapo.PLOT_KEYS, dapo.SHOWN
   if rl["async"].enabled:
@@ -61,9 +62,12 @@ def run(config: Any) -> dict[str, Any]:
     result = run_loop(trainer, loop, trainer.abstract_checkpoint(), trainer.model_config)
   finally:
     trainer.close()
+  # The weakest isolation any host ran code under: the code tool's, and the code reward's.
   summary = dict(result.summary(), state=trainer.state,
                  sandbox_isolation=sandbox.weakest(distributed.gather_json(
-                     sandbox.isolation_of(trainer.engine.tools.tools))))
+                     sandbox.isolation_of(trainer.engine.tools.tools))),
+                 reward_sandbox_isolation=sandbox.weakest(distributed.gather_json(
+                     trainer.rewarder.sandbox_isolation())))
   if trainer.critic is not None:
     summary["critic_state"] = trainer.critic.state
   if "critic_state" in summary and result.export_dir:
