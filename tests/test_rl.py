@@ -17,6 +17,7 @@ from coa_jax.rollout.sampler import Sampler, SamplingConfig
 from coa_jax.rollout.tool_loop import RolloutRecord
 from coa_jax.runtime import sharding
 from coa_jax.train import state as state_lib
+from coa_jax.train.step import run_step
 
 
 def test_group_advantages_use_bessel_corrected_std():
@@ -276,11 +277,14 @@ def test_an_all_masked_mini_batch_applies_no_update(tiny, single_device_mesh):
   step = update.jit_dapo_step(model, tx, single_device_mesh, donate=False,
                               loss_config=PolicyLossConfig())
   batch = sharding.shard_batch(_random_batch(model_config), single_device_mesh)
-  moved, metrics = step(state_lib.init_state(model, tx, single_device_mesh, jax.random.key(0)),
-                        batch)
-  assert metrics["applied"] and int(moved.step) == 1
+  moved, metrics = run_step(step, state_lib.init_state(model, tx, single_device_mesh,
+                                                       jax.random.key(0)), batch)
+  assert (metrics["nonfinite"], metrics["empty"], metrics["applied"]) == (0, 0, 1)
+  assert int(moved.step) == 1
   masked = batch.replace(loss_mask=jnp.zeros_like(batch.loss_mask))
-  after, metrics = step(moved, masked)
-  assert metrics["is_finite"] and not metrics["applied"] and metrics["tokens"] == 0
+  after, metrics = run_step(step, moved, masked)
+  # Flagged as empty (a no-op the loop goes on past), not as non-finite.
+  assert (metrics["nonfinite"], metrics["empty"], metrics["applied"], metrics["tokens"]) == (
+      0, 1, 0, 0)
   jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(after),
                          jax.device_get(moved))

@@ -13,6 +13,7 @@ import pytest
 from coa_jax.losses import token_cross_entropy
 from coa_jax.model import ConfigError, Transformer, get_preset
 from coa_jax.runtime import sharding
+from coa_jax.train import LoopConfig, run_loop
 from coa_jax.train import lm_demo as demo
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
@@ -116,6 +117,65 @@ def test_an_all_masked_batch_moves_nothing(single_device_mesh, tiny_state):
   assert metrics["is_finite"] and not metrics["applied"] and metrics["tokens"] == 0
   for got, want in zip(jax.tree_util.tree_leaves(masked), jax.tree_util.tree_leaves(moved)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# --- the shared loop (coa_jax.train.loop, as SFT and RL drive it) -----------------------------
+
+
+class _PlannedJob:
+  """A job for `run_loop` whose step i runs the jitted step plan[i - 1][0] on batch
+  plan[i - 1][1] through `run_step`, as the SFT and RL jobs do."""
+
+  def __init__(self, state, plan):
+    self.state, self.plan = state, plan
+
+  def step(self, step):
+    step_fn, batch = self.plan[step - 1]
+    self.state, metrics = step_lib.run_step(step_fn, self.state, batch)
+    return metrics
+
+  def checkpoint_state(self):
+    return self.state
+
+  def data_state(self, step):
+    return {}
+
+  def restore(self, state, data_state):
+    self.state = state
+
+
+def _loop(tmp_path, steps):
+  return LoopConfig(steps=steps, workdir=str(tmp_path), checkpoint=None, log_every=1,
+                    nonfinite_skips=0)
+
+
+def test_the_loop_goes_on_past_a_step_without_a_trainable_token(tmp_path, single_device_mesh,
+                                                                tiny_state):
+  model, tx, state, batch = tiny_state
+  step = step_lib.jit_train_step(model, tx, single_device_mesh, donate=False)
+  empty = batch.replace(loss_mask=jnp.zeros_like(batch.loss_mask))
+  job = _PlannedJob(state, [(step, batch), (step, empty), (step, batch)])
+  result = run_loop(job, _loop(tmp_path, 3), None, model.config)
+  assert result.steps == 3
+  assert [(r["nonfinite"], r["empty"], r["nonfinite_skipped"]) for r in result.rows] == [
+      (0, 0, 0), (0, 1, 0), (0, 0, 0)]
+  assert int(job.state.step) == 2  # the empty step's update was not applied
+
+
+def test_steps_without_a_trainable_token_do_not_count_toward_nonfinite_skips(
+    tmp_path, single_device_mesh, tiny_state):
+  model, tx, state, batch = tiny_state
+  step = step_lib.jit_train_step(model, tx, single_device_mesh, donate=False)
+  nan_step = step_lib.jit_train_step(model, tx, single_device_mesh, donate=False,
+                                     z_loss=float("nan"))
+  empty = batch.replace(loss_mask=jnp.zeros_like(batch.loss_mask))
+  job = _PlannedJob(state, [(step, empty), (step, empty), (nan_step, batch)])
+  with pytest.raises(step_lib.NonFiniteLossError,
+                     match="at step 3 .* 1 such steps exceed nonfinite_skips=0"):
+    run_loop(job, _loop(tmp_path, 3), None, model.config)
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [(r["step"], r["empty"], r["nonfinite_skipped"]) for r in rows] == [(1, 1, 0),
+                                                                             (2, 1, 0)]
 
 
 def test_demo_trains_exports_and_reloads_on_a_2x2x2_mesh(tmp_path):

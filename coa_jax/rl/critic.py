@@ -163,8 +163,8 @@ def critic_step(model: Transformer, tx: optax.GradientTransformation, state: Tra
 
   new_state, sums, metrics = summed_update(objective, tx, state, (batch, weights_BxT),
                                            micro_batches, schedule)
-  return new_state, {**sums.metrics(), "is_finite": metrics.pop("is_finite"),
-                     **{f"critic_{k}": v for k, v in metrics.items()}}
+  flags = {k: metrics.pop(k) for k in ("is_finite", "applied")}  # for `run_step`
+  return new_state, {**sums.metrics(), **flags, **{f"critic_{k}": v for k, v in metrics.items()}}
 
 
 def optimizer_config(actor: Any, config: CriticConfig) -> ml_collections.ConfigDict:
@@ -229,7 +229,9 @@ class Critic:
                      explained_variance=explained)
 
   def train(self, batch: PolicyBatch) -> dict[str, float]:
-    """Takes one critic update on `batch` (from `prepare`); returns its metrics."""
+    """Takes one critic update on `batch` (from `prepare`); returns its metrics (`run_step`'s
+    flags as critic_nonfinite, critic_empty and critic_applied)."""
     self.state, metrics = run_step(self.update, self.state, batch)
-    metrics["critic_nonfinite"] = metrics.pop("nonfinite")
+    for key in ("nonfinite", "empty", "applied"):
+      metrics[f"critic_{key}"] = metrics.pop(key)
     return metrics

@@ -321,14 +321,17 @@ class Trainer:
     update_metrics = []
     for _ in range(rl.ppo_epochs):
       for batch in mini_batches:
-        metrics = {"nonfinite": 0.0}
+        metrics = {"nonfinite": 0.0, "empty": 0.0}
         if actor_trains:
           self.state, metrics = run_step(self.update, self.state, batch)
         if self.critic is not None:
           metrics.update(self.critic.train(batch))
-          metrics["nonfinite"] = max(metrics["nonfinite"], metrics.pop("critic_nonfinite"))
+          for key in ("nonfinite", "empty"):
+            metrics[key] = max(metrics[key], metrics.pop(f"critic_{key}"))
         update_metrics.append(metrics)
-    # nonfinite: the fraction of updates (actor or critic) that were not applied.
+    # nonfinite: the fraction of mini-batches whose update (actor or critic) was not finite;
+    # empty: whose mini-batch had no trainable token (e.g. every row overlong-filtered). Neither
+    # was applied.
     out = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
     return {**out, **health, **critic_metrics}
 

@@ -14,6 +14,10 @@ and what a checkpoint keeps beside the state) and a `LoopConfig`; `run_loop` doe
   to `nonfinite_skips` such steps (counted in the metrics as nonfinite_skipped, kept across
   resumes), and at the next one saves the state it holds (the last good one) and stops with
   NonFiniteLossError;
+- a step whose batch, or one of whose mini-batches, had no trainable token (metrics["empty"] >
+  0, e.g. every row dropped by RL's overlong filter) changed nothing by that update either; it
+  is a no-op, not a fault: it is said and its metrics row shows it, but it is not counted
+  toward `nonfinite_skips` and never stops the run;
 - plots the metrics (PNG) and, once all `steps` are done or the data ran out, exports an HF
   checkpoint.
 
@@ -52,7 +56,8 @@ class Job(Protocol):
 
   def step(self, step: int) -> dict[str, float]:
     """Runs step `step` (1-based) and returns its metrics (metrics["nonfinite"] > 0: an update
-    was not applied, `run_step`); raises StopIteration when the data are exhausted."""
+    was not finite, metrics["empty"] > 0: one had no trainable token; neither was applied,
+    `run_step`); raises StopIteration when the data are exhausted."""
 
   def data_state(self, step: int) -> dict[str, Any]:
     """Returns what a checkpoint keeps beside the train state (may be a collective)."""
@@ -181,6 +186,9 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
                 f"or allow more skips")
           say(f"step {step}: non-finite loss or gradient, update skipped ({skipped} of "
               f"{config.nonfinite_skips} allowed)")
+        if metrics.get("empty", 0.0) > 0:
+          say(f"step {step}: no trainable token in its batch or one of its mini-batches; that "
+              f"update changed nothing (a no-op, not counted toward nonfinite_skips)")
         now = time.perf_counter()
         row = {**metrics, "nonfinite_skipped": skipped, "time": round(now - t0, 4)}
         if config.units_per_step:

@@ -137,11 +137,13 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
 
 def run_step(step_fn: Callable, state: TrainState,
              batch: Any) -> tuple[TrainState, dict[str, float]]:
-  """Returns (state, metrics as floats) of one jitted `step_fn(state, batch)` once every device
-  has finished it. metrics["nonfinite"] is 1 when the loss or gradient was not finite: the
-  update was not applied and the returned state is the one before it (the argument was
-  donated, so the caller must keep the returned one either way). The flag comes out of one
-  program over the global batch, so every process sees the same value.
+  """Returns (state, metrics as floats) of one jitted `step_fn(state, batch)` (whose metrics
+  hold is_finite and applied, `apply_if_finite`) once every device has finished it.
+  metrics["nonfinite"] is 1 when the loss or gradient was not finite, metrics["empty"] when it
+  was finite but the batch had no trainable token: either way the update was not applied and
+  the returned state is the one before it (the argument was donated, so the caller must keep
+  the returned one either way). The flags come out of one program over the global batch, so
+  every process sees the same values.
 
   Reading the metrics waits for one device only; waiting for the whole state keeps two steps
   from running at once. (The CPU hangs once blamed on overlapping steps came from collectives
@@ -150,7 +152,9 @@ def run_step(step_fn: Callable, state: TrainState,
   state, metrics = step_fn(state, batch)
   jax.block_until_ready(state)
   metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-  metrics["nonfinite"] = 1.0 - metrics.pop("is_finite")
+  finite = metrics.pop("is_finite")
+  metrics["nonfinite"] = 1.0 - finite
+  metrics["empty"] = finite * (1.0 - metrics["applied"])
   return state, metrics
 
 
