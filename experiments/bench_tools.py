@@ -1,28 +1,42 @@
-"""Tool latency and throughput: the code sandbox per isolation mode, and BM25 search.
+"""Tool latency and throughput: the code sandbox per isolation mode, BM25 search, and the HTTP
+tools under load against a faulty service.
 
-  python experiments/bench_tools.py [--snippets=64 --workers=1,2,4,8 --output=...]
+  python experiments/bench_tools.py [--snippets=64 --workers=1,2,4,8 --parts=sandbox,search,http
+                                     --http_calls=256 --http_concurrency=64,256 --output=...]
 
 The sandbox's peer is the same snippet run as a bare `python -c` subprocess with no
 isolation and no limits, measured in the same run: the ratio is the price of isolation.
 Search latency is over the shipped corpus, with the index built cold and then loaded from
-its disk cache. Writes a JSON file of the figures.
+its disk cache. The HTTP part sends `--http_calls` remote search and crawl calls, so many at
+a time, to `tools_env.faulty_http` (in a child process): half are answered at once, the rest
+reset, cut short or dripped a byte every 20 ms; it reports calls/s, latency per call, error
+kinds, calls that raised, and the threads and file descriptors of this process before and
+after. Writes a JSON file of the figures.
 """
 
+import collections
+import concurrent.futures
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from absl import app, flags
 
-from tools_env import search
+from tools_env import faulty_http, search
+from tools_env.remote import HttpCrawl, HttpLimits, RemoteSearch
 from tools_env.sandbox import ISOLATION_MODES, CodeSandbox
 
 _SNIPPETS = flags.DEFINE_integer("snippets", 64, "snippets per measurement")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2", "4", "8"], "pool sizes for throughput")
+_PARTS = flags.DEFINE_list("parts", ["sandbox", "search", "http"], "what to measure")
+_HTTP_CALLS = flags.DEFINE_integer("http_calls", 256, "HTTP tool calls per measurement")
+_HTTP_CONCURRENCY = flags.DEFINE_list("http_concurrency", ["64", "256"],
+                                      "HTTP tool calls in flight at once, per measurement")
 _OUTPUT = flags.DEFINE_string("output", "runs/bench_tools.json", "where to write the figures")
 
 SNIPPET = "total = sum(i * i for i in range(20000))\nprint(total)"
@@ -62,8 +76,69 @@ def bench_sandbox(mode: str, python: str, count: int, workers: list[int]) -> dic
   return row
 
 
-def main(argv):
-  del argv
+# Limits of the HTTP load: a request ends within 1 s whatever the server does.
+HTTP_LIMITS = HttpLimits(timeout_s=2.0, retries=2, backoff_s=0.05, deadline_s=1.0)
+HTTP_ROUTES = ["/ok/q", "/reset/q", "/ok/q", "/cut/q", "/ok/q", "/drip/20/q"]
+
+
+def tail_ms(seconds: list[float]) -> dict[str, float]:
+  """Returns p50, p99 and max of `seconds`, in milliseconds."""
+  ordered = sorted(seconds)
+  return {"p50_ms": 1e3 * statistics.median(ordered),
+          "p99_ms": 1e3 * ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+          "max_ms": 1e3 * ordered[-1]}
+
+
+def open_fds() -> int:
+  """Returns the number of file descriptors this process holds."""
+  return len(os.listdir("/proc/self/fd"))
+
+
+def bench_http(url: str, calls: int, concurrency: int) -> dict:
+  """Returns throughput, latency, outcomes and leaks of `calls` HTTP tool calls, `concurrency`
+  at a time, against the faulty service at `url`: odd calls search, even ones crawl."""
+  searches = {path: RemoteSearch(url + path, api_key_env=None, limits=HTTP_LIMITS)
+              for path in set(HTTP_ROUTES)}
+  crawl = HttpCrawl(limits=HTTP_LIMITS)
+
+  def call(i):
+    path = HTTP_ROUTES[i % len(HTTP_ROUTES)]
+    start = time.perf_counter()
+    try:
+      result = searches[path]("lake") if i % 2 else crawl(url + path)
+      outcome = result.error_kind or "ok"
+    except Exception as e:  # noqa: BLE001 - counted: a tool must never raise
+      outcome = f"raised {type(e).__name__}"
+    return path, outcome, time.perf_counter() - start
+
+  call(0)  # whatever urllib sets up once per process
+  threads, fds = threading.active_count(), open_fds()
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+    done = list(pool.map(call, range(calls)))
+  wall_s = time.perf_counter() - start
+  return {"calls": calls, "concurrency": concurrency, "calls_per_s": calls / wall_s,
+         **tail_ms([s for _, _, s in done]),
+         "outcomes": dict(collections.Counter(outcome for _, outcome, _ in done)),
+         "by_route": {path.split("/")[1]: tail_ms([s for p, _, s in done if p == path])
+                      for path in dict.fromkeys(HTTP_ROUTES)},
+         "threads_before_after": [threads, threading.active_count()],
+         "fds_before_after": [fds, open_fds()]}
+
+
+def print_http(row: dict) -> dict:
+  """Prints one HTTP load figure; returns it."""
+  routes = "  ".join(f"{name} p50 {r['p50_ms']:.0f} max {r['max_ms']:.0f}"
+                     for name, r in row["by_route"].items())
+  print(f"{'http tools':>16}: {row['calls']} calls, {row['concurrency']} at a time: "
+        f"{row['calls_per_s']:.0f} calls/s; p50 {row['p50_ms']:.0f} ms, p99 {row['p99_ms']:.0f} "
+        f"ms, max {row['max_ms']:.0f} ms ({routes} ms); outcomes {row['outcomes']}; threads "
+        f"{row['threads_before_after']}, fds {row['fds_before_after']} before/after", flush=True)
+  return row
+
+
+def run_sandbox() -> dict:
+  """Returns the bare subprocess's figures and each isolation mode's."""
   count, workers = _SNIPPETS.value, [int(w) for w in _WORKERS.value]
   print(f"{os.cpu_count()} CPUs; {count} snippets per figure; snippet: {SNIPPET!r}")
   peer = percentiles(timed(lambda: subprocess.run([sys.executable, "-I", "-c", SNIPPET],
@@ -83,7 +158,12 @@ def main(argv):
     rates = "  ".join(f"{n}w {row[f'per_s_{n}_workers']:5.1f}/s" for n in workers)
     print(f"{mode:>16}: p50 {row['p50_ms']:6.1f} ms  p95 {row['p95_ms']:6.1f} ms  "
           f"({row['ratio_to_bare_p50']:.2f}x bare)  throughput {rates}", flush=True)
+  return {"bare_subprocess": peer, "sandbox": rows}
 
+
+def run_search() -> dict:
+  """Returns BM25 search latency over the shipped corpus and its index build and load times."""
+  count = _SNIPPETS.value
   with tempfile.TemporaryDirectory() as cache:
     start = time.perf_counter()
     search.Bm25Search(cache_dir=cache)
@@ -98,9 +178,24 @@ def main(argv):
   print(f"{'bm25 search':>16}: p50 {search_row['p50_ms']:6.2f} ms per query over "
         f"{search_row['docs']} docs; index build {search_row['index_build_ms']:.0f} ms, "
         f"cached load {search_row['index_load_ms']:.0f} ms")
+  return search_row
+
+
+def main(argv):
+  del argv
+  figures = {}
+  if "sandbox" in _PARTS.value:
+    figures.update(run_sandbox())
+  if "search" in _PARTS.value:
+    figures["search"] = run_search()
+  if "http" in _PARTS.value:
+    print(f"{os.cpu_count()} CPUs; HTTP limits {HTTP_LIMITS}; routes {HTTP_ROUTES}")
+    with faulty_http.start() as url:
+      figures["http"] = [print_http(bench_http(url, _HTTP_CALLS.value, int(n)))
+                         for n in _HTTP_CONCURRENCY.value]
   os.makedirs(os.path.dirname(_OUTPUT.value) or ".", exist_ok=True)
   with open(_OUTPUT.value, "w") as f:
-    json.dump({"bare_subprocess": peer, "sandbox": rows, "search": search_row}, f, indent=2)
+    json.dump(figures, f, indent=2)
   print(f"wrote {_OUTPUT.value}")
 
 

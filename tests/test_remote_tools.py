@@ -1,14 +1,17 @@
 """HTTP adapters (search API, crawl, summarizer) against a fake server on 127.0.0.1."""
 
 import collections
+import concurrent.futures
+import contextlib
 import http.server
 import json
+import os
 import threading
 import time
 
 import pytest
 
-from tools_env import base
+from tools_env import base, faulty_http
 from tools_env.remote import ChatSummarizer, HttpCrawl, HttpLimits, RemoteSearch, html_to_text
 
 FAST = HttpLimits(timeout_s=5.0, retries=2, backoff_s=0.01, max_response_bytes=2**16)
@@ -200,3 +203,91 @@ def test_crawl_summarizes_toward_the_goal_and_falls_back_to_the_page(server):
   fallback = HttpCrawl(limits=FAST, summarizer=broken)(server.url("/page.html"), goal="depth")
   assert fallback.ok and "fed by the Linth" in fallback.observation
   assert "HTTP 500" in fallback.metadata["pages"][server.url("/page.html")]["summary_error"]
+
+
+# --- a faulty service: resets, responses cut short, dripped bytes, many concurrent calls -----
+
+@pytest.fixture(scope="module")
+def faulty():
+  with faulty_http.start() as url:
+    yield url
+
+
+def faulty_search(url, path, limits):
+  return RemoteSearch(url + path, api_key_env=None, limits=limits)
+
+
+def test_a_reset_connection_is_retried_then_reported_as_an_http_error(faulty):
+  result = faulty_search(faulty, "/reset/q", FAST)("lake")
+  assert result.observation == (f"Error: request to {faulty}/reset/q failed: ConnectionResetError: "
+                                f"[Errno 104] Connection reset by peer (after 3 attempts)")
+  assert result.error_kind == base.HTTP_ERROR
+
+
+def test_a_response_cut_short_is_an_http_error_not_a_short_page(faulty):
+  result = HttpCrawl(limits=FAST)(f"{faulty}/cut/page")
+  half = len(faulty_http.BODY) // 2
+  assert result.observation == (f"Error: the connection to {faulty}/cut/page closed after {half} "
+                                f"bytes, {len(faulty_http.BODY) - half} short of the announced "
+                                f"length (after 3 attempts)")
+  assert result.error_kind == base.HTTP_ERROR
+
+
+def test_a_status_line_that_is_not_http_is_an_http_error(faulty):
+  result = faulty_search(faulty, "/garble/q", FAST)("lake")
+  assert result.observation == (f"Error: request to {faulty}/garble/q failed: BadStatusLine: "
+                                f"SMTP ready\r\n (after 3 attempts)")
+  assert result.error_kind == base.HTTP_ERROR
+
+
+def test_a_dripping_server_is_cut_off_at_the_deadline_of_the_whole_request(faulty):
+  # A byte every 20 ms: no read waits near its 2 s timeout, the answer would take ~4 s a try.
+  limits = HttpLimits(timeout_s=2.0, retries=2, backoff_s=0.01, deadline_s=0.3)
+  result = faulty_search(faulty, "/drip/20/q", limits)("lake")
+  assert result.observation == (f"Error: no complete answer within the deadline of 0.3 s: "
+                                f"{faulty}/drip/20/q (after 1 attempt)")
+  assert result.error_kind == base.TIMEOUT and result.elapsed_s < 1.5
+
+
+def test_a_slow_but_steady_answer_within_the_deadline_is_read_whole(faulty):
+  limits = HttpLimits(timeout_s=2.0, retries=0, deadline_s=10.0)
+  result = faulty_search(faulty, "/drip/1/q", limits)("lake")  # ~0.2 s for ~190 bytes
+  assert result.ok
+  assert result.observation == "1. [Lake Zurich](https://lake.example/zurich)\nIt lies at 406 m."
+
+
+def open_files():
+  """Returns what this process's file descriptors point at (a socket by its inode)."""
+  targets = set()
+  for fd in os.listdir("/proc/self/fd"):
+    with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, now closed
+      targets.add(os.readlink(f"/proc/self/fd/{fd}"))
+  return targets
+
+
+def test_128_concurrent_calls_end_as_observations_in_bounded_time_and_leak_nothing(faulty):
+  limits = HttpLimits(timeout_s=2.0, retries=1, backoff_s=0.01, deadline_s=0.5)
+  routes = {"/ok/q": None, "/reset/q": base.HTTP_ERROR, "/cut/q": base.HTTP_ERROR,
+            "/drip/20/q": base.TIMEOUT}
+  calls = [list(routes)[i % len(routes)] for i in range(128)]
+  search = {path: faulty_search(faulty, path, limits) for path in routes}
+  crawl = HttpCrawl(limits=limits)
+
+  def call(i):
+    path = calls[i]
+    return search[path]("lake") if i % 2 else crawl(f"{faulty}{path}")
+
+  call(0)  # whatever urllib sets up once per process
+  threads, files = set(threading.enumerate()), open_files()  # the module's other server too
+  with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+    results = list(pool.map(call, range(len(calls))))  # a tool that raised would raise here
+  assert [r.error_kind for r in results] == [routes[path] for path in calls]
+  assert max(r.elapsed_s for r in results) < 0.5 + 1.0
+  assert set(threading.enumerate()) - threads == set() and open_files() - files == set()
+
+
+def test_the_default_deadline_covers_every_attempt_waiting_out_two_timeouts():
+  assert HttpLimits().deadline_s == 3 * 2 * 10.0 + 0.5 + 1.0  # three attempts, two backoffs
+  assert HttpLimits(timeout_s=60.0, retries=0).deadline_s == 120.0
+  with pytest.raises(ValueError, match="deadline_s > 0"):
+    HttpLimits(deadline_s=0.0)

@@ -5,7 +5,10 @@
 - `search`: BM25 search (`web_search`, `wiki_search`) and page serving (`crawl_page`) over
   a local JSONL corpus (`data/corpus.jsonl` ships a small one).
 - `remote`: a Serper-style search API, HTTP crawling with HTML to text, and an
-  OpenAI-compatible summarizer, behind the same interface (timeouts, retries, size caps).
+  OpenAI-compatible summarizer, behind the same interface (timeouts, a deadline per request,
+  retries, size caps).
+- `faulty_http`: a local HTTP service that resets, cuts short or drips its answers (tests and
+  benchmarks of the remote tools).
 - `sandbox`: the `code` tool, programs run isolated under resource limits by a bounded pool.
 - `registry`: tag -> tool dispatch, building tools from a config spec, and per-trajectory
   state (repeated-call notices, counters).

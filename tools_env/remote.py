@@ -8,16 +8,21 @@
   `ChatSummarizer` (any OpenAI-compatible /chat/completions endpoint), falling back to the
   page text when the summarizer fails.
 
-Every request goes through `fetch` with the limits of an `HttpLimits`: a per-request
-timeout, retries with exponential backoff on timeouts, connection errors, 429 and 5xx, and
-a response size cap. Loopback addresses never go through a proxy. Standard library only.
+Every request goes through `fetch` with the limits of an `HttpLimits`: a timeout per socket
+wait, a deadline over the whole request (every attempt, wait and byte of it: a server that
+drips its answer a byte at a time never keeps a call longer), retries with exponential backoff
+on timeouts, connection errors, truncated or malformed responses, 429 and 5xx, and a response
+size cap. Loopback addresses never go through a proxy. Standard library only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import html.parser
+import http.client
+import io
 import json
 import os
 import re
@@ -47,16 +52,22 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 class HttpLimits:
   """Limits of every HTTP request a tool makes."""
 
-  timeout_s: float = 10.0  # per connect and per read
+  timeout_s: float = 10.0  # per socket wait: connect, send, each read
   retries: int = 2  # extra attempts after a timeout, connection error, 429 or 5xx
   backoff_s: float = 0.5  # the k-th retry waits backoff_s * 2**k
   max_response_bytes: int = 2 * 2**20  # larger responses are cut here (crawl) or refused
+  # The whole request, every attempt and backoff included; None: what the attempts and backoffs
+  # take when each attempt waits out a timeout to connect and another for the answer.
+  deadline_s: float | None = None
 
   def __post_init__(self):
+    if self.deadline_s is None:
+      object.__setattr__(self, "deadline_s", (self.retries + 1) * 2 * self.timeout_s
+                         + self.backoff_s * (2 ** self.retries - 1))
     if self.timeout_s <= 0 or self.retries < 0 or self.backoff_s < 0 or \
-        self.max_response_bytes <= 0:
+        self.max_response_bytes <= 0 or self.deadline_s <= 0:
       raise ValueError(f"invalid HttpLimits {self}: need timeout_s > 0, retries >= 0, "
-                       f"backoff_s >= 0, max_response_bytes > 0")
+                       f"backoff_s >= 0, max_response_bytes > 0, deadline_s > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,49 +79,174 @@ class Response:
   attempts: int
 
 
-def _opener(url: str) -> urllib.request.OpenerDirector:
+def _wait_s(deadline: float, timeout_s: float) -> float:
+  """Returns how long the next socket wait may last; raises TimeoutError past `deadline`."""
+  left = deadline - time.monotonic()
+  if left <= 0:
+    raise TimeoutError("the request's deadline passed")
+  return min(timeout_s, left)
+
+
+class _BoundedReader(io.RawIOBase):
+  """A socket's reader whose every wait ends by `deadline` (of time.monotonic)."""
+
+  def __init__(self, sock: socket.socket, deadline: float, timeout_s: float):
+    super().__init__()
+    self.sock, self.deadline, self.timeout_s = sock, deadline, timeout_s
+    self.raw = sock.makefile("rb", buffering=0)  # holds the socket open until closed
+
+  def readable(self) -> bool:
+    return True
+
+  def readinto(self, buffer) -> int | None:
+    self.sock.settimeout(_wait_s(self.deadline, self.timeout_s))
+    return self.raw.readinto(buffer)
+
+  def close(self) -> None:
+    if not self.closed:
+      self.raw.close()
+    super().close()
+
+
+class _BoundedSocket:
+  """What an HTTPResponse asks of its socket: a file whose every read ends by the deadline."""
+
+  def __init__(self, sock: socket.socket, deadline: float, timeout_s: float):
+    self.sock, self.deadline, self.timeout_s = sock, deadline, timeout_s
+
+  def makefile(self, mode: str) -> io.BufferedReader:
+    return io.BufferedReader(_BoundedReader(self.sock, self.deadline, self.timeout_s))
+
+
+class _BoundedResponse(http.client.HTTPResponse):
+  """An HTTP response whose status line, headers and body are read by a deadline."""
+
+  def __init__(self, sock, *args, deadline: float, timeout_s: float, **kwargs):
+    super().__init__(_BoundedSocket(sock, deadline, timeout_s), *args, **kwargs)
+
+
+class _BoundedConnection:
+  """Makes an http.client connection class end every socket wait (connect and TLS handshake,
+  each send, each read) by `deadline`."""
+
+  def __init__(self, *args, deadline: float, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.deadline, self.wait_timeout_s = deadline, self.timeout
+    self.response_class = functools.partial(_BoundedResponse, deadline=deadline,
+                                            timeout_s=self.timeout)
+
+  def connect(self) -> None:
+    self.timeout = _wait_s(self.deadline, self.wait_timeout_s)
+    super().connect()
+
+  def send(self, data) -> None:
+    if self.sock is not None:
+      self.sock.settimeout(_wait_s(self.deadline, self.wait_timeout_s))
+    super().send(data)
+
+
+@functools.cache
+def _bounded(connection_class: type) -> type:
+  return type(f"Bounded{connection_class.__name__}", (_BoundedConnection, connection_class), {})
+
+
+class _BoundedOpen:
+  """Makes a urllib handler open its connections through `_bounded` classes."""
+
+  def __init__(self, deadline: float):
+    super().__init__()
+    self.deadline = deadline
+
+  def do_open(self, http_class, request, **kwargs):
+    return super().do_open(functools.partial(_bounded(http_class), deadline=self.deadline),
+                           request, **kwargs)
+
+
+class _HttpHandler(_BoundedOpen, urllib.request.HTTPHandler):
+  pass
+
+
+class _HttpsHandler(_BoundedOpen, urllib.request.HTTPSHandler):
+  pass
+
+
+def _opener(url: str, deadline: float) -> urllib.request.OpenerDirector:
   host = urllib.parse.urlsplit(url).hostname or ""
   proxies = {} if host in _LOOPBACK else None  # None: the environment's proxies
-  return urllib.request.build_opener(urllib.request.ProxyHandler(proxies))
+  return urllib.request.build_opener(urllib.request.ProxyHandler(proxies),
+                                     _HttpHandler(deadline), _HttpsHandler(deadline))
+
+
+def _read_body(reply: http.client.HTTPResponse, limits: HttpLimits) -> bytes:
+  """Returns up to max_response_bytes + 1 bytes of the body; raises http.client.IncompleteRead
+  if the server closed the connection before the length it announced."""
+  body = reply.read(limits.max_response_bytes + 1)
+  if len(body) <= limits.max_response_bytes and reply.length:  # bytes announced, never sent
+    raise http.client.IncompleteRead(body, reply.length)
+  return body
 
 
 def fetch(url: str, limits: HttpLimits, payload: Any = None,
           headers: dict[str, str] | None = None) -> Response:
   """Returns the response to GET `url` (POST of `payload` as JSON if given); raises
-  ToolFailure after the retries are spent or at once for a 4xx other than 429."""
+  ToolFailure after the retries are spent, at the deadline, or at once for a 4xx but 429."""
   if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
     raise ToolFailure(BAD_REQUEST, f"not an http(s) URL: {url[:200]!r}")
   data = None if payload is None else json.dumps(payload).encode()
   headers = {"User-Agent": "coa-jax-tools/1.0", **(headers or {})}
   if data is not None:
     headers["Content-Type"] = "application/json"
-  failure = None
+  deadline = time.monotonic() + limits.deadline_s
+  failure, attempts = None, 0
   for attempt in range(limits.retries + 1):
     if attempt:
-      time.sleep(limits.backoff_s * 2 ** (attempt - 1))
-    request = urllib.request.Request(url, data=data, headers=headers)
+      wait = limits.backoff_s * 2 ** (attempt - 1)
+      if time.monotonic() + wait >= deadline:
+        break
+      time.sleep(wait)
+    attempts += 1
     try:
-      with _opener(url).open(request, timeout=limits.timeout_s) as reply:
-        body = reply.read(limits.max_response_bytes + 1)
-        return Response(body[:limits.max_response_bytes], reply.headers.get_content_type(),
-                        reply.headers.get_content_charset() or "utf-8",
-                        len(body) > limits.max_response_bytes, attempt + 1)
-    except urllib.error.HTTPError as e:
-      if e.code == 404:
-        raise ToolFailure(NOT_FOUND, f"HTTP 404 for {url[:200]}") from None
-      failure = ToolFailure(HTTP_ERROR, f"HTTP {e.code} for {url[:200]}")
-      if e.code < 500 and e.code != 429:
-        raise failure from None
-    except (TimeoutError, socket.timeout):
-      failure = ToolFailure(TIMEOUT, f"timed out after {limits.timeout_s:g} s: {url[:200]}")
-    except urllib.error.URLError as e:
-      if isinstance(e.reason, (TimeoutError, socket.timeout)):
-        failure = ToolFailure(TIMEOUT, f"timed out after {limits.timeout_s:g} s: {url[:200]}")
-      else:
-        failure = ToolFailure(HTTP_ERROR, f"cannot reach {url[:200]}: {e.reason}")
-    except (OSError, ValueError) as e:  # reset connections, malformed responses
-      failure = ToolFailure(HTTP_ERROR, f"request to {url[:200]} failed: {e}")
-  raise ToolFailure(failure.kind, f"{failure} (after {limits.retries + 1} attempts)")
+      return _attempt(url, data, headers, limits, deadline, attempt + 1)
+    except ToolFailure as e:
+      failure = e
+      status = e.metadata.get("status", 500)
+      if status < 500 and status != 429:  # a 404 or a refusal that no retry changes
+        raise ToolFailure(e.kind, str(e)) from None
+    if time.monotonic() >= deadline:
+      failure = ToolFailure(TIMEOUT, f"no complete answer within the deadline of "
+                                     f"{limits.deadline_s:g} s: {url[:200]}")
+      break
+  raise ToolFailure(failure.kind, f"{failure} (after {attempts} attempt{'s' * (attempts > 1)})")
+
+
+def _attempt(url: str, data: bytes | None, headers: dict[str, str], limits: HttpLimits,
+             deadline: float, number: int) -> Response:
+  """Returns the response of one attempt; raises ToolFailure (with the HTTP `status` in its
+  metadata when the server answered with an error)."""
+  request = urllib.request.Request(url, data=data, headers=headers)
+  try:
+    with _opener(url, deadline).open(request, timeout=limits.timeout_s) as reply:
+      body = _read_body(reply, limits)
+      return Response(body[:limits.max_response_bytes], reply.headers.get_content_type(),
+                      reply.headers.get_content_charset() or "utf-8",
+                      len(body) > limits.max_response_bytes, number)
+  except urllib.error.HTTPError as e:
+    e.close()
+    kind = NOT_FOUND if e.code == 404 else HTTP_ERROR
+    raise ToolFailure(kind, f"HTTP {e.code} for {url[:200]}", status=e.code) from None
+  except (TimeoutError, socket.timeout):
+    raise ToolFailure(TIMEOUT, f"timed out after {limits.timeout_s:g} s: {url[:200]}") from None
+  except urllib.error.URLError as e:
+    if isinstance(e.reason, (TimeoutError, socket.timeout)):
+      raise ToolFailure(TIMEOUT, f"timed out after {limits.timeout_s:g} s: {url[:200]}") from None
+    raise ToolFailure(HTTP_ERROR, f"cannot reach {url[:200]}: {e.reason}") from None
+  except http.client.IncompleteRead as e:
+    raise ToolFailure(HTTP_ERROR, f"the connection to {url[:200]} closed after "
+                                  f"{len(e.partial)} bytes, {e.expected} short of the "
+                                  f"announced length") from None
+  except (OSError, ValueError, http.client.HTTPException) as e:  # resets, malformed responses
+    raise ToolFailure(HTTP_ERROR, f"request to {url[:200]} failed: {type(e).__name__}: {e}") \
+        from None
 
 
 def _json(response: Response, what: str) -> Any:
