@@ -90,15 +90,19 @@ def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
   values["async"] = dict(enabled=False, staleness=1, rollout_devices=0, weight_cap=2.0)
   # PPO's critic (coa_jax.rl.critic.CriticConfig), used when advantage="gae": a value model
   # initialized from the actor's checkpoint. learning_rate 0: 10x the actor's. truncation of
-  # a sample cut by the response budget: "terminal" or "bootstrap" (from its last value).
-  # adaptive_lambda: VAPO's alpha for lambda_actor = 1 - 1 / (alpha * length) (0: off).
-  # warmup: first steps that train the critic only; pretrain_steps: at most this many steps of
-  # value pre-training on Monte-Carlo returns, until a step's explained variance reaches
-  # pretrain_explained_variance (0: none).
+  # a sample cut by the response budget: "terminal" or "bootstrap" (from the critic's value
+  # after its last token). adaptive_lambda: VAPO's alpha for lambda_actor = 1 - 1 / (alpha *
+  # length) (0: off). warmup: first steps that train the critic only; pretrain_steps: at most
+  # this many steps of value pre-training on Monte-Carlo returns, until a step's explained
+  # variance reaches pretrain_explained_variance (0: none). The critic's learning-rate schedule
+  # counts its own updates (it trains through warm-up and pre-training, the actor does not):
+  # schedule, warmup_steps, total_steps (0: every critic update of the run), decay_steps and
+  # final_lr_fraction as in optimizer(); default constant, as verl's critic.
   values["critic"] = dict(
       learning_rate=0.0, grad_clip=1.0, weight_decay=0.0, cliprange_value=0.5, gamma=1.0,
       lambda_actor=1.0, lambda_critic=1.0, adaptive_lambda=0.0, truncation="terminal",
-      whiten=True, warmup=0, pretrain_steps=0, pretrain_explained_variance=0.5)
+      whiten=True, warmup=0, pretrain_steps=0, pretrain_explained_variance=0.5,
+      schedule="constant", warmup_steps=0, total_steps=0, decay_steps=0, final_lr_fraction=0.1)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 

@@ -10,15 +10,16 @@ from coa_jax.losses.dapo import aggregation_weights
 from coa_jax.losses.value import value_loss
 
 
-def _numpy_gae(rewards, values, mask, gamma, lams, bootstrap):
-  """Textbook GAE over each row's trainable tokens taken alone (a Python loop), scattered back."""
+def _numpy_gae(rewards, values, mask, gamma, lams, next_values):
+  """Textbook GAE over each row's trainable tokens taken alone (a Python loop), scattered back;
+  next_values[b]: the value after row b's last action."""
   advantages, returns = np.zeros_like(values), np.zeros_like(values)
   for b in range(values.shape[0]):
     where = np.flatnonzero(mask[b])
     if not len(where):
       continue
     r, v = rewards[b, where], values[b, where]
-    next_value, running = (v[-1] if bootstrap[b] else 0.0), 0.0
+    next_value, running = next_values[b], 0.0
     out = np.zeros(len(where))
     for k in reversed(range(len(where))):
       running = r[k] + gamma * next_value - v[k] + gamma * lams[b] * running
@@ -45,10 +46,14 @@ def _rows(seed=0):
   return mask, values, outcome
 
 
-def _gae(rewards, values, mask, gamma, lam, bootstrap):
+TERMINAL = np.zeros(5, np.float32)  # every row's value after its last action: 0
+BOOTSTRAPPED = np.array([0.7, -0.4, 0.0, 0.0, 1.3], np.float32)  # rows 0, 1 and 4 bootstrapped
+
+
+def _gae(rewards, values, mask, gamma, lam, next_values):
   adv, ret = jax.jit(gae_lib.gae, static_argnums=(3,))(
       jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma, jnp.asarray(lam),
-      jnp.asarray(bootstrap))
+      jnp.asarray(next_values))
   return np.asarray(adv), np.asarray(ret)
 
 
@@ -65,9 +70,9 @@ def test_gae_equals_gae_on_the_trainable_tokens_alone(gamma, lam):
   mask, values, outcome = _rows()
   rewards = np.asarray(gae_lib.outcome_rewards(jnp.asarray(outcome), jnp.asarray(mask)))
   rewards = rewards + np.random.default_rng(1).normal(0, 0.1, rewards.shape) * mask  # dense too
-  lams, bootstrap = np.full(5, lam, np.float32), np.zeros(5, bool)
-  adv, ret = _gae(rewards, values, mask, gamma, lams, bootstrap)
-  want_adv, want_ret = _numpy_gae(rewards, values, mask, gamma, lams, bootstrap)
+  lams = np.full(5, lam, np.float32)
+  adv, ret = _gae(rewards, values, mask, gamma, lams, TERMINAL)
+  want_adv, want_ret = _numpy_gae(rewards, values, mask, gamma, lams, TERMINAL)
   np.testing.assert_allclose(adv, want_adv, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(ret, want_ret, rtol=1e-5, atol=1e-5)
 
@@ -75,12 +80,12 @@ def test_gae_equals_gae_on_the_trainable_tokens_alone(gamma, lam):
 def test_values_and_rewards_on_observation_tokens_change_nothing():
   mask, values, outcome = _rows()
   rewards = np.asarray(gae_lib.outcome_rewards(jnp.asarray(outcome), jnp.asarray(mask)))
-  lams, bootstrap = np.full(5, 0.95, np.float32), np.array([0, 1, 0, 0, 1], bool)
+  lams = np.full(5, 0.95, np.float32)
   noise = np.random.default_rng(2).normal(0, 10.0, values.shape).astype(np.float32)
   masked = mask == 0
-  adv, ret = _gae(rewards, values, mask, 0.99, lams, bootstrap)
+  adv, ret = _gae(rewards, values, mask, 0.99, lams, BOOTSTRAPPED)
   adv2, ret2 = _gae(rewards + noise * masked, values + noise * masked, mask, 0.99, lams,
-                    bootstrap)
+                    BOOTSTRAPPED)
   np.testing.assert_array_equal(adv, adv2)
   np.testing.assert_array_equal(ret, ret2)
 
@@ -88,27 +93,24 @@ def test_values_and_rewards_on_observation_tokens_change_nothing():
 def test_gamma_and_lambda_one_give_outcome_minus_value():
   mask, values, outcome = _rows()
   rewards = np.asarray(gae_lib.outcome_rewards(jnp.asarray(outcome), jnp.asarray(mask)))
-  adv, ret = _gae(rewards, values, mask, 1.0, np.ones(5, np.float32), np.zeros(5, bool))
+  adv, ret = _gae(rewards, values, mask, 1.0, np.ones(5, np.float32), TERMINAL)
   np.testing.assert_allclose(adv, np.where(mask, outcome[:, None] - values, 0.0), atol=1e-5)
   np.testing.assert_allclose(ret, np.where(mask, outcome[:, None], 0.0), atol=1e-5)
 
 
-def test_truncated_rows_are_terminal_or_bootstrapped_from_their_last_value():
+def test_bootstrapped_rows_continue_from_the_value_after_their_last_action():
   mask, values, outcome = _rows()
   rewards = np.asarray(gae_lib.outcome_rewards(jnp.asarray(outcome), jnp.asarray(mask)))
   lams = np.full(5, 0.9, np.float32)
-  terminal = np.zeros(5, bool)
-  boot = np.array([1, 1, 0, 0, 1], bool)
-  for bootstrap in (terminal, boot):
-    adv, ret = _gae(rewards, values, mask, 0.99, lams, bootstrap)
-    want_adv, want_ret = _numpy_gae(rewards, values, mask, 0.99, lams, bootstrap)
+  for next_values in (TERMINAL, BOOTSTRAPPED):
+    adv, ret = _gae(rewards, values, mask, 0.99, lams, next_values)
+    want_adv, want_ret = _numpy_gae(rewards, values, mask, 0.99, lams, next_values)
     np.testing.assert_allclose(adv, want_adv, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ret, want_ret, rtol=1e-5, atol=1e-5)
-  # With gamma = lambda = 1 a bootstrapped row's return is its reward plus its last value.
-  adv, ret = _gae(rewards, values, mask, 1.0, np.ones(5, np.float32), boot)
-  last = [np.flatnonzero(mask[b])[-1] for b in (0, 1)]
-  for b, t in zip((0, 1), last):
-    np.testing.assert_allclose(ret[b, np.flatnonzero(mask[b])], outcome[b] + values[b, t],
+  # With gamma = lambda = 1 every return of a row is its reward plus the value after it.
+  adv, ret = _gae(rewards, values, mask, 1.0, np.ones(5, np.float32), BOOTSTRAPPED)
+  for b in (0, 1, 4):
+    np.testing.assert_allclose(ret[b, np.flatnonzero(mask[b])], outcome[b] + BOOTSTRAPPED[b],
                                atol=1e-5)
 
 
@@ -121,8 +123,8 @@ def test_length_adaptive_lambda():
   np.testing.assert_allclose(lams, expected, rtol=1e-6)
   assert lams[3] == 0.0 and 0 < lams.max() < 1  # short rows clip at 0
   rewards = np.asarray(gae_lib.outcome_rewards(jnp.asarray(outcome), jnp.asarray(mask)))
-  adv, _ = _gae(rewards, values, mask, 1.0, lams, np.zeros(5, bool))
-  want, _ = _numpy_gae(rewards, values, mask, 1.0, expected, np.zeros(5, bool))
+  adv, _ = _gae(rewards, values, mask, 1.0, lams, TERMINAL)
+  want, _ = _numpy_gae(rewards, values, mask, 1.0, expected, TERMINAL)
   np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-5)
 
 

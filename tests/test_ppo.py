@@ -1,8 +1,11 @@
 """PPO (rl.advantage = "gae"): the critic beside the actor, end to end on 8 devices, exact resume,
 the critic's export, one device against eight, and the two updates kept apart."""
 
+import dataclasses
 import json
 
+import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +36,11 @@ def _config(tmp_path, name, critic=None, **rl):
   config = dapo_job_config(tmp_path, name, **{**dict(steps=3, eval_every=3, advantage="gae"),
                                               **rl})
   # Step 1 pre-trains the critic (on Monte-Carlo returns: explained variance 1 is never
-  # reached, so pretrain_steps ends it), step 2 is its warm-up, step 3 trains both.
+  # reached, so pretrain_steps ends it), step 2 is its warm-up, step 3 trains both. The
+  # critic's learning rate decays over its own 3 updates (the actor's is constant).
   if critic is None:
-    critic = dict(warmup=2, pretrain_steps=1, pretrain_explained_variance=1.0, lambda_critic=0.5)
+    critic = dict(warmup=2, pretrain_steps=1, pretrain_explained_variance=1.0, lambda_critic=0.5,
+                  schedule="cosine")
   config.rl.critic.update(critic)
   config.export_dir = str(tmp_path / name / "hf_export")
   return config
@@ -62,6 +67,10 @@ def test_job_pretrains_and_warms_up_the_critic_then_trains_both(uninterrupted):
     assert not row["explained_variance"] > 1
   assert [r["pretraining"] for r in rows] == [1, 0, 0]
   assert [r["actor_trained"] for r in rows] == [0, 0, 1]
+  # Cosine from 10x the actor's 1e-3 to a tenth of it over the critic's 3 updates, one a step.
+  np.testing.assert_allclose([r["critic_lr"] for r in rows], [1e-2, 7.75e-3, 3.25e-3],
+                             rtol=1e-6)
+  assert rows[2]["lr"] == np.float32(1e-3)  # the actor's first update, at its own schedule
   assert "pg_loss" not in rows[1] and "pg_loss" in rows[2]
   assert rows[0]["value_pred_mean"] == 0.0  # a fresh critic's value head is zero
   assert rows[1]["value_pred_mean"] != 0.0
@@ -153,6 +162,51 @@ def test_outcomes_put_truncated_samples_terminal_or_bootstrapped():
   np.testing.assert_array_equal(boot, [False, True, True])
 
 
+def _value_model():
+  """A tiny value model with a random (not zero) head, and its params."""
+  model = Transformer(build_config(dict(preset="tiny", hidden_size=32, intermediate_size=64,
+                                        num_layers=1, num_heads=4, num_kv_heads=4,
+                                        vocab_size=64)), head="value")
+  params = flax.core.unfreeze(nn.unbox(model.init(jax.random.key(0),
+                                                  jnp.zeros((1, 4), jnp.int32))["params"]))
+  params["value_head"] = jax.random.normal(jax.random.key(1), params["value_head"].shape)
+  return model, params
+
+
+def test_a_bootstrapped_return_continues_from_the_value_after_the_last_token():
+  """The value after a truncated sample is the value model's at the end of its whole sequence
+  (its last token an input too), not the value of the state that token was sampled in."""
+  model, params = _value_model()
+  ids = [5, 9, 2, 40, 41, 42, 7, 8, 3]  # prompt, 3 sampled tokens, an observation cut short
+  records = [_record([0, 0, 0, 1, 1, 1, 0, 0, 0], finish="length"),
+             _record([0, 0, 0, 1, 1], finish="answer")]
+  records[0] = dataclasses.replace(records[0], ids=ids)
+  batch = rollout_batch(records, np.zeros(2), [0, 1], seq_len=12,
+                        outcomes=(np.array([-0.25, 1.0]), np.array([True, False])))
+  config = critic_lib.CriticConfig(truncation="bootstrap")  # gamma = lambda = 1
+
+  @jax.jit
+  def programs(params, batch, whole):  # GAE's; the row's own values; the whole sequence's
+    values, _, returns, _ = critic_lib.estimate(model, config, params, batch, jnp.float32(1.0))
+    return (values, returns, critic_lib.values(model, params, batch),
+            model.apply({"params": params}, whole))
+
+  values, returns, plain, whole = jax.device_get(programs(params, batch, jnp.asarray([ids])))
+  after = whole[0, -1]  # after the last token, which is an input here
+  np.testing.assert_allclose(returns[0, 2:5], -0.25 + after, rtol=1e-5)
+  np.testing.assert_allclose(returns[1, 2:4], 1.0, rtol=1e-6)  # terminal
+  # The row's own values are those of a pass without the appended token.
+  np.testing.assert_allclose(values[0, :8], plain[0, :8], rtol=1e-6)
+  assert abs(after - values[0, 7]) > 1e-3  # the value before the last token is another
+
+
+def test_a_bootstrapped_sample_needs_room_for_the_value_after_it():
+  record = _record([0, 1, 1, 1, 1], finish="length")
+  with pytest.raises(ValueError, match="no position for the value after its last token"):
+    rollout_batch([record], [0.0], [0], seq_len=4, outcomes=([0.0], [True]))
+  rollout_batch([record], [0.0], [0], seq_len=4, outcomes=([0.0], [False]))  # terminal: fits
+
+
 def test_a_sample_ending_on_an_observation_is_an_error():
   with pytest.raises(ValueError, match="ends on an observation"):
     critic_lib.outcomes([_record([0, 1, 1, 0], finish="max_turns")], [1.0], [0.0], "terminal")
@@ -163,6 +217,34 @@ def test_bad_critic_settings_fail_clearly():
     critic_lib.CriticConfig(truncation="drop")
   with pytest.raises(ConfigError, match="lambda_actor"):
     critic_lib.CriticConfig(lambda_actor=1.5)
+
+
+def test_the_critics_learning_rate_follows_its_own_schedule():
+  actor = common.optimizer(learning_rate=1e-3, schedule="constant", warmup_steps=5)
+  rl = common.rl(steps=4, batch_groups=8, mini_batch_groups=2, ppo_epochs=2)
+  rl.critic.update(learning_rate=1.0, schedule="cosine", warmup_steps=4, final_lr_fraction=0.0)
+  config = critic_lib.critic_config(rl)
+  assert config.total_steps == 4 * 4 * 2  # every critic update: steps x mini-batches x epochs
+  schedule = optimizer.learning_rate_schedule(critic_lib.optimizer_config(actor, config))
+  np.testing.assert_allclose([schedule(s) for s in (0, 2, 4, 18, 32)], [0, 0.5, 1, 0.5, 0],
+                             atol=1e-6)
+
+
+def test_the_critics_default_learning_rate_is_constant_whatever_the_actors_schedule():
+  actor = common.optimizer(learning_rate=1e-3, schedule="cosine", warmup_steps=5,
+                           total_steps=100)
+  config = critic_lib.critic_config(common.rl(steps=4))
+  schedule = optimizer.learning_rate_schedule(critic_lib.optimizer_config(actor, config))
+  np.testing.assert_allclose([schedule(s) for s in (0, 5, 100)], [1e-2] * 3, rtol=1e-6)
+
+
+def test_bad_critic_schedules_name_the_critics_settings():
+  actor = common.optimizer()
+  with pytest.raises(ConfigError, match="rl.critic.schedule='linear'"):
+    critic_lib.CriticConfig(schedule="linear")
+  with pytest.raises(ConfigError, match="rl.critic.total_steps=3 must exceed warmup_steps=4"):
+    critic_lib.optimizer_config(actor, critic_lib.CriticConfig(
+        schedule="cosine", warmup_steps=4, total_steps=3))
 
 
 def test_gae_with_group_advantage_settings_is_refused(tmp_path):

@@ -8,9 +8,11 @@ the advantages equal GAE on the sequence of the row's trainable tokens taken by 
 
     delta_k = r_k + gamma * V_{k+1} - V_k,   A_k = delta_k + gamma * lambda * A_{k+1}
 
-over the row's actions k, with V_{n+1} (after the last action) 0 for a terminal row or the last
-action's own value for a bootstrapped one (a truncated sample, whose outcome is unknown).
-Returns are A + V. Advantages are whitened over trainable tokens only (`masked_moments` gives
+over the row's actions k, where V_k is the value of the state action k is taken in (the prefix
+before its token) and V_{n+1}, after the last action, is 0 for a terminal row and, for a
+bootstrapped one (a truncated sample, whose outcome is unknown), the value of the state after
+the row's last token, which the caller gives (`coa_jax.rl.critic`: one more position of the
+value model's forward pass, the whole sequence). Returns are A + V. Advantages are whitened over trainable tokens only (`masked_moments` gives
 the sums, so a batch split into mini-batches, devices or hosts whitens with its global
 statistics).
 """
@@ -42,22 +44,21 @@ def adaptive_lambda(mask_BxT: jax.Array, alpha: float) -> jax.Array:
 
 
 def gae(rewards_BxT: jax.Array, values_BxT: jax.Array, mask_BxT: jax.Array, gamma: float,
-        lam: float | jax.Array, bootstrap_B: jax.Array | None = None
+        lam: float | jax.Array, next_value_B: jax.Array | None = None
         ) -> tuple[jax.Array, jax.Array]:
   """Returns (advantages, returns), each (B, T) float32 and 0 on masked tokens.
 
-  `lam` is a scalar or one lambda per row; rows where `bootstrap_B` is true take their last
-  action's value as the value after it (truncated samples), the others 0 (terminal). Rewards
-  and values on masked tokens are ignored.
+  `lam` is a scalar or one lambda per row; `next_value_B` is each row's value after its last
+  action (0: terminal; None: every row terminal). Rewards and values on masked tokens are
+  ignored.
   """
   mask = mask_BxT > 0
   values = values_BxT.astype(jnp.float32)
   rows = values.shape[0]
   lam_B = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (rows,))
-  last_value_B = jnp.take_along_axis(values, last_token_index(mask_BxT)[:, None], axis=1)[:, 0]
-  if bootstrap_B is None:
-    bootstrap_B = jnp.zeros((rows,), bool)
-  next_value_B = jnp.where(bootstrap_B > 0, last_value_B, 0.0)
+  if next_value_B is None:
+    next_value_B = jnp.zeros((rows,), jnp.float32)
+  next_value_B = jnp.asarray(next_value_B, jnp.float32)
 
   def back(carry, x):
     next_value, running = carry

@@ -456,7 +456,7 @@ def config_reports(config: Any) -> dict[str, Any]:
     seq_len = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
     micro_batches, loss_config = config.rl.micro_batches, dapo.loss_config(config.rl)
     if needs_critic(config.rl.advantage):
-      critic = critic_lib.CriticConfig(**config.rl.critic)
+      critic = critic_lib.critic_config(config.rl)
   model = build_config(config.model)
   shape = (config.model.preset, model, config.optimizer, config.topology,
            sharding.MeshConfig(**config.mesh), batch_size, seq_len, micro_batches)

@@ -28,8 +28,9 @@ def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
   sampled over a KV cache that its row's earlier tokens' versions wrote (partial rollouts), so
   its behaviour version is the oldest of its own and theirs; versions only grow, so that is
   the prompt's. `outcomes` (PPO: each row's reward and bootstrap flag,
-  `coa_jax.rl.critic.outcomes`) fill `rewards` and `bootstrap`. old_logp is left for the
-  update to recompute.
+  `coa_jax.rl.critic.outcomes`) fill `rewards` and `bootstrap`; a bootstrapped row must leave
+  a padding position, where the critic reads the value after its last token. old_logp is left
+  for the update to recompute.
   """
   rows = len(records)
   if not rows == len(advantages) == len(groups):
@@ -43,6 +44,10 @@ def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
     if n > seq_len:
       raise ValueError(f"task {record.task_id} sample {record.sample}: {len(record.ids)} tokens "
                        f"exceed the update's seq_len + 1 = {seq_len + 1}")
+    if outcomes is not None and outcomes[1][b] and n == seq_len:
+      raise ValueError(f"task {record.task_id} sample {record.sample}: bootstrapped, its "
+                       f"{len(record.ids)} tokens leave no position for the value after its "
+                       f"last token (seq_len {seq_len}; a rollout's fit in seq_len)")
     if not (len(record.ids) == len(record.loss_mask) == len(record.logprobs) ==
             len(record.versions)):
       raise ValueError(f"task {record.task_id} sample {record.sample}: ids, loss_mask, "

@@ -3,12 +3,13 @@
 With rl.advantage = "gae" the RL job trains a `Critic` next to the policy (verl's PPO with
 `adv_estimator=gae`). The value model is the actor's checkpoint with its LM head replaced by a
 one-output, bias-free value head (zeros: a fresh critic predicts 0); it has its own train
-state, AdamW (learning rate rl.critic.learning_rate, default 10x the actor's), gradient
-clipping and weight decay, sharded by the same logical rules on the same mesh, and it is
-checkpointed with the actor.
+state, AdamW (learning rate rl.critic.learning_rate, default 10x the actor's), learning-rate
+schedule (`optimizer_config`), gradient clipping and weight decay, sharded by the same logical
+rules on the same mesh, and it is checkpointed with the actor.
 
-A step: the critic values every rollout token (the value at t is read after token t, the state
-in which token t + 1 is sampled); masked GAE (`coa_jax.losses.gae`) turns each sample's outcome
+A step: the critic values every rollout token (the value at position t is read after input
+token t, the state in which target t, the next token, is sampled; a bootstrapped row also gets
+the value after its last token, `values_with_value_after`); masked GAE (`coa_jax.losses.gae`) turns each sample's outcome
 reward, placed on its last trainable token, into token advantages for the actor (lambda_actor,
 or VAPO's length-adaptive lambda) and returns for the critic (lambda_critic); the advantages
 are whitened over the step's trainable tokens. The actor then takes the DAPO update with these
@@ -20,7 +21,9 @@ Schedule: the first rl.critic.warmup steps train the critic only (rollouts go on
 rl.critic.pretrain_steps > 0, the critic first trains on Monte-Carlo returns (lambda 1) of the
 frozen policy until the explained variance of a step's values, measured on its fresh rollouts
 before the update, reaches rl.critic.pretrain_explained_variance (or pretrain_steps steps have
-passed); both phases count toward rl.steps.
+passed); both phases count toward rl.steps. The critic trains through both, so its
+learning-rate schedule counts its own updates (rl.critic.schedule, warmup_steps, total_steps,
+...; default constant, as verl's critic), never the actor's, which start after them.
 """
 
 from __future__ import annotations
@@ -65,13 +68,23 @@ class CriticConfig:
   lambda_actor: float = 1.0
   lambda_critic: float = 1.0
   adaptive_lambda: float = 0.0  # VAPO's alpha: lambda_actor = 1 - 1 / (alpha * length); 0: off
-  truncation: str = "terminal"  # a truncated sample: "terminal", or "bootstrap" (last value)
+  # A truncated sample: "terminal", or "bootstrap" (from the value after its last token).
+  truncation: str = "terminal"
   whiten: bool = True  # advantages over the step's trainable tokens
   warmup: int = 0  # first steps that train the critic only
   pretrain_steps: int = 0  # at most this many steps of value pre-training (0: off)
   pretrain_explained_variance: float = 0.5  # pre-training ends once a step's values reach it
+  # The learning-rate schedule over the critic's own updates (`train.optimizer`'s fields):
+  schedule: str = "constant"  # verl's critic: constant; or "cosine", "wsd"
+  warmup_steps: int = 0  # linear warm-up over its first updates (not `warmup`, RL steps)
+  total_steps: int = 0  # 0: every critic update of the run (`critic_config`)
+  decay_steps: int = 0  # "wsd": how many of the last updates decay
+  final_lr_fraction: float = 0.1  # "cosine", "wsd": the learning rate at the end, of the peak
 
   def __post_init__(self):
+    if self.schedule not in optimizer.SCHEDULES:
+      raise ConfigError(f"rl.critic.schedule={self.schedule!r}: expected one of "
+                        f"{optimizer.SCHEDULES}")
     if self.truncation not in TRUNCATIONS:
       raise ConfigError(f"rl.critic.truncation={self.truncation!r}: expected one of "
                         f"{TRUNCATIONS}")
@@ -79,12 +92,24 @@ class CriticConfig:
       if not 0 <= getattr(self, name) <= 1:
         raise ConfigError(f"rl.critic.{name}={getattr(self, name)}: expected 0..1")
     for name in ("learning_rate", "grad_clip", "weight_decay", "cliprange_value",
-                 "adaptive_lambda", "warmup", "pretrain_steps"):
+                 "adaptive_lambda", "warmup", "pretrain_steps", "warmup_steps", "total_steps",
+                 "decay_steps", "final_lr_fraction"):
       if getattr(self, name) < 0:
         raise ConfigError(f"rl.critic.{name}={getattr(self, name)}: expected >= 0")
     if self.pretrain_explained_variance > 1:
       raise ConfigError(f"rl.critic.pretrain_explained_variance="
                         f"{self.pretrain_explained_variance}: explained variance is at most 1")
+
+
+def critic_config(rl: Any) -> CriticConfig:
+  """Returns the critic's settings (rl.critic), total_steps 0 taken as every critic update of
+  the run: rl.steps x mini-batches per step x rl.ppo_epochs (the critic trains on every one,
+  warm-up and pre-training included)."""
+  config = CriticConfig(**rl.critic)
+  if config.total_steps:
+    return config
+  updates = rl.steps * (rl.batch_groups // rl.mini_batch_groups) * rl.ppo_epochs
+  return dataclasses.replace(config, total_steps=updates)
 
 
 def outcomes(records: Sequence[RolloutRecord], scores: Sequence[float],
@@ -93,7 +118,8 @@ def outcomes(records: Sequence[RolloutRecord], scores: Sequence[float],
 
   A truncated sample (finish "length") is terminal with its whole score, or, with truncation
   "bootstrap", has no outcome: its reward is the overlong penalty alone (`overlong`, the
-  shaping part of `scores`) and its return is bootstrapped from its last value. A sample that
+  shaping part of `scores`) and its return is bootstrapped from the critic's value of the state
+  after its last token (`values_with_value_after`). A sample that
   ends on an observation for any other reason raises ValueError: its outcome would land on a
   token no update trains.
   """
@@ -126,19 +152,49 @@ def values(model: Transformer, params: Any, batch: PolicyBatch) -> jax.Array:
   return model.apply({"params": params}, batch.input_ids, batch.positions, batch.segment_ids)
 
 
+def values_with_value_after(model: Transformer, params: Any,
+                            batch: PolicyBatch) -> tuple[jax.Array, jax.Array]:
+  """Returns the (B, T) values of `batch`'s rows and each row's (B,) value after its last token.
+
+  A row of n inputs predicts targets 0..n-1; its last token, target n-1, is no input, so the
+  state after it (the whole sequence) has no value among the row's. One forward pass gets it:
+  that token goes in as input n (its position and segment continue the row's), where the
+  row's padding was; attention is causal, so the values before it stay as they were. A row
+  needs one padding position for it (`rollout_batch` checks).
+  """
+  seq = batch.input_ids.shape[1]
+  length_B = jnp.sum(batch.segment_ids > 0, axis=1)  # rows are right-padded
+  at_end_BxT = jnp.arange(seq)[None, :] == length_B[:, None]
+  last = lambda x_BxT: jnp.take_along_axis(x_BxT, jnp.maximum(length_B - 1, 0)[:, None], axis=1)
+  appended = lambda x_BxT, x_Bx1: jnp.where(at_end_BxT, x_Bx1, x_BxT)
+  extended = batch.replace(input_ids=appended(batch.input_ids, last(batch.targets)),
+                           positions=appended(batch.positions, last(batch.positions) + 1),
+                           segment_ids=appended(batch.segment_ids, last(batch.segment_ids)))
+  values_BxT = values(model, params, extended)
+  after_B = jnp.take_along_axis(values_BxT, jnp.minimum(length_B, seq - 1)[:, None], axis=1)
+  return values_BxT, after_B[:, 0]
+
+
 def estimate(model: Transformer, config: CriticConfig, params: Any, batch: PolicyBatch,
              lambda_critic: jax.Array) -> tuple[jax.Array, ...]:
   """Returns (values, advantages before whitening, returns, moments) of a mini-batch; moments
-  stacks the `masked_moments` of the advantages, the returns and returns - values."""
+  stacks the `masked_moments` of the advantages, the returns and returns - values. Rows with
+  `batch.bootstrap` (truncation "bootstrap") take the value after their last token as the
+  value after their last action."""
   mask = batch.loss_mask
-  values_BxT = values(model, params, batch)
+  next_value_B = None  # every row terminal
+  if config.truncation == "bootstrap":
+    values_BxT, after_B = values_with_value_after(model, params, batch)
+    next_value_B = jnp.where(batch.bootstrap, after_B, 0.0)
+  else:
+    values_BxT = values(model, params, batch)
   rewards_BxT = gae_lib.outcome_rewards(batch.rewards, mask)
   lam_actor = (gae_lib.adaptive_lambda(mask, config.adaptive_lambda) if config.adaptive_lambda
                else config.lambda_actor)
   advantages, _ = gae_lib.gae(rewards_BxT, values_BxT, mask, config.gamma, lam_actor,
-                              batch.bootstrap)
+                              next_value_B)
   _, returns = gae_lib.gae(rewards_BxT, values_BxT, mask, config.gamma, lambda_critic,
-                           batch.bootstrap)
+                           next_value_B)
   # Targets, not functions of the critic: neither update's gradient reaches the other's params.
   advantages, returns = jax.lax.stop_gradient((advantages, returns))
   moments = jnp.stack([gae_lib.masked_moments(advantages, mask),
@@ -168,11 +224,16 @@ def critic_step(model: Transformer, tx: optax.GradientTransformation, state: Tra
 
 
 def optimizer_config(actor: Any, config: CriticConfig) -> ml_collections.ConfigDict:
-  """Returns the critic's AdamW settings: the actor's schedule with the critic's own learning
-  rate (default 10x the actor's), clipping and weight decay."""
+  """Returns the critic's AdamW settings: its own learning rate (default 10x the actor's peak),
+  schedule over its own updates, clipping and weight decay; the actor's betas and eps. Raises
+  ConfigError naming rl.critic when the schedule cannot be built."""
   out = ml_collections.ConfigDict(actor.to_dict())
   out.update(learning_rate=config.learning_rate or 10 * actor.learning_rate,
-             grad_clip=config.grad_clip, weight_decay=config.weight_decay)
+             grad_clip=config.grad_clip, weight_decay=config.weight_decay,
+             schedule=config.schedule, warmup_steps=config.warmup_steps,
+             total_steps=config.total_steps, decay_steps=config.decay_steps,
+             final_lr_fraction=config.final_lr_fraction)
+  optimizer.learning_rate_schedule(out, where="rl.critic")
   return out
 
 

@@ -118,7 +118,7 @@ class Trainer:
       raise ConfigError(f"rl.ppo_epochs={rl.ppo_epochs}: expected >= 1")
     critic_config = None
     if needs_critic(rl.advantage):
-      critic_config = critic_lib.CriticConfig(**rl.critic)
+      critic_config = critic_lib.critic_config(rl)
       if rl.negative_weight != 1:
         raise ConfigError(f"rl.negative_weight={rl.negative_weight} scales group advantages; "
                           f"with advantage='gae' it must be 1")

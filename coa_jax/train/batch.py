@@ -46,10 +46,10 @@ class PolicyBatch(TokenBatch):
   the loss importance-weights by old_logp vs sampler_logp.
 
   PPO with a critic (rl.advantage = "gae") adds: rewards, each row's outcome reward (GAE puts
-  it on the row's last trainable token); bootstrap, 1 where GAE bootstraps the row from its
-  last value (a truncated sample); and, once the critic has run, old_values (its values at
-  rollout time) and returns (the critic's targets). `advantages` then holds GAE's token
-  advantages.
+  it on the row's last trainable token); bootstrap, 1 where GAE bootstraps the row from the
+  critic's value after its last token (a truncated sample); and, once the critic has run,
+  old_values (its values at rollout time) and returns (the critic's targets). `advantages`
+  then holds GAE's token advantages.
   """
 
   sampler_logp: Array = None  # (B, T) float32

@@ -13,17 +13,18 @@ from coa_jax.model.config import ConfigError
 SCHEDULES = ("constant", "cosine", "wsd")
 
 
-def learning_rate_schedule(cfg: Any) -> optax.Schedule:
+def learning_rate_schedule(cfg: Any, where: str = "optimizer") -> optax.Schedule:
   """Returns the schedule: linear warm-up to `learning_rate`, then "constant"; "cosine" decay to
   `final_lr_fraction` of the peak by `total_steps`; or "wsd" (warm-up, stable, decay): constant
-  at the peak, then that cosine decay over the last `decay_steps` steps only."""
+  at the peak, then that cosine decay over the last `decay_steps` steps only. Errors name the
+  settings as `where`.<field>."""
   if cfg.schedule not in SCHEDULES:
-    raise ConfigError(f"optimizer.schedule={cfg.schedule!r}: expected one of {SCHEDULES}")
+    raise ConfigError(f"{where}.schedule={cfg.schedule!r}: expected one of {SCHEDULES}")
   if cfg.learning_rate <= 0 or cfg.warmup_steps < 0:
-    raise ConfigError("optimizer.learning_rate must be > 0 and optimizer.warmup_steps >= 0")
+    raise ConfigError(f"{where}.learning_rate must be > 0 and {where}.warmup_steps >= 0")
   after_warmup = cfg.total_steps - cfg.warmup_steps
   if cfg.schedule != "constant" and after_warmup <= 0:
-    raise ConfigError(f"optimizer.total_steps={cfg.total_steps} must exceed "
+    raise ConfigError(f"{where}.total_steps={cfg.total_steps} must exceed "
                       f"warmup_steps={cfg.warmup_steps} for a {cfg.schedule} schedule")
   lr = cfg.learning_rate
   if cfg.schedule == "constant":
@@ -31,7 +32,7 @@ def learning_rate_schedule(cfg: Any) -> optax.Schedule:
   else:
     decay = after_warmup if cfg.schedule == "cosine" else cfg.get("decay_steps", 0)
     if not 0 < decay <= after_warmup:
-      raise ConfigError(f"optimizer.decay_steps={decay}: expected 1..total_steps - warmup_steps "
+      raise ConfigError(f"{where}.decay_steps={decay}: expected 1..total_steps - warmup_steps "
                         f"({after_warmup}) for a wsd schedule")
     after = optax.cosine_decay_schedule(lr, decay, alpha=cfg.final_lr_fraction)
     if decay < after_warmup:  # "wsd": stable at the peak first
