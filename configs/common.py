@@ -47,8 +47,11 @@ def train(steps: int, **overrides) -> ml_collections.ConfigDict:
 
 
 def checkpoint(directory: str, **overrides) -> ml_collections.ConfigDict:
-  """Orbax checkpointing: where, how often (steps), how many to keep, async or not."""
-  values = dict(directory=directory, every=200, max_to_keep=3, async_save=True)
+  """Orbax checkpointing: where (a folder or a gs://... URL), how often (steps), how many to
+  keep, async or not, and whether a folder whose every step is damaged may be set aside for a
+  run from step 0 (otherwise an error)."""
+  values = dict(directory=directory, every=200, max_to_keep=3, async_save=True,
+                start_over_if_all_damaged=False)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 

@@ -26,7 +26,6 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -35,6 +34,7 @@ from coa_jax.runtime import distributed, sharding
 from coa_jax.runtime.cache import cached_json, write_json
 from coa_jax.runtime.checkpointing import Checkpointer
 from coa_jax.train.loop import LoopConfig, run_loop
+from configs import common
 
 distributed.initialize(distributed.DistributedConfig(
     mode="explicit", coordinator_address=f"127.0.0.1:{port}", num_processes=2,
@@ -88,7 +88,7 @@ if process_id == 1:  # only this process cannot read step 2's metadata (a trunca
 
   def flaky(step):
     if step == 2:
-      raise OSError("truncated _METADATA")
+      raise ValueError("OUT_OF_RANGE: Error reading _METADATA: a truncated file")
     return item_metadata(step)
 
   checkpointer._manager.item_metadata = flaky
@@ -143,8 +143,7 @@ class Counter:
     self.state = state
 
 
-checkpoint = ml_collections.ConfigDict(dict(directory=os.path.join(out, "preempt"), every=1000,
-                                            max_to_keep=3, async_save=False))
+checkpoint = common.checkpoint(os.path.join(out, "preempt"), every=1000, async_save=False)
 result = run_loop(Counter(), LoopConfig(steps=200, workdir=os.path.join(out, "work"),
                                         checkpoint=checkpoint, log_every=1000),
                   abstract(), model_config=None)

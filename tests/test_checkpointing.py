@@ -1,19 +1,23 @@
-"""Checkpoints: a save cut short is not a step; an unreadable newest step (truncated or missing
-files) falls back to the previous one with a warning, and the run can save that step again; a
-step that does not fit the run (tree, shape, dtype, mesh) is an error that moves nothing."""
+"""Checkpoints: a save cut short is not a step; a damaged newest step (truncated, missing or
+corrupt files) falls back to the previous one and is set aside with a warning, and the run can
+save that step again; a folder of damaged steps only is an error unless the run may start over;
+a read that fails for another reason (out of memory, permissions) is raised and moves nothing;
+a step that does not fit the run (tree, shape, dtype, mesh) is an error that moves nothing; a
+gs:// directory reaches orbax as a URL."""
 
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from coa_jax.runtime import sharding
-from coa_jax.runtime.checkpointing import (CheckpointMismatchError, Checkpointer,
-                                           CheckpointWarning)
+from coa_jax.runtime.checkpointing import (CheckpointDamagedError, CheckpointMismatchError,
+                                           Checkpointer, CheckpointWarning)
 
 
 @pytest.fixture
@@ -53,7 +57,7 @@ def test_an_unreadable_newest_step_falls_back_to_the_previous_one(tmp_path, abst
     with open(path, "wb") as f:
       f.write(b"not a checkpoint")
   checkpointer = Checkpointer(str(tmp_path), async_save=False)
-  with pytest.warns(CheckpointWarning, match="step 4 .* cannot be read"):
+  with pytest.warns(CheckpointWarning, match="step 4 .* is damaged"):
     step, state, data = checkpointer.restore_latest(abstract)
   assert (step, data) == (2, {"position": 2})
   np.testing.assert_array_equal(state["w"], np.full((64,), 2.0))
@@ -64,19 +68,77 @@ def test_an_unreadable_newest_step_falls_back_to_the_previous_one(tmp_path, abst
   assert Checkpointer(str(tmp_path)).restore_latest(abstract)[2] == {"position": 4}
 
 
-@pytest.mark.parametrize("damage", ["truncated", "missing"])
-def test_a_step_with_truncated_or_missing_array_files_is_set_aside(tmp_path, abstract, damage):
+@pytest.mark.parametrize("damage", ["truncated", "missing", "metadata missing"])
+def test_a_step_with_truncated_or_missing_files_is_set_aside(tmp_path, abstract, damage):
   _saved(tmp_path, [2, 4])
   data_files = [p for p in _files(tmp_path / "4" / "state") if os.sep + "d" + os.sep in p]
   assert data_files
-  for path in data_files:
+  if damage == "metadata missing":
+    os.remove(tmp_path / "4" / "state" / "_METADATA")
+  for path in data_files if damage != "metadata missing" else ():
     if damage == "missing":
       os.remove(path)
     else:
       os.truncate(path, os.path.getsize(path) // 2)
-  with pytest.warns(CheckpointWarning, match="step 4 .* cannot be read"):
+  with pytest.warns(CheckpointWarning, match="step 4 .* is damaged"):
     step, _, _ = Checkpointer(str(tmp_path)).restore_latest(abstract)
   assert step == 2
+  assert [p.name.split("-")[0] for p in tmp_path.iterdir() if ".corrupt" in p.name] == [
+      "4.corrupt"]
+
+
+def _damage_every_step(folder):
+  for path in _files(folder):
+    if os.sep + "d" + os.sep in path:
+      os.truncate(path, os.path.getsize(path) // 2)
+
+
+def test_a_folder_of_damaged_steps_only_is_an_error_that_moves_nothing(tmp_path, abstract):
+  _saved(tmp_path, [2, 4])
+  _damage_every_step(tmp_path)
+  before = _files(tmp_path)
+  with pytest.raises(CheckpointDamagedError, match="step 4: .*step 2: .*start_over_if_all_dam"):
+    Checkpointer(str(tmp_path)).restore_latest(abstract)
+  assert _files(tmp_path) == before
+
+
+def test_a_run_that_may_start_over_sets_every_damaged_step_aside(tmp_path, abstract):
+  _saved(tmp_path, [2, 4])
+  _damage_every_step(tmp_path)
+  with pytest.warns(CheckpointWarning):
+    assert Checkpointer(str(tmp_path), start_over_if_all_damaged=True).restore_latest(
+        abstract) is None
+  assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["2.corrupt", "4.corrupt"]
+
+
+@pytest.mark.parametrize("failure", [
+    jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1073741824 bytes"),
+    PermissionError(13, "Permission denied", "/ckpt/4/state/d/0"),
+    ValueError("UNAVAILABLE: Error reading local file: Connection reset"),
+], ids=["out-of-memory", "permission", "unavailable"])
+def test_a_read_that_fails_for_another_reason_is_raised_and_moves_nothing(
+    tmp_path, abstract, failure):
+  _saved(tmp_path, [2, 4])
+  before = _files(tmp_path)
+  checkpointer = Checkpointer(str(tmp_path))
+
+  def fail(*args, **kwargs):
+    raise failure
+
+  checkpointer._manager.restore = fail
+  with pytest.raises(type(failure)) as raised:
+    checkpointer.restore_latest(abstract)
+  assert raised.value is failure
+  assert _files(tmp_path) == before
+
+
+def test_a_gs_directory_reaches_orbax_as_a_url(monkeypatch):
+  seen = []
+  monkeypatch.setattr(ocp, "CheckpointManager", lambda directory, **kwargs: seen.append(directory))
+  checkpointer = Checkpointer("gs://bucket/coa/run/ckpt")
+  assert checkpointer.directory == "gs://bucket/coa/run/ckpt"
+  assert [type(p).__name__ for p in seen] == ["PosixGPath"]
+  assert str(seen[0]) == "gs://bucket/coa/run/ckpt"
 
 
 @pytest.mark.parametrize("run, difference", [

@@ -29,6 +29,7 @@ from coa_jax.data.coa_format import OBSERVATION, Step, Trajectory
 from coa_jax.data.world import World, WorldConfig, load_tools_spec
 from coa_jax.distill.teacher import ScriptedTeacher, TeacherConfig, Trace
 from coa_jax.runtime.distributed import say
+from coa_jax.runtime.paths import local
 from tools_env import registry as tools_registry
 
 STAGES = ("correct", "format", "complexity", "quality")
@@ -170,7 +171,7 @@ def solve(teacher: ScriptedTeacher, tasks: Sequence[dict[str, Any]],
 def run(config: Any) -> dict[str, Any]:
   """Builds the world, runs the teacher on its training tasks, filters, writes the data."""
   world = World(WorldConfig(**config.world))
-  os.makedirs(config.output_dir, exist_ok=True)
+  os.makedirs(local(config.output_dir, "output_dir"), exist_ok=True)
   paths = world.write(os.path.join(config.output_dir, "world"))
   say(f"world: {len(world.by_name)} entities, {len(world.tasks['train'])} train / "
       f"{len(world.tasks['heldout'])} held-out tasks -> {os.path.dirname(paths['corpus'])}")

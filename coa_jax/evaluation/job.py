@@ -22,7 +22,8 @@ from coa_jax.data.tokenizer import load_tokenizer
 from coa_jax.evaluation.scaling import curves, pass_at_k
 from coa_jax.model import ConfigError
 from coa_jax.rollout.tool_loop import check_prompt_lengths
-from coa_jax.runtime import distributed
+from coa_jax.runtime import distributed, paths
+from coa_jax.runtime.cache import write_json, write_jsonl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,29 +191,39 @@ def run(config: Any) -> dict[str, Any]:
   from tools_env import registry as tools_registry
   from tools_env import sandbox
 
-  tasks = load_tasks(config.tasks, config.max_tasks)
-  rewarder = rewards.build_rewarder(config.rewards.to_dict())
+  paths.local(config.output_dir, "output_dir")
+  tasks, rewarder = distributed.agreed(lambda: (
+      load_tasks(config.tasks, config.max_tasks),
+      rewards.build_rewarder(config.rewards.to_dict())), "loading the tasks and the rewards")
   k = config.k
   say(f"evaluating {config.system} on {len(tasks)} tasks x {k} samples from {config.tasks}")
-  if config.system == "teacher":
-    tools = tools_registry.build_registry(config.tools.to_dict())
-    teachers = [ScriptedTeacher(tools, TeacherConfig(**{**config.teacher, "seed": seed}))
-                for seed in range(k)]
-    outcomes = evaluate_teacher(teachers, tasks, config.system_prompt, rewarder,
-                                load_tokenizer(config))
-    isolation = sandbox.isolation_of(tools.tools)
+  if config.system == "teacher":  # host-side work only, the same on every host: agreed
+    def teacher() -> tuple[dict, str]:
+      tools = tools_registry.build_registry(config.tools.to_dict())
+      teachers = [ScriptedTeacher(tools, TeacherConfig(**{**config.teacher, "seed": seed}))
+                  for seed in range(k)]
+      return (evaluate_teacher(teachers, tasks, config.system_prompt, rewarder,
+                               load_tokenizer(config)), sandbox.isolation_of(tools.tools))
+
+    outcomes, isolation = distributed.agreed(teacher, "the teacher's evaluation")
   elif config.system == "model":
     config.rollout.group_size = k
-    tokenizer = load_tokenizer(config)  # checked before the model loads
-    check_prompt_lengths(tokenizer, config.system_prompt, tasks,
-                         config.rollout.max_prompt_tokens)
+    def tokenizer_for_the_tasks() -> Any:  # checked before the model loads
+      tokenizer = load_tokenizer(config)
+      check_prompt_lengths(tokenizer, config.system_prompt, tasks,
+                           config.rollout.max_prompt_tokens)
+      return tokenizer
+
+    tokenizer = distributed.agreed(tokenizer_for_the_tasks, "loading the tokenizer")
     engine, _ = rollout_job.build(config, tokenizer)
-    if config.get("copy_probe"):
-      probe = _copy_probe(engine, tokenizer, config.copy_probe,
-                          config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
-                          config.sampling.temperature)
+    if config.get("copy_probe"):  # on the host's own devices, as the rollouts: agreed
+      probe = distributed.agreed(lambda: _copy_probe(
+          engine, tokenizer, config.copy_probe,
+          config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
+          config.sampling.temperature), "the copy probe")
     mine = tasks[jax.process_index()::jax.process_count()]  # each host its share
-    outcomes = evaluate_rollouts(engine, tokenizer, mine, rewarder)
+    outcomes = distributed.agreed(lambda: evaluate_rollouts(engine, tokenizer, mine, rewarder),
+                                  "evaluation rollouts")
     outcomes = {task_id: [Sample(**s) for s in samples]
                 for part in distributed.gather_json(
                     {t: [dataclasses.asdict(s) for s in v] for t, v in outcomes.items()})
@@ -240,13 +251,16 @@ def run(config: Any) -> dict[str, Any]:
         f"{probe['call_exact']:.3f}, sampled at T={config.sampling.temperature} "
         f"{probe['copy_sampled']:.3f} / {probe['call_sampled']:.3f}")
   say(format_table({config.system: metrics}, k))
-  if jax.process_index():  # process 0 writes
-    return metrics
-  os.makedirs(config.output_dir, exist_ok=True)
-  with open(os.path.join(config.output_dir, "metrics.json"), "w") as f:
-    json.dump(metrics, f, indent=1)
-  with open(os.path.join(config.output_dir, "samples.jsonl"), "w") as f:
-    for task_id, samples in outcomes.items():
-      f.write(json.dumps({"task_id": task_id, "samples": [dataclasses.asdict(s)
-                                                          for s in samples]}) + "\n")
+  # Process 0 writes (atomically: a killed run leaves no half file that looks done); every
+  # process waits for it, as callers read the files on every host, and a failed write ends all.
+  distributed.agreed(lambda: jax.process_index() or _write(config.output_dir, metrics, outcomes),
+                     f"writing the evaluation to {config.output_dir}")
   return metrics
+
+
+def _write(folder: str, metrics: dict[str, Any], outcomes: dict[str, list[Sample]]) -> None:
+  """Writes metrics.json and samples.jsonl (one line per task) into `folder`."""
+  write_json(os.path.join(folder, "metrics.json"), metrics)
+  write_jsonl(os.path.join(folder, "samples.jsonl"),
+              ({"task_id": task_id, "samples": [dataclasses.asdict(s) for s in samples]}
+               for task_id, samples in outcomes.items()))

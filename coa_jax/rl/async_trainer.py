@@ -46,7 +46,7 @@ from coa_jax.rl.dapo import Trainer, over_hosts
 from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup
 from coa_jax.rl.staleness import QueueClosed, StalenessQueue
 from coa_jax.rollout import Rollout
-from coa_jax.runtime import distributed, sharding
+from coa_jax.runtime import distributed, paths, sharding
 
 PLOT_KEYS = ("reward", "accuracy", "response_len", "entropy", "stale", "behaviour_weight")
 SHOWN = ("reward", "accuracy", "kept", "pg_loss", "queue_depth", "staleness_mean", "stale",
@@ -277,7 +277,7 @@ def plot_overlap(metrics_path: str, png_path: str, staleness: int) -> str | None
     import matplotlib.pyplot as plt
   except ImportError:
     return None
-  with open(metrics_path) as f:
+  with paths.to_epath(metrics_path).open() as f:
     rows = [json.loads(line) for line in f if line.strip()]
   steps = [r["step"] for r in rows]
   series = lambda key: [r.get(key, float("nan")) for r in rows]
@@ -298,6 +298,7 @@ def plot_overlap(metrics_path: str, png_path: str, staleness: int) -> str | None
     ax.grid(alpha=0.3)
   fig.suptitle(f"asynchronous DAPO, staleness <= {staleness}")
   fig.tight_layout()
-  fig.savefig(png_path, dpi=100)
+  with paths.to_epath(png_path).open("wb") as f:  # a local file or a URL (gs://...)
+    fig.savefig(f, format="png", dpi=100)
   plt.close(fig)
   return png_path

@@ -98,7 +98,9 @@ class Trainer:
 
   def __init__(self, config: Any):
     self.config, rl = config, config.rl
-    self.tokenizer = load_tokenizer(config)
+    # Host-side loading (files, the sandbox's set-up, tools) is agreed: a host that cannot
+    # would otherwise leave the others waiting in the first collective.
+    self.tokenizer = distributed.agreed(lambda: load_tokenizer(config), "loading the tokenizer")
     self.mesh, self.host = self._meshes()
     self.rollout_config = RolloutConfig(**config.rollout)
     self.n = self.rollout_config.group_size
@@ -122,16 +124,10 @@ class Trainer:
       if rl.negative_weight != 1:
         raise ConfigError(f"rl.negative_weight={rl.negative_weight} scales group advantages; "
                           f"with advantage='gae' it must be 1")
-    # Tasks with their ground truth (metadata fields lifted up), as the evaluation reads them.
-    self.tasks = load_tasks(config.tasks, config.max_tasks)
-    self.eval_tasks = (load_tasks(config.eval_tasks, config.eval_max_tasks)
-                       if config.eval_tasks else [])
-    for tasks in (self.tasks, self.eval_tasks):
-      check_prompt_lengths(self.tokenizer, config.system_prompt, tasks,
-                                   self.rollout_config.max_prompt_tokens)
-    self.rewarder = build_rewarder(config.rewards.to_dict())
-
-    model_config, params = load_model(config, self.tokenizer, self.mesh)
+    self.tasks, self.eval_tasks, self.rewarder = distributed.agreed(
+        lambda: self._tasks_and_rewarder(config), "loading the tasks and the rewards")
+    model_config, params = distributed.agreed(
+        lambda: load_model(config, self.tokenizer, self.mesh), "loading the model")
     self.model_config, self.model = model_config, Transformer(model_config)
     # The KL term's reference with LoRA: the base model on the frozen weights (adapters off).
     self.base_model = Transformer(model_config.replace(lora_rank=0))
@@ -163,7 +159,7 @@ class Trainer:
     sampler = Sampler(model_config, self.host, batch_size=config.batch_size // self.hosts,
                       cache_size=self.rollout_config.cache_size, chunk=config.chunk,
                       stop_ids=stop_ids(self.tokenizer), sampling=sampling)
-    tools = build_registry(config.tools.to_dict())
+    tools = distributed.agreed(lambda: build_registry(config.tools.to_dict()), "building the tools")
     self.engine = Rollout(sampler, None, self.tokenizer, tools, self.rollout_config,
                           config.system_prompt, seed=config.seed)
     self.update = update.jit_dapo_step(self.model, self.tx, self.mesh,
@@ -178,6 +174,16 @@ class Trainer:
     self.prompts: dict[str, list[int]] = {}  # task id -> [groups, all correct, all wrong]
     self.reward_pool = concurrent.futures.ThreadPoolExecutor(config.reward_workers,
                                                              "reward")
+
+  def _tasks_and_rewarder(self, config: Any) -> tuple[list, list, Any]:
+    """Returns (training tasks, evaluation tasks, the rewarder), the tasks with their ground
+    truth (metadata fields lifted up, as the evaluation reads them) and prompts that fit."""
+    tasks = load_tasks(config.tasks, config.max_tasks)
+    eval_tasks = load_tasks(config.eval_tasks, config.eval_max_tasks) if config.eval_tasks else []
+    for some in (tasks, eval_tasks):
+      check_prompt_lengths(self.tokenizer, config.system_prompt, some,
+                           self.rollout_config.max_prompt_tokens)
+    return tasks, eval_tasks, build_rewarder(config.rewards.to_dict())
 
   def _meshes(self) -> tuple[Mesh, Mesh]:
     """Returns the mesh the updates run on and this host's decode mesh: here the same

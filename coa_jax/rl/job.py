@@ -20,7 +20,7 @@ import numpy as np
 from coa_jax.model import lora
 from coa_jax.rl import async_trainer, dapo
 from coa_jax.rl import critic as critic_lib
-from coa_jax.runtime import distributed, hf_checkpoint
+from coa_jax.runtime import distributed, hf_checkpoint, paths
 from coa_jax.runtime.distributed import say
 from coa_jax.train import LoopConfig, run_loop
 from tools_env import sandbox
@@ -78,15 +78,20 @@ def run(config: Any) -> dict[str, Any]:
     hf_checkpoint.save_checkpoint(summary["critic_export_dir"], model_config, params,
                                   dtype=config.export_dtype, head="value")
     say(f"exported the critic to {summary['critic_export_dir']}")
-  if rl["async"].enabled and result.rows and jax.process_index() == 0:
-    summary["overlap_plot"] = async_trainer.plot_overlap(
-        result.metrics, os.path.join(config.workdir, "async.png"), rl["async"].staleness)
-  if rl.track_prompts:
-    report = trainer.prompt_report()
+  report = trainer.prompt_report() if rl.track_prompts else None  # a gather: before the writes
+  if report is not None:
     summary["prompts"] = os.path.join(config.workdir, "prompts.json")
-    if trainer.host_index == 0:
-      with open(summary["prompts"], "w") as f:
-        json.dump(report, f, indent=1)
+
+  def write() -> None:  # process 0's files, agreed: the caller's next collective waits on them
+    if jax.process_index():
+      return
+    if rl["async"].enabled and result.rows:
+      summary["overlap_plot"] = async_trainer.plot_overlap(
+          result.metrics, os.path.join(config.workdir, "async.png"), rl["async"].staleness)
+    if report is not None:
+      paths.to_epath(summary["prompts"]).write_text(json.dumps(report, indent=1))
+
+  distributed.agreed(write, f"writing the RL reports in {config.workdir}")
   if result.rows:
     # The rollouts' own accuracy (at the sampling temperature) averaged over the first and the
     # last quarter of the steps: one step's batch is too few samples to compare.

@@ -28,6 +28,7 @@ from coa_jax.rollout import tool_loop as rollout
 from coa_jax.rollout.sampler import Sampler, SamplingConfig
 from coa_jax.rollout.tool_loop import Rollout, RolloutConfig, RolloutRecord, summarize
 from coa_jax.runtime import distributed, sharding
+from coa_jax.runtime.paths import local
 from coa_jax.runtime.distributed import say
 from coa_jax.runtime.hf_checkpoint import load_model
 from coa_jax.runtime.sharding import init_params, param_shardings
@@ -39,12 +40,14 @@ def build(config: Any, tokenizer: Any = None) -> tuple[Rollout, Any]:
   """Returns (the Rollout engine, the tokenizer) that `config` describes (`tokenizer`: the one
   already loaded from it). On several hosts, the engine decodes on this host's devices with
   config.batch_size / hosts rows."""
-  tokenizer = tokenizer or load_tokenizer(config)
+  tokenizer = tokenizer or distributed.agreed(lambda: load_tokenizer(config),
+                                              "loading the tokenizer")
   mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
   if config.batch_size % jax.process_count():
     raise ConfigError(f"batch_size={config.batch_size} does not split over "
                       f"{jax.process_count()} hosts")
-  model_config, params = load_model(config, tokenizer, mesh)
+  model_config, params = distributed.agreed(lambda: load_model(config, tokenizer, mesh),
+                                           "loading the model")
   if params is None:
     say("model.checkpoint is empty: rolling out a freshly initialized (untrained) model")
     params = init_params(Transformer(model_config), mesh, jax.random.key(config.seed))
@@ -56,7 +59,8 @@ def build(config: Any, tokenizer: Any = None) -> tuple[Rollout, Any]:
                     cache_size=rollout_config.cache_size,
                     chunk=config.chunk, stop_ids=rollout.stop_ids(tokenizer),
                     sampling=SamplingConfig(**config.sampling))
-  tools = tools_registry.build_registry(config.tools.to_dict())
+  tools = distributed.agreed(lambda: tools_registry.build_registry(config.tools.to_dict()),
+                             "building the tools")
   engine = Rollout(sampler, sampler.sampling_params(params), tokenizer, tools, rollout_config,
                    config.system_prompt, seed=config.seed)
   return engine, tokenizer
@@ -75,7 +79,7 @@ def run(config: Any) -> dict[str, Any]:
   tasks = load_tasks(config.tasks, config.max_tasks, require_answer=False)
   engine, tokenizer = build(config)
   hosts, host = jax.process_count(), jax.process_index()
-  os.makedirs(config.output_dir, exist_ok=True)
+  os.makedirs(local(config.output_dir, "output_dir"), exist_ok=True)
   paths = {name: os.path.join(config.output_dir, name)
            for name in ("records.jsonl", "transcripts.txt", "summary.json")}
   if hosts > 1:
@@ -83,23 +87,13 @@ def run(config: Any) -> dict[str, Any]:
     paths["transcripts.txt"] = os.path.join(config.output_dir, f"transcripts-{host}.txt")
   say(f"rolling out {len(tasks)} tasks x {engine.config.group_size} samples "
       f"({config.batch_size} rows, chunks of {config.chunk}) -> {config.output_dir}")
-  records: list[RolloutRecord] = []
-  start = last = time.perf_counter()
+  start = time.perf_counter()
   mine = tasks[host::hosts]
-  with open(paths["records.jsonl"], "w") as out, open(paths["transcripts.txt"], "w") as text:
-    for done, group in enumerate(engine.run(mine), 1):
-      for record in group:
-        out.write(json.dumps(record.to_json()) + "\n")
-        if len(records) < config.transcripts:
-          text.write(transcript(record, tokenizer) + "\n")
-        records.append(record)
-      now = time.perf_counter()
-      if now - last > 5 or done == len(mine):
-        rate = done / (now - start)
-        say(f"tasks {done}/{len(mine)}{' (host 0)' if hosts > 1 else ''}  {rate:.2f} tasks/s  "
-            f"{sum(r.response_len for r in records) / (now - start):,.0f} tokens/s  "
-            f"ETA {(len(mine) - done) / rate:.0f}s")
-        last = now
+  # On the host's own devices, writing its own files: agreed, so one host's failure (a tool
+  # set-up, a stalled rollout, a full disk) ends every host instead of leaving them in the
+  # gathers below.
+  records = distributed.agreed(lambda: _roll_out(engine, tokenizer, mine, config, paths, start),
+                               "rollouts")
   fields = ("finish_reason", "tool_calls", "tool_errors", "response_len", "turns")
   every = [types.SimpleNamespace(**row) for part in distributed.gather_json(
       [{f: getattr(r, f) for f in fields} for r in records]) for row in part]
@@ -113,6 +107,30 @@ def run(config: Any) -> dict[str, Any]:
       json.dump(summary, f, indent=2)
   say(json.dumps(summary))
   return summary
+
+
+def _roll_out(engine: Any, tokenizer: Any, tasks: list, config: Any, paths: dict[str, str],
+              start: float) -> list[RolloutRecord]:
+  """Rolls out `tasks`, writing each record and the first transcripts as they finish, with
+  progress lines; returns the records."""
+  records: list[RolloutRecord] = []
+  last = start
+  hosts = jax.process_count()
+  with open(paths["records.jsonl"], "w") as out, open(paths["transcripts.txt"], "w") as text:
+    for done, group in enumerate(engine.run(tasks), 1):
+      for record in group:
+        out.write(json.dumps(record.to_json()) + "\n")
+        if len(records) < config.transcripts:
+          text.write(transcript(record, tokenizer) + "\n")
+        records.append(record)
+      now = time.perf_counter()
+      if now - last > 5 or done == len(tasks):
+        rate = done / (now - start)
+        say(f"tasks {done}/{len(tasks)}{' (host 0)' if hosts > 1 else ''}  {rate:.2f} tasks/s  "
+            f"{sum(r.response_len for r in records) / (now - start):,.0f} tokens/s  "
+            f"ETA {(len(tasks) - done) / rate:.0f}s")
+        last = now
+  return records
 
 
 def interactive(config: Any, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:

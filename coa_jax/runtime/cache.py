@@ -54,7 +54,8 @@ def file_fingerprint(path: str) -> str:
 def _write_atomically(path: str, write: Callable[[Any], None]) -> None:
   """Calls `write(file)` on a temporary file beside `path`, then renames it to `path`."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  temporary = f"{path}.tmp{os.getpid()}"  # processes sharing a folder never share one
+  # processes sharing a folder (the hosts of a pod on one file system) never share one
+  temporary = f"{path}.tmp{jax.process_index()}-{os.getpid()}"
   with open(temporary, "w") as f:
     write(f)
   os.replace(temporary, path)
@@ -88,19 +89,32 @@ def cached_json(path: str, key: Any, compute: Callable[[], Any]) -> Any:
   On several processes, process 0's file decides for all (a host that alone found the value
   would skip a computation its peers run collectives in), every process computes, process 0's
   value is returned everywhere (its evaluation wrote the files it read) and process 0 stores
-  it."""
+  it. Reading, computing and storing are each agreed (`distributed.agreed`): a host-side
+  failure on one process ends every process, none left waiting in the next collective (a
+  computation that runs collectives of its own agrees inside them, as the jobs do)."""
   key = canonical(key)
-  stored = None
-  if os.path.exists(path):
-    with open(path) as f:
-      stored = json.load(f)
-    if stored.get("key") != key:
-      say(f"{path} was computed under other settings: recomputing")
-      stored = None
-  stored = _first(stored)
+  first = jax.process_index() == 0
+  stored = distributed.agreed_all(lambda: _stored(path, key) if first else None,
+                                  f"reading the cached {path}")[0]
   if stored is not None:
     return stored["value"]
-  value = _first(canonical(compute()))
-  if jax.process_index() == 0:
-    write_json(path, {"key": key, "value": value})
+  value = distributed.agreed_all(lambda: canonical(compute()), f"computing {path}")[0]
+  distributed.agreed(lambda: first and write_json(path, {"key": key, "value": value}),
+                     f"storing {path}")
   return value
+
+
+def _stored(path: str, key: Any) -> dict[str, Any] | None:
+  """Returns the file at `path` ({"key", "value"}) when it was stored under `key`, else None."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    try:
+      stored = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path} is not a cached result ({e}); it was not written by this "
+                       f"code (its writes are atomic): delete it to recompute") from e
+  if stored.get("key") != key:
+    say(f"{path} was computed under other settings: recomputing")
+    return None
+  return stored

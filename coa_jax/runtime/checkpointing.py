@@ -4,14 +4,23 @@ Saves are asynchronous and keep the newest `max_to_keep`; `restore_latest` resum
 newest complete checkpoint with every array placed in its sharding. A save cut short (a killed
 process) never becomes a step: orbax writes into a temporary folder and renames it when done.
 
+The directory is a local folder or a URL (gs://bucket/run): orbax reads and writes it through
+`epath`, and every host of a pod slice sees the same steps.
+
 Resume is exact or fails loudly, and every process takes the same decision:
 
 - the candidates are the steps every process sees, newest first;
 - a step whose tree, shapes, dtypes or mesh differ from what the run expects (another model
   size, optimizer or mesh) raises `CheckpointMismatchError` naming the differences, and moves
   nothing: it is the wrong run, or the wrong config, not a damaged checkpoint;
-- a step that cannot be read (truncated or missing files) on any process is moved aside to
-  `<step>.corrupt-<time>` with a warning, and every process goes on to the previous one.
+- a step that is damaged on any process (missing, truncated, corrupt or unparsable files:
+  `is_damage`) is passed over for the previous one; once a step is restored, the damaged newer
+  ones are moved aside to `<step>.corrupt-<time>` with a warning;
+- when every step is damaged, `CheckpointDamagedError` says so and moves nothing: the run never
+  trains from step 0 over a folder of steps unless `start_over_if_all_damaged` asks for it;
+- any other failure to read (out of memory, an I/O or permission error) is raised on every
+  process as it is (the others raise `HostFailure`), with nothing moved: it says nothing about
+  the checkpoint, and a retry may well succeed.
 
 The fit is checked on the step's metadata before orbax reads an array, so a mismatch or an
 unreadable metadata file is agreed on before any collective. One hazard is left: orbax's
@@ -26,7 +35,7 @@ A SIGTERM (TPU VM preemption) asks the loop to save and stop at a step every pro
 
 from __future__ import annotations
 
-import os
+import json
 import signal
 import time
 import warnings
@@ -37,27 +46,51 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from coa_jax.runtime import distributed
+from coa_jax.runtime import distributed, paths
 
 
 class CheckpointWarning(UserWarning):
-  """A checkpoint could not be read and was skipped."""
+  """A damaged checkpoint step was set aside."""
 
 
 class CheckpointMismatchError(ValueError):
   """A checkpoint does not fit the run's config (tree, shape, dtype or mesh)."""
 
 
-class Checkpointer:
-  """Saves and restores (TrainState, data iterator state) pairs under one directory."""
+class CheckpointDamagedError(RuntimeError):
+  """Every checkpoint step in the folder is damaged, and the run may not start over."""
 
-  def __init__(self, directory: str, max_to_keep: int = 3, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+
+# tensorstore's status codes for data that are not there or not what was written; any other
+# (RESOURCE_EXHAUSTED, PERMISSION_DENIED, UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) says
+# nothing about the checkpoint.
+_DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
+
+
+def is_damage(error: BaseException) -> bool:
+  """Returns whether a read's `error` says the checkpoint itself is damaged (missing,
+  truncated, corrupt or unparsable files), not that the reading failed (out of memory, I/O,
+  permissions, another host): only damage sets a step aside."""
+  if isinstance(error, (FileNotFoundError, EOFError, UnicodeDecodeError, json.JSONDecodeError)):
+    return True
+  if isinstance(error, OSError) or not isinstance(error, ValueError):
+    return False
+  return str(error).startswith(_DAMAGE_CODES)
+
+
+class Checkpointer:
+  """Saves and restores (TrainState, data iterator state) pairs under one directory: a local
+  folder or a URL (gs://...) that orbax writes through `epath`."""
+
+  def __init__(self, directory: str, max_to_keep: int = 3, async_save: bool = True,
+               start_over_if_all_damaged: bool = False):
+    self.directory = paths.resolve(directory)
+    self.start_over_if_all_damaged = start_over_if_all_damaged
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                            enable_async_checkpointing=async_save)
     # Named handlers let a fresh manager read a step's metadata before restoring it.
     self._manager = ocp.CheckpointManager(
-        self.directory, options=options,
+        paths.to_epath(self.directory), options=options,
         item_handlers=dict(state=ocp.StandardCheckpointHandler(),
                            data=ocp.JsonCheckpointHandler()))
 
@@ -72,53 +105,77 @@ class Checkpointer:
 
   def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict[str, Any]] | None:
     """Returns (step, state, data state) of the newest readable checkpoint, placed like
-    `abstract_state` (ShapeDtypeStructs with shardings), or None when there is none; the same
-    step on every process. Raises CheckpointMismatchError when it does not fit
-    `abstract_state`."""
-    seen = distributed.gather_json(sorted(self._manager.all_steps()))
+    `abstract_state` (ShapeDtypeStructs with shardings), or None when the folder holds no step;
+    the same step on every process. Damaged steps newer than it are set aside. Raises
+    CheckpointMismatchError when a step does not fit `abstract_state`, CheckpointDamagedError
+    when every step is damaged (unless `start_over_if_all_damaged`), and any other failure to
+    read (out of memory, I/O, permissions) as it is, on every process, moving nothing."""
+    seen = distributed.agreed_all(lambda: sorted(self._manager.all_steps()),
+                                  f"listing the checkpoint steps in {self.directory}")
+    damaged: dict[int, str] = {}
     for step in sorted(set(seen[0]).intersection(*seen[1:]), reverse=True):
-      try:
-        mismatch, problem = mismatches(self._manager.item_metadata(step)["state"],
-                                       abstract_state), ""
-      except Exception as e:  # noqa: BLE001 - unreadable metadata: a damaged step
-        mismatch, problem = [], f"{type(e).__name__}: {str(e)[:300]}"
-      reports = distributed.gather_json([mismatch, problem])
+      reports = distributed.agreed_all(lambda: self._check_fit(step, abstract_state),
+                                       f"reading checkpoint step {step}'s metadata")
       if any(m for m, _ in reports):
         raise CheckpointMismatchError(
             f"checkpoint step {step} in {self.directory} does not fit this run's config "
             f"(another model, optimizer or mesh?); nothing was moved. Resume with the config "
             f"that wrote it, or point checkpoint.directory elsewhere. Differences: "
             f"{'; '.join(next(m for m, _ in reports if m))}")
-      restored = None
-      if not any(p for _, p in reports):
-        try:
-          restored = self._manager.restore(step, args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-          # Every shard in place (and any read error raised here, where it is caught).
-          jax.block_until_ready(restored["state"])
-        except Exception as e:  # noqa: BLE001 - any unreadable step is set aside the same way
-          problem = f"{type(e).__name__}: {str(e)[:300]}"
-        reports = distributed.gather_json([[], problem])
-      problems = [f"process {i}: {p}" for i, (_, p) in enumerate(reports) if p]
+      restored = {}
+      if not any(d for _, d in reports):
+        reports = distributed.agreed_all(lambda: [[], self._read(step, abstract_state, restored)],
+                                         f"restoring checkpoint step {step}")
+      problems = [f"process {i}: {d}" for i, (_, d) in enumerate(reports) if d]
       if problems:
-        self._set_aside(step, "; ".join(problems))
+        damaged[step] = "; ".join(problems)
         continue
+      self._set_aside(damaged)
       return step, restored["state"], restored["data"]
+    if damaged and not self.start_over_if_all_damaged:
+      raise CheckpointDamagedError(
+          f"every checkpoint step in {self.directory} is damaged, nothing was moved: "
+          f"{'; '.join(f'step {s}: {d}' for s, d in damaged.items())}. Repair or remove them, "
+          f"point checkpoint.directory elsewhere, or set "
+          f"checkpoint.start_over_if_all_damaged=True to set them aside and train from step 0")
+    self._set_aside(damaged)
     return None
 
-  def _set_aside(self, step: int, problem: str) -> None:
-    """Renames an unreadable step's folder (kept for inspection), so the run can go on and
-    save that step again."""
-    path = os.path.join(self.directory, str(step))
-    aside = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
-    warnings.warn(f"checkpoint step {step} in {self.directory} cannot be read ({problem}); "
-                  f"moved it to {aside} and falling back to the previous one",
-                  CheckpointWarning, stacklevel=3)
-    if jax.process_index() == 0:
-      os.replace(path, aside)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f"set aside checkpoint {path}")
-    self._manager.reload()
+  def _check_fit(self, step: int, abstract_state: Any) -> tuple[list[str], str]:
+    """Returns (how the step's metadata differs from `abstract_state`, its damage or "");
+    raises a failure to read that is not damage."""
+    try:
+      saved = self._manager.item_metadata(step)["state"]
+    except Exception as e:  # noqa: BLE001 - damage is reported, anything else raised
+      return [], _damage(e)
+    if not jax.tree_util.tree_leaves(saved):
+      return [], "the step's metadata lists no arrays"
+    return mismatches(saved, abstract_state), ""
+
+  def _read(self, step: int, abstract_state: Any, into: dict[str, Any]) -> str:
+    """Restores `step`'s items into `into` and returns "", or returns the step's damage;
+    raises a failure to read that is not damage."""
+    try:
+      into.update(self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())))
+      jax.block_until_ready(into["state"])  # every shard in place, any read error here
+      return ""
+    except Exception as e:  # noqa: BLE001 - damage is reported, anything else raised
+      return _damage(e)
+
+  def _set_aside(self, damaged: dict[int, str]) -> None:
+    """Renames each damaged step's folder to `<step>.corrupt-<time>` (kept for inspection), on
+    process 0 with every process agreeing, so the run can save those steps again."""
+    for step, problem in sorted(damaged.items()):
+      path = f"{self.directory}/{step}"
+      aside = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+      distributed.agreed(
+          lambda: jax.process_index() == 0 and paths.to_epath(path).rename(aside),
+          f"setting aside checkpoint {path}")
+      warnings.warn(f"checkpoint step {step} in {self.directory} is damaged ({problem}); "
+                    f"moved it to {aside}", CheckpointWarning, stacklevel=3)
+    if damaged:
+      self._manager.reload()
 
   def wait(self) -> None:
     """Blocks until pending saves are written."""
@@ -127,6 +184,13 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def _damage(error: Exception) -> str:
+  """Returns a damaged read's description; re-raises any other failure to read."""
+  if not is_damage(error):
+    raise error
+  return f"{type(error).__name__}: {str(error)[:300]}"
 
 
 def mismatches(saved: Any, abstract_state: Any, limit: int = 5) -> list[str]:

@@ -88,7 +88,31 @@ def agreed(fn: Callable[[], T], where: str) -> T:
     result, error = fn(), None
   except Exception as e:  # noqa: BLE001 - every process hears of it, then raises
     result, error = None, e
-  reports = gather_json(None if error is None else f"{type(error).__name__}: {error}")
+  _raise_together(error, where)
+  return result
+
+
+def agreed_all(fn: Callable[[], T], where: str) -> list[T]:
+  """Collective: as `agreed`, and returns every process's fn() (JSON values) in process order."""
+  try:
+    result, error = fn(), None
+  except Exception as e:  # noqa: BLE001 - every process hears of it, then raises
+    result, error = None, e
+  reports = gather_json([_describe(error), None if error else result])
+  _raise_reported(error, [r for r, _ in reports], where)
+  return [value for _, value in reports]
+
+
+def _raise_together(error: BaseException | None, where: str) -> None:
+  """Collective: raises on every process when `error` is set on any (see `agreed`)."""
+  _raise_reported(error, gather_json(_describe(error)), where)
+
+
+def _describe(error: BaseException | None) -> str | None:
+  return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise_reported(error: BaseException | None, reports: list[str | None], where: str) -> None:
   failures = [f"process {i}: {r}" for i, r in enumerate(reports) if r]
   if error is not None:
     if len(failures) > 1:
@@ -96,7 +120,35 @@ def agreed(fn: Callable[[], T], where: str) -> T:
     raise error
   if failures:
     raise HostFailure(f"stopping: another process failed ({where}): {'; '.join(failures)}")
-  return result
+
+
+class FirstError:
+  """Keeps the first exception of host-side work instead of raising it, so the process goes on
+  taking part in the collectives that follow; `raise_together` then ends every process with it.
+
+      errors = FirstError()
+      for shard in shards:
+        errors.run(write, shard)  # skipped once a write failed
+        gather(shard)            # a collective every process still joins
+      errors.raise_together("writing the export")
+  """
+
+  def __init__(self):
+    self.error: Exception | None = None
+
+  def run(self, fn: Callable[..., T], *args: Any) -> T | None:
+    """Returns fn(*args), or None once anything run here has raised (the first error kept)."""
+    if self.error is not None:
+      return None
+    try:
+      return fn(*args)
+    except Exception as e:  # noqa: BLE001 - raised on every process by raise_together
+      self.error = e
+      return None
+
+  def raise_together(self, where: str) -> None:
+    """Collective: raises the kept error on this process and HostFailure on the others."""
+    _raise_together(self.error, where)
 
 
 def say(*args: Any, **kwargs: Any) -> None:

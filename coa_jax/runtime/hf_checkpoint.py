@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from coa_jax.model.config import ModelConfig, build_config, from_hf_config, to_hf_config
 from coa_jax.model.transformer import Transformer
+from coa_jax.runtime import distributed, paths
 from coa_jax.runtime import sharding as sharding_lib
 from coa_jax.runtime.safetensors_io import SafetensorsFile, write_safetensors
 from coa_jax.runtime.sharding import param_shardings
@@ -292,31 +293,46 @@ def save_checkpoint(folder: str, config: ModelConfig, params: Any, dtype: str = 
     size += nbytes
   files = ([SINGLE_FILE] if len(shards) == 1 else
            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-  writer = jax.process_index() == 0
-  if writer:
-    os.makedirs(folder, exist_ok=True)
-  total = 0
-  for file, shard in zip(files, shards):
-    if writer:
-      total += write_safetensors(os.path.join(folder, file), shard, {"format": "pt"})
-    else:  # take part in the collective gathers without writing
-      for *_, produce in shard:
-        produce()
-  if writer:
-    hf_config = to_hf_config(config, torch_dtype=dtype)
-    if head == "value":
-      hf_config.update(architectures=[hf_config["architectures"][0].replace(
-          "ForCausalLM", "ForTokenClassification")], num_labels=1, id2label={"0": "VALUE"},
-          label2id={"VALUE": 0}, token_classification_bias=False, classifier_dropout=0.0)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-      json.dump(hf_config, f, indent=2)
-    if len(files) > 1:
-      weight_map = {item[0]: file for file, shard in zip(files, shards) for item in shard}
-      with open(os.path.join(folder, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-  if jax.process_count() > 1:  # no process reads the folder before process 0 has written it
-    multihost_utils.sync_global_devices(f"hf export {folder}")
+  hf_config = to_hf_config(config, torch_dtype=dtype)
+  if head == "value":
+    hf_config.update(architectures=[hf_config["architectures"][0].replace(
+        "ForCausalLM", "ForTokenClassification")], num_labels=1, id2label={"0": "VALUE"},
+        label2id={"VALUE": 0}, token_classification_bias=False, classifier_dropout=0.0)
+  jsons = {"config.json": hf_config}
+  if len(files) > 1:
+    weight_map = {item[0]: file for file, shard in zip(files, shards) for item in shard}
+    total = sum(int(np.prod(item[1])) * np_dtype.itemsize for item in items)
+    jsons[INDEX_FILE] = {"metadata": {"total_size": total}, "weight_map": weight_map}
+  _write_on_process_0(folder, list(zip(files, shards)), jsons, f"hf export {folder}")
   return files
+
+
+def _write_on_process_0(folder: str, safetensors: list[tuple[str, list]],
+                        jsons: dict[str, Any], where: str) -> None:
+  """Collective: process 0 writes `safetensors` ((file, tensors) pairs) and `jsons` (file:
+  value) into `folder` (local or a URL), while every process produces each tensor (the gathers
+  of sharded arrays). A write that fails on process 0 (a full disk, a read-only folder) lets
+  the gathers run to the end, then raises on every process (`FirstError`), so none waits."""
+  writer, errors = jax.process_index() == 0, distributed.FirstError()
+  if writer:
+    errors.run(lambda: paths.to_epath(folder).mkdir(parents=True, exist_ok=True))
+  for file, tensors in safetensors:
+    produced = 0
+
+    def counted(produce: Callable[[], np.ndarray]) -> np.ndarray:
+      nonlocal produced
+      produced += 1
+      return produce()
+
+    if writer:
+      errors.run(write_safetensors, os.path.join(folder, file),
+                 [(*t[:3], lambda p=t[3]: counted(p)) for t in tensors], {"format": "pt"})
+    for *_, produce in tensors[produced:]:  # the gathers a failed or absent write left
+      produce()
+  for file, value in jsons.items() if writer else ():
+    errors.run(lambda f=file, v=value: paths.to_epath(os.path.join(folder, f)).write_text(
+        json.dumps(v, indent=2)))
+  errors.raise_together(where)  # also: no process reads the folder before it is written
 
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -343,21 +359,13 @@ def save_adapters(folder: str, config: ModelConfig, adapters: Any, base_checkpoi
       for i, name in enumerate(_names(t, config)):
         items.append(("base_model.model." + name.replace(".weight", f".{hf_key}.weight"), shape,
                       np_dtype, lambda a=array, i=i, layout=layout: layout(_to_host(a[i]))))
-  if jax.process_index() == 0:
-    os.makedirs(folder, exist_ok=True)
-    write_safetensors(os.path.join(folder, ADAPTER_FILE), items, {"format": "pt"})
-    adapter_config = dict(
-        peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_checkpoint,
-        r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-        target_modules=sorted(config.lora_targets), bias="none", fan_in_fan_out=False,
-        use_rslora=False, inference_mode=True)
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-      json.dump(adapter_config, f, indent=2)
-  else:
-    for *_, produce in items:
-      produce()
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(f"adapter export {folder}")
+  adapter_config = dict(
+      peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_checkpoint,
+      r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+      target_modules=sorted(config.lora_targets), bias="none", fan_in_fan_out=False,
+      use_rslora=False, inference_mode=True)
+  _write_on_process_0(folder, [(ADAPTER_FILE, items)], {"adapter_config.json": adapter_config},
+                      f"adapter export {folder}")
 
 
 def load_model(config: Any, tokenizer, mesh) -> tuple[ModelConfig, Any]:

@@ -14,6 +14,8 @@ from typing import Callable, Iterable
 import ml_dtypes
 import numpy as np
 
+from coa_jax.runtime import paths
+
 _DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
@@ -96,8 +98,8 @@ def write_safetensors(path: str,
     offset += nbytes
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
+  tmp = paths.to_epath(path + ".tmp")  # a local file or an object in the store a URL names
+  with tmp.open("wb") as f:
     f.write(struct.pack("<Q", len(blob)))
     f.write(blob)
     for name, shape, dtype, produce in tensors:
@@ -106,5 +108,5 @@ def write_safetensors(path: str,
         raise SafetensorsError(f"tensor {name!r}: produced shape {array.shape}, "
                                f"declared {tuple(shape)}")
       f.write(array.tobytes())
-  os.replace(tmp, path)
+  tmp.replace(paths.to_epath(path))
   return offset

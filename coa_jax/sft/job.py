@@ -23,9 +23,21 @@ from coa_jax.train import step as step_lib
 from coa_jax.train.loop import LoopConfig, run_loop
 
 
+def _data(config: Any) -> tuple[Any, list, DropCounter]:
+  """Returns (tokenizer, trajectories, their drop counter), the drops within the config's
+  bound."""
+  tokenizer = load_tokenizer(config)
+  counter = DropCounter()
+  trajectories = packing.load_source(config.data.path, counter)
+  say(f"data {config.data.path}: {counter.summary()}")
+  counter.check(config.data.max_drop_fraction)
+  return tokenizer, trajectories, counter
+
+
 def _model_and_params(config: Any, tokenizer, mesh, tx, rng):
   """Returns (model config, TrainState): from an HF checkpoint folder or a fresh init."""
-  model_config, params = load_model(config, tokenizer, mesh)
+  model_config, params = distributed.agreed(lambda: load_model(config, tokenizer, mesh),
+                                           "loading the model")
   model = Transformer(model_config)
   if params is not None:
     return model_config, state_lib.state_from_params(params, tx, model, mesh, rng)
@@ -40,13 +52,19 @@ class SFTJob:
     self.state, self.batches, self.step_fn, self.mesh = state, batches, step_fn, mesh
 
   def step(self, step: int) -> dict[str, float]:
-    batch = next(self.batches, None)
     # Shards pack into different numbers of batches: the run ends when any process's data
-    # are exhausted, on every process at once (one alone would leave the others in the step).
-    if any(distributed.gather_json(batch is None)):
+    # are exhausted, on every process at once (one alone would leave the others in the step),
+    # and a process whose data fail (an unreadable shard) ends every process with its error.
+    drawn = {}
+
+    def draw() -> bool:
+      drawn["batch"] = next(self.batches, None)
+      return drawn["batch"] is not None
+
+    if not all(distributed.agreed_all(draw, f"reading the batch of step {step}")):
       raise StopIteration
     self.state, metrics = step_lib.run_step(self.step_fn, self.state,
-                                            sharding.shard_batch(batch, self.mesh))
+                                            sharding.shard_batch(drawn["batch"], self.mesh))
     return metrics
 
   def checkpoint_state(self) -> Any:
@@ -63,11 +81,8 @@ class SFTJob:
 
 def run(config: Any) -> dict[str, Any]:
   """Trains per `config`; returns a summary (losses, steps, paths)."""
-  tokenizer = load_tokenizer(config)
-  counter = DropCounter()
-  trajectories = packing.load_source(config.data.path, counter)
-  say(f"data {config.data.path}: {counter.summary()}")
-  counter.check(config.data.max_drop_fraction)
+  tokenizer, trajectories, counter = distributed.agreed(lambda: _data(config),
+                                                        "loading the SFT data")
 
   mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
   if config.batch_size % jax.process_count():

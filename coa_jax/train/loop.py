@@ -37,7 +37,7 @@ from typing import Any, Protocol, Sequence
 import jax
 
 from coa_jax.model import ModelConfig, lora
-from coa_jax.runtime import hf_checkpoint
+from coa_jax.runtime import distributed, hf_checkpoint, paths
 from coa_jax.runtime.checkpointing import Checkpointer, PreemptionFlag
 from coa_jax.runtime.distributed import say
 from coa_jax.train import writers
@@ -68,8 +68,8 @@ class Job(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
-  """The loop's settings; `checkpoint` holds directory, every, max_to_keep and async_save (None:
-  no checkpoints, no resume)."""
+  """The loop's settings; `checkpoint` holds `configs.common.checkpoint`'s fields (None: no
+  checkpoints, no resume)."""
 
   steps: int
   workdir: str
@@ -139,18 +139,27 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
   """Runs `job` per `config` (see the module docstring); `abstract_state` is the shapes and
   shardings of the job's `checkpoint_state()`, which a restore reads into."""
   ckpt = config.checkpoint
-  checkpointer = ckpt and Checkpointer(ckpt.directory, ckpt.max_to_keep, ckpt.async_save)
+  checkpointer = ckpt and Checkpointer(ckpt.directory, ckpt.max_to_keep, ckpt.async_save,
+                                      ckpt.start_over_if_all_damaged)
   start, skipped = 0, 0
   restored = checkpointer and checkpointer.restore_latest(abstract_state)
   if restored is not None:
     start, state, data_state = restored
     skipped = data_state.pop("loop", {}).get("nonfinite_skipped", 0)
-    job.restore(state, data_state)
+    # The data position may not fit this host (a shard it lacks): every host hears of it.
+    distributed.agreed(lambda: job.restore(state, data_state), "restoring the job's data")
     say(f"resumed from step {start} in {checkpointer.directory}")
   last = min(config.steps, start + config.stop_after) if config.stop_after else config.steps
-  os.makedirs(config.workdir, exist_ok=True)
   active = jax.process_index() == 0
-  writer = writers.MetricWriter(config.workdir, append=restored is not None, active=active)
+
+  def open_writer() -> writers.MetricWriter:
+    paths.to_epath(config.workdir).mkdir(parents=True, exist_ok=True)
+    return writers.MetricWriter(config.workdir, append=restored is not None, active=active)
+
+  # Process 0 writes the metrics: a failure to open them ends every host; one to write a step's
+  # row is kept (the others go on stepping beside it) and ends every host at the next save.
+  writer = distributed.agreed(open_writer, f"opening the metric files in {config.workdir}")
+  writes = distributed.FirstError()
   progress = _Progress(config.steps, config.log_every, config.unit, config.shown)
   rows: list[dict[str, float]] = []
   completed, stopped_by_signal, exhausted, saved = start, False, False, start
@@ -196,16 +205,18 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
                                              2)
         previous = now
         rows.append(row)
-        writer.write_scalars(step, row)
+        writes.run(writer.write_scalars, step, row)
         progress.update(step, metrics, config.units_per_step)
         stopping = preemption.reached(step)
         if checkpointer and (step % ckpt.every == 0 or step == last or stopping):
+          writes.raise_together(f"writing the metrics of step {step}")
           save(step, force=stopping)
           saved = step
         completed = step
         if stopping:
           stopped_by_signal = True
           break
+    writes.raise_together("writing the metrics")
   finally:
     writer.close()
     if checkpointer:
@@ -213,9 +224,6 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
   result = LoopResult(steps=completed, resumed_from=start, stopped_by_signal=stopped_by_signal,
                       train_seconds=round(time.perf_counter() - t0, 2), rows=rows,
                       metrics=os.path.join(config.workdir, "metrics.jsonl"))
-  if rows and active:
-    result.plot = plot_metrics(result.metrics, os.path.join(config.workdir, config.plot_file),
-                               config.plot_keys, config.title)
   if config.export_dir and (completed == config.steps or exhausted):
     params = job.state.model_params()
     if model_config.lora_rank:  # the adapters alone (PEFT), then merged into the base weights
@@ -226,6 +234,10 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
                                   dtype=config.export_dtype)
     result.export_dir = config.export_dir
     say(f"exported HF checkpoint to {config.export_dir}")
+  if rows:  # after the export's gathers, which a plot failing on process 0 alone would hang
+    result.plot = distributed.agreed(lambda: active and plot_metrics(
+        result.metrics, os.path.join(config.workdir, config.plot_file), config.plot_keys,
+        config.title) or None, "plotting the metrics")
   return result
 
 
@@ -239,7 +251,7 @@ def plot_metrics(path: str, png_path: str, keys: Sequence[str], title: str = "")
   except ImportError:
     say("matplotlib is not installed (pip install 'coa-jax[plots]'): no plot written")
     return None
-  with open(path) as f:
+  with paths.to_epath(path).open() as f:
     rows = [json.loads(line) for line in f if line.strip()]
   fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
   for ax, key in zip(axes[0], keys):
@@ -250,6 +262,7 @@ def plot_metrics(path: str, png_path: str, keys: Sequence[str], title: str = "")
   if title:
     fig.suptitle(title)
   fig.tight_layout()
-  fig.savefig(png_path, dpi=100)
+  with paths.to_epath(png_path).open("wb") as f:  # a local file or a URL (gs://...)
+    fig.savefig(f, format="png", dpi=100)
   plt.close(fig)
   return png_path

@@ -9,7 +9,6 @@ is installed, and importing TensorFlow took about 5 s of every job's start.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from typing import Any, Mapping
@@ -20,6 +19,8 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.scalar import metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
+
+from coa_jax.runtime import paths
 
 _SCALAR = metadata.create_summary_metadata(display_name=None, description=None)
 
@@ -32,13 +33,12 @@ class MetricWriter:
   def __init__(self, workdir: str, append: bool, active: bool = True):
     self._file = self._events = None
     if active:
-      os.makedirs(workdir, exist_ok=True)
-      self._file = open(os.path.join(workdir, "metrics.jsonl"), "a" if append else "w")
-      events = os.path.join(workdir, "tensorboard")
-      os.makedirs(events, exist_ok=True)
+      folder = paths.to_epath(workdir)  # a local folder or a URL (gs://...)
+      (folder / "tensorboard").mkdir(parents=True, exist_ok=True)
+      self._file = (folder / "metrics.jsonl").open("a" if append else "w")
       # TensorBoard's naming: a resumed run starts a file of its own beside the earlier ones.
       name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}"
-      self._events = RecordWriter(open(os.path.join(events, name), "wb"))
+      self._events = RecordWriter((folder / "tensorboard" / name).open("wb"))
       self._add(Event(wall_time=time.time(), file_version="brain.Event:2"))
 
   def _add(self, event: Event) -> None:
@@ -46,9 +46,9 @@ class MetricWriter:
     self._events.flush()
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    row = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}  # on every process
     if self._file is None:
       return
-    row = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
     values = [Summary.Value(tag=k, metadata=_SCALAR,

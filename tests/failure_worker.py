@@ -1,0 +1,117 @@
+"""One of two processes of tests/test_host_failures.py: host-side work before a collective fails
+on one process, and both processes exit with that error instead of one waiting for the other.
+
+usage: python tests/failure_worker.py SCENARIO OUT_DIR PROCESS_ID PORT
+
+Scenarios (the process that fails in brackets); the worker runs the library code that fails,
+and the error, uncaught, ends the process:
+- cache-read [0]: process 0's cached file is not JSON (the others have none to read);
+- cache-compute [1]: the cached computation (host-side work) raises on process 1;
+- sft-data [1]: process 1's SFT batch iterator raises (an unreadable shard), not exhaustion;
+- export [0]: process 0's disk is full while it writes an HF export between the gathers;
+- set-aside [0]: process 0 cannot rename a damaged checkpoint step out of the way.
+"""
+
+import errno
+import faulthandler
+import os
+import resource
+import signal
+import sys
+
+scenario, out, process_id, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump of a hang
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from etils import epath  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from coa_jax.model import Transformer, get_preset  # noqa: E402
+from coa_jax.runtime import distributed, hf_checkpoint, sharding  # noqa: E402
+from coa_jax.runtime.cache import cached_json  # noqa: E402
+from coa_jax.runtime.checkpointing import Checkpointer  # noqa: E402
+from coa_jax.sft.job import SFTJob  # noqa: E402
+
+distributed.initialize(distributed.DistributedConfig(
+    mode="explicit", coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+    process_id=process_id))
+MESH = sharding.make_mesh((2, 1, 1))
+SHARDED = NamedSharding(MESH, P("data"))
+
+
+def global_sum() -> float:
+  """A global program: each process waits in it for the other."""
+  w = jax.make_array_from_callback((2,), SHARDED, lambda index: np.ones((1,), np.float32))
+  return float(jax.jit(jnp.sum)(w))
+
+
+def cache_read() -> None:
+  path = os.path.join(out, f"cache-{process_id}.json")
+  if process_id == 0:
+    with open(path, "w") as f:
+      f.write('{"key": {"k": 1}, "value": ')  # cut short by hand: atomic writes never leave it
+  cached_json(path, {"k": 1}, global_sum)
+
+
+def cache_compute() -> None:
+  def compute() -> dict:  # host-side work (a teacher's evaluation, a report)
+    if process_id == 1:
+      raise ValueError("the evaluation's tool crashed")
+    return {"process": process_id}
+
+  cached_json(os.path.join(out, f"compute-{process_id}.json"), {"k": 1}, compute)
+
+
+class Shards:
+  """An SFT batch iterator whose shard cannot be read on process 1."""
+
+  def __next__(self):
+    if process_id == 1:
+      raise OSError(errno.EIO, "Input/output error", "shard-00001.jsonl")
+    return {"ids": np.zeros((1, 4), np.int32)}
+
+
+def sft_data() -> None:
+  SFTJob(state=None, batches=Shards(), step_fn=None, mesh=MESH).step(1)
+
+
+def export() -> None:
+  config = get_preset("tiny", num_layers=1, vocab_size=128)
+  params = sharding.init_params(Transformer(config), MESH, jax.random.key(0))
+  limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+  if process_id == 0:  # a full disk: every write past 0 bytes fails with EFBIG
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))
+  try:
+    hf_checkpoint.save_checkpoint(os.path.join(out, "export"), config, params, dtype="float32")
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limit)  # the log can take the traceback
+
+
+def set_aside() -> None:
+  directory = os.path.join(out, "ckpt")
+  checkpointer = Checkpointer(directory, async_save=False)
+  replicated = NamedSharding(MESH, P())
+  for step in (1, 2):
+    w = jax.make_array_from_callback((4,), replicated, lambda i, s=step: np.full((4,), s, "f4"))
+    checkpointer.save(step, {"w": w}, {})
+  checkpointer.close()
+  if process_id == 0:  # step 2 is damaged; process 0 may not rename it
+    os.remove(os.path.join(directory, "2", "state", "_METADATA"))
+
+    def refuse(self, target):
+      raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    type(epath.Path(directory)).rename = refuse
+  abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=replicated)}
+  Checkpointer(directory).restore_latest(abstract)
+
+
+SCENARIOS = {"cache-read": cache_read, "cache-compute": cache_compute, "sft-data": sft_data,
+             "export": export, "set-aside": set_aside}
+SCENARIOS[scenario]()
+global_sum()  # not reached: a process that got here would wait for the other in this program
+print("no error", flush=True)
