@@ -9,7 +9,9 @@ and the error, uncaught, ends the process:
 - cache-compute [1]: the cached computation (host-side work) raises on process 1;
 - sft-data [1]: process 1's SFT batch iterator raises (an unreadable shard), not exhaustion;
 - export [0]: process 0's disk is full while it writes an HF export between the gathers;
-- set-aside [0]: process 0 cannot rename a damaged checkpoint step out of the way.
+- set-aside [0]: process 0 cannot rename a damaged checkpoint step out of the way;
+- metrics [0]: process 0 cannot write a step's metrics row (a full disk); both stop at the
+  next save, having gone on stepping together until then.
 """
 
 import errno
@@ -34,6 +36,9 @@ from coa_jax.runtime import distributed, hf_checkpoint, sharding  # noqa: E402
 from coa_jax.runtime.cache import cached_json  # noqa: E402
 from coa_jax.runtime.checkpointing import Checkpointer  # noqa: E402
 from coa_jax.sft.job import SFTJob  # noqa: E402
+from coa_jax.train import writers  # noqa: E402
+from coa_jax.train.loop import LoopConfig, run_loop  # noqa: E402
+from configs import common  # noqa: E402
 
 distributed.initialize(distributed.DistributedConfig(
     mode="explicit", coordinator_address=f"127.0.0.1:{port}", num_processes=2,
@@ -110,8 +115,42 @@ def set_aside() -> None:
   Checkpointer(directory).restore_latest(abstract)
 
 
+class Steps:
+  """A job whose every step is a global program."""
+
+  def __init__(self):
+    self.state = {"w": jax.make_array_from_callback((2,), SHARDED,
+                                                    lambda index: np.zeros((1,), np.float32))}
+
+  def step(self, step):
+    self.state = {"w": jax.jit(lambda w: w + 1.0 + 0.0 * jnp.sum(w))(self.state["w"])}
+    return {"loss": float(step)}
+
+  def checkpoint_state(self):
+    return self.state
+
+  def data_state(self, step):
+    return {}
+
+  def restore(self, state, data_state):
+    self.state = state
+
+
+def metrics() -> None:
+  if process_id == 0:
+    def full_disk(self, step, scalars):
+      raise OSError(errno.ENOSPC, "No space left on device", "metrics.jsonl")
+
+    writers.MetricWriter.write_scalars = full_disk
+  abstract = {"w": jax.ShapeDtypeStruct((2,), jnp.float32, sharding=SHARDED)}
+  config = LoopConfig(steps=10, workdir=os.path.join(out, "work"), log_every=100,
+                      checkpoint=common.checkpoint(os.path.join(out, "steps"), every=4,
+                                                   async_save=False))
+  run_loop(Steps(), config, abstract, model_config=None)
+
+
 SCENARIOS = {"cache-read": cache_read, "cache-compute": cache_compute, "sft-data": sft_data,
-             "export": export, "set-aside": set_aside}
+             "export": export, "set-aside": set_aside, "metrics": metrics}
 SCENARIOS[scenario]()
 global_sum()  # not reached: a process that got here would wait for the other in this program
 print("no error", flush=True)
