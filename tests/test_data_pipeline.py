@@ -8,7 +8,7 @@ import pytest
 
 from coa_jax.data import coa_format, packing, sample_data
 from coa_jax.data import tokenizer as tk
-from coa_jax.data.importers import DropCounter
+from coa_jax.data.importers import DataError, DropCounter
 from coa_jax.train.batch import TokenBatch
 
 TRAJECTORIES = [dataclasses.replace(t, question=f"{t.question} (#{i})")
@@ -85,6 +85,43 @@ def test_batches_depend_on_the_shard_count_not_the_process_count(tok):
   resumed = packing.ShardedBatches(TRAJECTORIES, tok, config, DropCounter(), shards=2)
   resumed.set_state(state)
   np.testing.assert_array_equal(next(resumed).input_ids, expected.input_ids)
+
+
+def test_a_shard_without_examples_is_an_error(tok):
+  config = packing.PipelineConfig(seq_len=256, batch_size=1)
+  with pytest.raises(DataError) as raised:
+    packing.build_dataset(TRAJECTORIES[:1], tok, config, DropCounter(), 1, 2)
+  assert str(raised.value) == "data shard 1 of 2 got no examples"
+
+
+def test_shards_that_do_not_split_over_the_processes_are_an_error(tok):
+  config = packing.PipelineConfig(seq_len=256, batch_size=4)
+  with pytest.raises(DataError) as raised:
+    packing.ShardedBatches(TRAJECTORIES, tok, config, DropCounter(), 3, 0, 2)
+  assert str(raised.value) == ("data.shards=3 must be a multiple of the 2 process(es), and each "
+                               "process's 4 rows must split over its shards")
+
+
+def test_a_data_state_without_this_processs_shards_is_an_error(tok):
+  config = packing.PipelineConfig(seq_len=256, batch_size=2)
+  batches = packing.ShardedBatches(TRAJECTORIES, tok, config, DropCounter(), shards=2)
+  state = batches.get_state()
+  del state["1"]
+  with pytest.raises(DataError) as raised:
+    batches.set_state(state)
+  assert str(raised.value) == ("the data state has no position for shard(s) [1]; was the run "
+                               "saved with another data.shards?")
+
+
+def test_the_last_partial_batch_is_dropped(tok):
+  config = packing.PipelineConfig(seq_len=256, batch_size=1, shuffle=False, num_epochs=1,
+                                  packing_bins=1)
+  rows = list(packing.build_dataset(TRAJECTORIES[:3], tok, config, DropCounter()))
+  assert len(rows) == 3  # one example a row
+  pairs = dataclasses.replace(config, batch_size=2)
+  (batch,) = packing.build_dataset(TRAJECTORIES[:3], tok, pairs, DropCounter())
+  np.testing.assert_array_equal(batch.input_ids,
+                                np.concatenate([rows[0].input_ids, rows[1].input_ids]))
 
 
 def test_restoring_iterator_state_resumes_the_same_data_order(tok):

@@ -84,6 +84,21 @@ def test_a_task_without_an_answer_is_named(tmp_path):
     load_tasks(str(path))
 
 
+def test_a_missing_task_file_is_named(tmp_path):
+  path = tmp_path / "nowhere.jsonl"
+  with pytest.raises(ConfigError) as raised:
+    load_tasks(str(path))
+  assert str(raised.value) == f"task file {str(path)!r} does not exist"
+
+
+def test_an_empty_task_file_is_named(tmp_path):
+  path = tmp_path / "empty.jsonl"
+  path.write_text("")
+  with pytest.raises(ConfigError) as raised:
+    load_tasks(str(path))
+  assert str(raised.value) == f"task file {str(path)!r} has no tasks"
+
+
 def test_livecodebench_rows_become_code_tasks(tmp_path):
   path = tmp_path / "lcb.jsonl"
   cases = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"},

@@ -11,7 +11,7 @@ import transformers
 from hf_reference import hf_logits, make_hf_model
 
 from coa_jax.model import Transformer
-from coa_jax.runtime import hf_checkpoint, sharding
+from coa_jax.runtime import hf_checkpoint, safetensors_io, sharding
 from coa_jax.runtime.sharding import param_shardings
 
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -109,6 +109,14 @@ def test_missing_config_is_named(tmp_path):
     hf_checkpoint.load_checkpoint(str(tmp_path))
 
 
+def test_config_that_is_not_json_is_named(tmp_path):
+  (tmp_path / "config.json").write_text('{"model_type": ')
+  with pytest.raises(hf_checkpoint.CheckpointError) as raised:
+    hf_checkpoint.load_checkpoint(str(tmp_path))
+  assert str(raised.value) == (f"{tmp_path}/config.json: invalid JSON "
+                               f"(Expecting value: line 1 column 16 (char 15))")
+
+
 def test_missing_tensor_is_named(saved_qwen):
   _edit_config(saved_qwen, num_hidden_layers=3)
   with pytest.raises(hf_checkpoint.CheckpointError,
@@ -129,10 +137,20 @@ def test_missing_safetensors_file_is_named(saved_qwen):
     hf_checkpoint.load_checkpoint(str(saved_qwen))
 
 
+def test_a_shard_the_index_lists_but_the_folder_lacks_is_named(saved_qwen):
+  weight_map = {"model.norm.weight": "model.safetensors",
+                "lm_head.weight": "model-00002-of-00002.safetensors"}
+  (saved_qwen / hf_checkpoint.INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+  with pytest.raises(hf_checkpoint.CheckpointError) as raised:
+    hf_checkpoint.load_checkpoint(str(saved_qwen))
+  assert str(raised.value) == (f"{saved_qwen}: {hf_checkpoint.INDEX_FILE} lists "
+                               f"model-00002-of-00002.safetensors, which is missing")
+
+
 def test_truncated_safetensors_is_named(saved_qwen):
   path = saved_qwen / "model.safetensors"
   path.write_bytes(path.read_bytes()[:-100])
-  with pytest.raises(ValueError, match="truncated or has bad offsets"):
+  with pytest.raises(safetensors_io.SafetensorsError, match="truncated or has bad offsets"):
     hf_checkpoint.load_checkpoint(str(saved_qwen))
 
 

@@ -73,9 +73,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
           {"title": f"About {q}", "link": f"https://a.example/{len(q)}", "snippet": "first"},
           {"title": "Second", "link": "https://b.example/", "snippet": "second"},
           {"title": "no link"}]}))
-    elif self.path == "/flaky":
+    elif self.path.startswith("/flaky/"):  # /flaky/<status>: that status twice, then 200
       failing = self.server.hits[self.path] <= 2
-      self.reply(503 if failing else 200, json.dumps({"organic": [
+      self.reply(int(self.path.split("/")[2]) if failing else 200, json.dumps({"organic": [
           {"title": "Up", "link": "https://up.example/", "snippet": "recovered"}]}))
     elif self.path == "/down":
       self.reply(500, "internal error", "text/plain")
@@ -131,10 +131,11 @@ def test_search_cache_answers_a_repeated_query_without_a_request(server, tmp_pat
   assert again("tallest tree").metadata["cached"]
 
 
-def test_search_retries_5xx_then_succeeds(server):
-  result = search(server, "/flaky")("anything")
+@pytest.mark.parametrize("status", [429, 503])
+def test_search_retries_429_and_5xx_then_succeeds(server, status):
+  result = search(server, f"/flaky/{status}")("anything")
   assert result.ok and "recovered" in result.observation
-  assert server.hits["/flaky"] == 3
+  assert server.hits[f"/flaky/{status}"] == 3
 
 
 def test_search_gives_up_after_the_retries(server):
@@ -237,6 +238,16 @@ def test_a_status_line_that_is_not_http_is_an_http_error(faulty):
   result = faulty_search(faulty, "/garble/q", FAST)("lake")
   assert result.observation == (f"Error: request to {faulty}/garble/q failed: BadStatusLine: "
                                 f"SMTP ready\r\n (after 3 attempts)")
+  assert result.error_kind == base.HTTP_ERROR
+
+
+@pytest.mark.parametrize("mode, error", [
+    ("longheader", "LineTooLong: got more than 65536 bytes when reading header line"),
+    ("manyheaders", "HTTPException: got more than 100 headers")], ids=["long", "many"])
+def test_headers_past_http_client_limits_are_an_http_error(faulty, mode, error):
+  result = faulty_search(faulty, f"/{mode}/q", FAST)("lake")
+  assert result.observation == (f"Error: request to {faulty}/{mode}/q failed: {error} "
+                                f"(after 3 attempts)")
   assert result.error_kind == base.HTTP_ERROR
 
 

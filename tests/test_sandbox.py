@@ -100,6 +100,50 @@ def test_fork_bomb_is_contained_and_the_host_stays_responsive(sandbox):
   assert sandbox(program("print('still here')")).observation == "still here\n"
 
 
+def limited(sandbox, **limits):
+  """A one-worker sandbox in `sandbox`'s mode with some limits changed."""
+  return CodeSandbox(dataclasses.replace(LIMITS, **limits), isolation=sandbox.isolation,
+                     workers=1)
+
+
+def test_forking_past_max_processes_is_a_process_limit(sandbox):
+  # The children sleep: only RLIMIT_NPROC, never a time limit, can stop the loop.
+  source = ("import os, time\nfor _ in range(8):\n  if os.fork() == 0:\n    time.sleep(60)\n"
+            "    os._exit(0)\nprint('all forked')")
+  result = limited(sandbox, max_processes=4)(program(source))
+  assert result.error_kind == base.PROCESS_LIMIT and result.metadata["returncode"] == 253
+  assert result.observation.startswith("Error: process limit of 4 reached\n")
+  assert "BlockingIOError" in result.observation and "all forked" not in result.observation
+
+
+def test_writing_past_max_file_bytes_fails_the_write(sandbox):
+  source = ("import errno\nwith open('out.bin', 'wb', buffering=0) as f:\n"
+            "  f.write(b'x' * 1000)\n  try:\n    f.write(b'x')\n"
+            "  except OSError as e:\n    print(errno.errorcode[e.errno])")
+  assert limited(sandbox, max_file_bytes=1000)(program(source)).observation == "EFBIG\n"
+
+
+def test_opening_past_max_open_files_fails_the_open(sandbox):
+  # stdin, stdout and stderr hold 3 of the 16 descriptors.
+  source = ("import errno\nfiles = []\ntry:\n  while True:\n    files.append(open('f', 'w'))\n"
+            "except OSError as e:\n  print(errno.errorcode[e.errno], len(files))")
+  assert limited(sandbox, max_open_files=16)(program(source)).observation == "EMFILE 13\n"
+
+
+def test_an_uncaught_file_limit_error_is_a_runtime_error(sandbox):
+  source = "with open('out.bin', 'wb') as f:\n  f.write(b'x' * 1001)"
+  result = limited(sandbox, max_file_bytes=1000)(program(source))
+  assert result.error_kind == base.RUNTIME_ERROR
+  assert result.observation.startswith("Error: the program exited with status 1\n")
+  assert "OSError: [Errno 27] File too large" in result.observation
+
+
+def test_a_program_longer_than_max_code_chars_is_refused_unrun(sandbox):
+  result = sandbox(program("print('ran')\n" + "#" * 199_987))
+  assert result.error_kind == base.BAD_REQUEST
+  assert result.observation == "Error: program of 200001 characters; at most 200000"
+
+
 def test_allocating_50_gb_hits_the_memory_limit(sandbox):
   result = sandbox(program("block = bytearray(50 * 2**30)"))
   assert result.error_kind == base.MEMORY_LIMIT and "MemoryError" in result.observation

@@ -7,6 +7,8 @@ crawl reads as a text page too), in the way its first segment names:
 - `/reset/...`: never; once the request is read the connection is reset (an RST).
 - `/cut/...`: headers announcing the whole body, then half of it, then the connection closes.
 - `/garble/...`: a status line that is not HTTP, then the connection closes.
+- `/longheader/...`: a header line longer than http.client reads (64 KiB), then the body.
+- `/manyheaders/...`: more headers than http.client reads (100), then the body.
 - `/drip/<ms>/...`: the whole response, status line and headers included, one byte every
   <ms> milliseconds, so that no single socket read waits long.
 
@@ -59,14 +61,22 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(BODY[:len(BODY) // 2])
       elif route[1] == "garble":
         self.wfile.write(b"SMTP ready\r\n\r\n")
+      elif route[1] == "longheader":
+        self._head(len(BODY), {"X-Long": "a" * 70_000})
+        self.wfile.write(BODY)
+      elif route[1] == "manyheaders":
+        self._head(len(BODY), {f"X-Header-{i}": "a" for i in range(101)})
+        self.wfile.write(BODY)
       elif route[1] == "drip":
         self._drip(float(route[2]) / 1000)
       else:
         self._head(len(BODY))
         self.wfile.write(BODY)
 
-  def _head(self, length: int) -> None:
+  def _head(self, length: int, extra: dict[str, str] | None = None) -> None:
     self.send_response(200)
+    for key, value in (extra or {}).items():
+      self.send_header(key, value)
     self.send_header("Content-Type", "application/json")
     self.send_header("Content-Length", str(length))
     self.end_headers()
