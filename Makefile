@@ -18,7 +18,7 @@ EXTRAS := test,tpu,plots,tfds
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline experiment distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit clean
 
 $(STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it the sandbox falls
@@ -66,6 +66,11 @@ rollout: $(STAMP)
 # The main job: the end-to-end recipe on the embedded world (ARGS=--quick: a smoke test).
 pipeline: $(STAMP)
 	$(BIN)/python experiments/pipeline.py $(ARGS)
+
+# The chaos run (docs/pipeline.md): the quick main job SIGKILLed in every stage, re-launched until
+# it completes, then compared with an uninterrupted quick run (runs/chaos/chaos_report.json).
+chaos: $(STAMP)
+	$(BIN)/python experiments/chaos.py $(ARGS)
 
 # One of the paper's experiments in miniature (configs/experiments.py, docs/experiments.md):
 # make experiment NAME=rl-ceiling [ARGS="--publish"]; needs `make pipeline ARGS="--seeds 3"`.

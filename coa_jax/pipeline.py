@@ -26,25 +26,29 @@ from coa_jax import distill, evaluation, rl, sft
 from coa_jax.data import DropCounter, load_source, load_tasks, load_tokenizer
 from coa_jax.model import Transformer
 from coa_jax.rl import query_selection
-from coa_jax.runtime import load_model, sharding
-from coa_jax.runtime.cache import file_fingerprint, fingerprint
+from coa_jax.runtime import load_model, paths, sharding
+from coa_jax.runtime.cache import file_fingerprint, fingerprint, write_json
 from coa_jax.runtime.distributed import say
 
 SYSTEMS = {"teacher": "teacher system", "sft": "AFM after SFT", "dapo": "AFM after DAPO"}
 
 
-def _stage(name: str, path: str) -> bool:
-  """Returns whether a stage's output exists (and says so), so the stage can be skipped."""
-  if os.path.exists(path):
+def _stage(name: str, path: str, finished: bool) -> bool:
+  """Returns whether a stage is done: its output exists and its job `finished` (a job killed
+  while writing its output leaves one that must not be reused); says which."""
+  if os.path.exists(path) and finished:
     say(f"== {name}: reusing {path}")
     return True
-  say(f"== {name}")
+  say(f"== {name}" + (" (an earlier run was stopped before the stage finished: running it "
+                      "again)" if os.path.exists(path) else ""))
   return False
 
 
 class StageTimes:
-  """The wall time of each stage, kept in a JSON file beside the stages' outputs, so a stage
-  reused from an earlier invocation still reports the time it took when it ran."""
+  """The wall time of each finished stage, kept in a JSON file beside the stages' outputs (so
+  a stage reused from an earlier invocation still reports the time it took when it ran), and
+  with it which stages finished: a stage's job is done when its output exists and its time is
+  here, written (atomically) once the job returned."""
 
   def __init__(self, path: str):
     self.path = path
@@ -54,14 +58,15 @@ class StageTimes:
         self.seconds = json.load(f)
 
   def run(self, name: str, done: str, job: Callable[[], Any]) -> None:
-    """Runs `job` unless its output `done` exists; records its wall time under `name`."""
-    if _stage(name, done):
+    """Runs `job` unless it finished in an earlier invocation and its output `done` exists;
+    records its wall time under `name`."""
+    if _stage(name, done, name in self.seconds):
       return
+    self.seconds.pop(name, None)
     start = time.perf_counter()
     job()
     self.seconds[name] = round(time.perf_counter() - start, 1)
-    with open(self.path, "w") as f:
-      json.dump(self.seconds, f, indent=1)
+    write_json(self.path, self.seconds)  # a killed run leaves the last complete file
 
 
 def _metrics(cfg: Any, times: StageTimes, name: str, world: Any) -> dict[str, Any]:
@@ -241,7 +246,7 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
   if seeds < 1:
     raise ValueError(f"seeds={seeds}: expected at least 1")
   start = time.perf_counter()
-  os.makedirs(config.output_dir, exist_ok=True)
+  os.makedirs(paths.local(config.output_dir, "output_dir"), exist_ok=True)
   times = StageTimes(os.path.join(config.output_dir, "stage_seconds.json"))
   configs = stage_configs(config)
   times.run("distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
@@ -265,6 +270,7 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
     rows["dapo"] = _metrics(configs["eval_dapo"], times, f"seed {seed} eval dapo",
                             config.world)
     per_seed[seed] = rows
+  say("== results")
   k = config.eval.k
   summary = aggregate(per_seed, k)
   stages = ["distill", "eval teacher"] + [f"seed {seed} {stage}" for seed in per_seed
@@ -278,8 +284,7 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
                 if config.world.get("distractors") else {}),
              "stage_seconds": seconds, "wall_s": round(time.perf_counter() - start, 1),
              "plot": plot(summary, k, seeds, os.path.join(config.output_dir, "results.png"))}
-  with open(os.path.join(config.output_dir, "results.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  write_json(os.path.join(config.output_dir, "results.json"), results)
   say(f"held-out tasks, mean +- sd over {seeds} seed(s):\n{table}")
   groups = {"task family": "pass@1_by_family", "where the answer's page states a near-miss "
             "figure": "pass@1_by_page"}

@@ -3,11 +3,16 @@ results over seeds (mean and sample standard deviation)."""
 
 import json
 import os
+import signal
+import sys
 
 import pytest
 
 from coa_jax import experiments, pipeline
+from coa_jax.experiments import chaos
 from configs import common, pipeline_tiny_cpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +51,41 @@ def test_quick_pipeline_runs_every_stage(quick_run):
   again = pipeline.run(config, pipeline_tiny_cpu.stage_configs)
   assert again["per_seed"] == results["per_seed"]
   assert again["stage_seconds"] == results["stage_seconds"]  # the times they took when they ran
+
+
+def test_quick_pipeline_killed_in_three_stages_ends_with_the_uninterrupted_results(quick_run):
+  """The main job as a process, SIGKILLed while distillation writes its data, while SFT exports
+  and while the SFT model is evaluated, each time launched again: it completes with quick_run's
+  results and byte-equal SFT and DAPO exports (`make chaos` kills it in every stage)."""
+  tmp_path, config, _ = quick_run
+  points = (chaos.Point("distill", line="teacher: ", max_delay_s=0.2),
+            chaos.Point("seed 0 sft", file="seed-0/sft/hf_export", max_delay_s=0.005),
+            chaos.Point("seed 0 eval sft", line="== seed 0 eval sft", max_delay_s=1.0))
+  command = [sys.executable, "experiments/pipeline.py", "--quick",
+             f"--config.output_dir={tmp_path / 'chaos'}", "--config.mesh.data=2",
+             "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]  # quick_run's mesh
+  report = chaos.run(command, str(tmp_path / "chaos_quick"), None, config.output_dir, points,
+                     0, chaos.EXPORTS, ROOT, dict(os.environ), str(tmp_path / "chaos.json"))
+  assert [k.get("exit") for k in report["kills"]] == [-signal.SIGKILL] * 3, report["kills"]
+  assert report["launches"] == 4
+  assert report["comparison"]["equal"], report["comparison"]
+
+
+def test_a_stage_whose_job_was_cut_short_runs_again(tmp_path):
+  """An output left by a job that did not return (a process killed mid-export) is not reused;
+  once the job has returned, it is."""
+  path, export = str(tmp_path / "stage_seconds.json"), tmp_path / "hf_export"
+
+  def cut_short():
+    export.mkdir()  # part of the output, then the process dies
+    raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    pipeline.StageTimes(path).run("seed 0 sft", str(export), cut_short)
+  runs = []
+  pipeline.StageTimes(path).run("seed 0 sft", str(export), lambda: runs.append("again"))
+  pipeline.StageTimes(path).run("seed 0 sft", str(export), lambda: runs.append("a third time"))
+  assert runs == ["again"]
 
 
 def test_experiments_run_on_the_main_job_outputs(quick_run):

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from coa_jax.runtime.cache import write_json, write_jsonl
+
 SPLITS = ("train", "heldout")
 KINDS = ("city", "person", "company")
 URL = "https://kb.world/{kind}/{slug}"
@@ -344,17 +346,17 @@ class World:
             "code": {"kind": "sandbox"}}
 
   def write(self, directory: str) -> dict[str, str]:
-    """Writes corpus.jsonl, train.jsonl, heldout.jsonl and tools.json; returns their paths."""
+    """Writes corpus.jsonl, train.jsonl, heldout.jsonl and tools.json, each atomically (a
+    killed run leaves no half-written file for the next to read); returns their paths."""
     os.makedirs(directory, exist_ok=True)
     paths = {name: os.path.join(directory, f"{name}.jsonl")
              for name in ("corpus",) + SPLITS}
     rows = {"corpus": self.corpus(), **self.tasks}
     for name, path in paths.items():
-      with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows[name])
+      write_jsonl(path, rows[name])
     paths["tools"] = os.path.join(directory, "tools.json")
-    with open(paths["tools"], "w") as f:  # the corpus relative to it: the folder can move
-      json.dump(self.tools_spec(os.path.basename(paths["corpus"])), f, indent=1)
+    # the corpus relative to it: the folder can move
+    write_json(paths["tools"], self.tools_spec(os.path.basename(paths["corpus"])))
     return paths
 
 
