@@ -3,10 +3,11 @@ it completes, then compared with an uninterrupted quick run (docs/pipeline.md, "
 
   python experiments/chaos.py [--out=runs/chaos] [--seed=0]
 
-Runs `experiments/pipeline.py --quick` into <out>/killed_quick (removed first), killing it at each point of
-coa_jax.experiments.chaos.QUICK_POINTS, and (unless it holds a finished run) an uninterrupted one
-into <out>/whole_quick; writes <out>/chaos_report.json: each kill's stage, event, delay and exit
-status, and whether results.json and the SFT and DAPO exports are equal. Exits 1 when not.
+Runs `experiments/pipeline.py --quick` into <out>/killed_quick (removed first), killing it at
+each point of coa_jax.experiments.chaos.QUICK_POINTS, and (unless it holds a finished run) an
+uninterrupted one into <out>/whole_quick; writes <out>/chaos_report.json: each kill's stage,
+event, delay and exit status, and whether results.json and the SFT and DAPO exports are equal.
+Exits 1 when not.
 """
 
 import os
