@@ -231,6 +231,8 @@ def run(command: Sequence[str], folder: str, reference_command: Sequence[str] | 
                                     timeout_s)
   chaos_s = time.perf_counter() - start
   if not os.path.exists(os.path.join(reference, "results.json")):
+    if reference_command is None:
+      raise FileNotFoundError(f"{reference} holds no finished run, and no command makes one")
     say(f"chaos: the uninterrupted run -> {reference}")
     whole = Launch(reference_command, os.path.join(os.path.dirname(os.path.abspath(reference)),
                                                    "reference_log.txt"), cwd, env)
