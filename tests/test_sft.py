@@ -229,11 +229,13 @@ def test_the_run_ends_when_the_data_are_exhausted(tmp_path):
   assert sorted(os.listdir(tmp_path / "ckpt"))[-1] == str(summary["steps"])  # saved at the end
 
 
-def test_lora_sft_trains_the_adapters_alone_checkpoints_them_alone_and_resumes_exactly(tmp_path):
+def test_lora_sft_trains_the_adapters_and_new_rows_alone_and_resumes_exactly(tmp_path):
   """LoRA SFT of an HF checkpoint on the 8 devices: the base weights stay the checkpoint's,
-  the optimizer and the checkpoints hold the adapters only, a resumed run (dropout on) ends
-  where the uninterrupted one does, and both exports give the LoRA model's logits: adapters
-  merged, in transformers, and the adapters alone (PEFT's format), in peft onto the base."""
+  the optimizer and the checkpoints hold the adapters only (and the embedding and LM-head rows
+  of the tokens the checkpoint lacks: its vocabulary of 96 grows to the tokenizer's 1,024), a
+  resumed run (dropout on) ends where the uninterrupted one does, and both exports give the
+  LoRA model's logits: adapters merged, in transformers, and the adapters alone (PEFT's
+  format), in peft onto the base, its vocabulary resized."""
   import peft
   import transformers
   from hf_reference import hf_logits, make_hf_model
@@ -256,7 +258,9 @@ def test_lora_sft_trains_the_adapters_alone_checkpoints_them_alone_and_resumes_e
 
   state = straight["state"]
   adapters = jax.tree_util.tree_leaves_with_path(state.params)
-  assert {path[-1].key for path, _ in adapters} == {"lora_a", "lora_b"}
+  trained = {"lora_a", "lora_b", "embedding_rows", "lm_head_rows"}
+  assert {path[-1].key for path, _ in adapters} == trained
+  assert state.params["embedding_rows"].shape == (1024 - 96, 32)  # ids 96..1023
   assert any(np.any(leaf) for path, leaf in adapters if path[-1].key == "lora_b")  # trained
   shapes = {leaf.shape for _, leaf in adapters}
   assert {m.shape for m in jax.tree_util.tree_leaves(state.opt_state) if m.ndim} <= shapes
@@ -266,14 +270,14 @@ def test_lora_sft_trains_the_adapters_alone_checkpoints_them_alone_and_resumes_e
     np.testing.assert_array_equal(got, want)  # untouched by 6 updates
   saved = ocp.StandardCheckpointer().restore(tmp_path / "a" / "ckpt" / "6" / "state")
   assert saved.get("frozen") is None
-  assert {p[-1].key for p, _ in jax.tree_util.tree_leaves_with_path(saved["params"])} == {
-      "lora_a", "lora_b"}
+  assert {p[-1].key for p, _ in jax.tree_util.tree_leaves_with_path(saved["params"])} == trained
 
   ids = np.arange(2, 14, dtype=np.int32)[None] * 7 % 96
   ours = Transformer(model_config).apply({"params": state.model_params()}, ids)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "export").eval()
   np.testing.assert_allclose(hf_logits(exported, ids), np.asarray(ours), atol=1e-4)
-  # The adapters alone, onto the HF base (whose vocabulary of 96 the SFT grew for the tags).
+  # The adapters and rows alone, onto the HF base, its vocabulary of 96 grown as the SFT's.
   base_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  base_model.resize_token_embeddings(model_config.vocab_size)
   peft_model = peft.PeftModel.from_pretrained(base_model, tmp_path / "a" / "export" / "adapter")
-  np.testing.assert_allclose(hf_logits(peft_model, ids), np.asarray(ours)[..., :96], atol=1e-4)
+  np.testing.assert_allclose(hf_logits(peft_model, ids), np.asarray(ours), atol=1e-4)

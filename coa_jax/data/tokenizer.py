@@ -49,8 +49,11 @@ class CoATokenizer:
   def __init__(self, backend: tokenizers.Tokenizer, template: str):
     if template not in TEMPLATES:
       raise TokenizerError(f"template={template!r}: expected one of {TEMPLATES}")
+    missing = [t for t in TAG_TOKENS if backend.token_to_id(t) is None]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t in TAG_TOKENS])
+    # The tags that the source tokenizer lacked: a base model has never trained their rows.
+    self.added_ids = tuple(sorted(backend.token_to_id(t) for t in missing))
     self.backend = backend
     self.template = template
     self._text = tokenizers.Tokenizer.from_str(backend.to_str())

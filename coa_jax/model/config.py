@@ -10,6 +10,8 @@ import jax.numpy as jnp
 FAMILIES = ("qwen2", "llama")
 # The projections LoRA adapters may sit on (HF and PEFT names).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Which embedding and LM-head rows train beside LoRA adapters (ModelConfig.lora_train_embeddings).
+LORA_EMBEDDINGS = ("added_tokens", "all", "none")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("xla", "cudnn", "blockwise")
 
@@ -62,9 +64,17 @@ class ModelConfig:
   lora_alpha: float = 16.0
   lora_dropout: float = 0.0
   lora_targets: tuple[str, ...] = LORA_TARGETS
+  # The embedding and LM-head rows that train beside the adapters: "added_tokens" the rows of
+  # lora_trained_token_ids (the tokens the tokenizer added to the base checkpoint, which
+  # `load_model` fills in), as PEFT's trainable_token_indices; "all" the whole embedding and
+  # LM head (a trained copy beside the frozen one, as PEFT's modules_to_save); "none" no row.
+  lora_train_embeddings: str = "added_tokens"
+  lora_trained_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "lora_targets", tuple(self.lora_targets))  # lists from configs
+    object.__setattr__(self, "lora_trained_token_ids",
+                       tuple(int(i) for i in self.lora_trained_token_ids))
     if self.head_dim == 0 and self.num_heads > 0:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
     self.validate()
@@ -104,11 +114,24 @@ class ModelConfig:
     if unknown or (self.lora_rank and not self.lora_targets):
       raise ConfigError(f"lora_targets={tuple(self.lora_targets)}: expected one or more of "
                         f"{LORA_TARGETS}")
+    self._validate_token_rows()
     for name in ("dtype", "param_dtype"):
       try:
         jnp.dtype(getattr(self, name))
       except TypeError:
         raise ConfigError(f"{name}={getattr(self, name)!r} is not a dtype name") from None
+
+  def _validate_token_rows(self) -> None:
+    if self.lora_train_embeddings not in LORA_EMBEDDINGS:
+      raise ConfigError(f"lora_train_embeddings={self.lora_train_embeddings!r}: expected one of "
+                        f"{LORA_EMBEDDINGS}")
+    ids = self.lora_trained_token_ids
+    if ids and self.lora_train_embeddings != "added_tokens":
+      raise ConfigError(f"lora_trained_token_ids are set, but lora_train_embeddings="
+                        f"{self.lora_train_embeddings!r}: they train only with 'added_tokens'")
+    if ids and (list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.vocab_size):
+      raise ConfigError(f"lora_trained_token_ids={ids}: expected increasing ids in "
+                        f"[0, vocab_size={self.vocab_size})")
 
   def replace(self, **changes: Any) -> "ModelConfig":
     """Returns a copy with `changes` applied (and validated)."""
@@ -129,6 +152,17 @@ class ModelConfig:
     """Returns the rank of the LoRA adapter on `projection` (0: none)."""
     return self.lora_rank if projection in self.lora_targets else 0
 
+  @property
+  def trained_token_ids(self) -> tuple[int, ...]:
+    """Returns the ids whose embedding and LM-head rows train beside the adapters (LoRA's
+    "added_tokens"; none without LoRA)."""
+    return self.lora_trained_token_ids if self.lora_rank else ()
+
+  @property
+  def trains_embeddings(self) -> bool:
+    """Returns whether a LoRA model trains its whole embedding and LM head (a copy of each)."""
+    return bool(self.lora_rank) and self.lora_train_embeddings == "all"
+
   def lora_params(self) -> int:
     """Returns the number of LoRA adapter parameters (rank x (in + out) per adapted
     projection per layer)."""
@@ -137,6 +171,13 @@ class ModelConfig:
     sizes = dict(q_proj=d + q, k_proj=d + kv, v_proj=d + kv, o_proj=q + d, gate_proj=d + f,
                  up_proj=d + f, down_proj=f + d)
     return self.num_layers * sum(self.lora_rank_of(name) * sizes[name] for name in sizes)
+
+  def lora_embedding_params(self) -> int:
+    """Returns the number of embedding and LM-head parameters that train beside the adapters:
+    a row of hidden_size per trained token id (or per vocabulary row with "all"), once for a
+    tied embedding, else for the embedding and for the LM head."""
+    rows = self.vocab_size if self.trains_embeddings else len(self.trained_token_ids)
+    return rows * self.hidden_size * (1 if self.tie_embeddings else 2)
 
   def num_params(self) -> int:
     """Returns the exact number of parameters of this architecture (LoRA adapters aside)."""

@@ -16,6 +16,9 @@ Parameter layout (leading `layers` axis on everything under `layers/`):
   final_norm/scale              (embed,)
   lm_head                       (embed, vocab)      absent when embeddings are tied
   value_head                    (embed, 1)          a value model's head instead (head="value")
+  embedding_rows                (token_rows, embed) LoRA's trained rows of the embedding (and of
+                                                    a tied LM head) at trained_token_ids
+  lm_head_rows                  (token_rows, embed) and of an untied LM head
 """
 
 from __future__ import annotations
@@ -328,6 +331,10 @@ class Transformer(nn.Module):
     # Gather the fsdp-split embed dimension before the lookup (as FSDP does for every weight).
     lookup_VxD = nn.with_logical_constraint(embedding_VxD, ("vocab", None))
     x_BxTxD = jnp.take(lookup_VxD, input_ids_BxT, axis=0).astype(cfg.compute_dtype)
+    token_ids = cfg.trained_token_ids
+    if token_ids:  # LoRA: these tokens' rows train, in place of the frozen ones
+      embedding_rows_RxD = self._token_rows("embedding_rows", embedding_VxD)
+      x_BxTxD = _embed_token_rows(x_BxTxD, input_ids_BxT, embedding_rows_RxD, token_ids)
     x_BxTxD = nn.with_logical_constraint(x_BxTxD, ACT_BTD)
 
     layer = DecoderLayer
@@ -366,7 +373,44 @@ class Transformer(nn.Module):
       head_DxV = self.param("lm_head", _init(0.02, ("embed", "vocab")),
                             (cfg.hidden_size, cfg.vocab_size), cfg.params_dtype)
     batch, seq, _ = x_BxTxD.shape
-    logits_NxV = jnp.dot(x_BxTxD.reshape(batch * seq, -1), head_DxV.astype(cfg.compute_dtype),
+    x_NxD = x_BxTxD.reshape(batch * seq, -1)
+    logits_NxV = jnp.dot(x_NxD, head_DxV.astype(cfg.compute_dtype),
                          preferred_element_type=jnp.float32)
+    if token_ids:
+      head_rows_RxD = (embedding_rows_RxD if cfg.tie_embeddings else
+                       self._token_rows("lm_head_rows", head_DxV.T))
+      logits_NxV = _token_row_logits(logits_NxV, x_NxD, head_rows_RxD, token_ids)
     logits_BxTxV = nn.with_logical_constraint(logits_NxV.reshape(batch, seq, -1), ACT_BTV)
     return logits_BxTxV if cache is None else (logits_BxTxV, cache)
+
+  def _token_rows(self, name: str, table_VxD: jax.Array) -> jax.Array:
+    """Returns the trained rows `name` of the token ids `trained_token_ids`; a fresh model's
+    are the table's own rows (PEFT's TrainableTokens start so), so they change nothing."""
+    cfg = self.config
+    init = lambda rng, shape, dtype: jnp.take(  # noqa: E731
+        table_VxD, jnp.asarray(cfg.trained_token_ids), axis=0).astype(dtype)
+    return self.param(name, nn.with_logical_partitioning(init, ("token_rows", "embed")),
+                      (len(cfg.trained_token_ids), cfg.hidden_size), cfg.params_dtype)
+
+
+def _embed_token_rows(x_BxTxD, input_ids_BxT, rows_RxD, token_ids) -> jax.Array:
+  """Returns the embeddings with every token of `token_ids` (increasing) looked up in `rows_RxD`
+  instead: its gradient reaches those rows only."""
+  ids_R = jnp.asarray(token_ids, input_ids_BxT.dtype)
+  slot_BxT = jnp.clip(jnp.searchsorted(ids_R, input_ids_BxT), 0, len(token_ids) - 1)
+  hit_BxT = jnp.take(ids_R, slot_BxT) == input_ids_BxT
+  from_rows_BxTxD = jnp.take(rows_RxD.astype(x_BxTxD.dtype), slot_BxT, axis=0)
+  return jnp.where(hit_BxT[..., None], from_rows_BxTxD, x_BxTxD)
+
+
+def _token_row_logits(logits_NxV, x_NxD, rows_RxD, token_ids) -> jax.Array:
+  """Returns the logits with the columns of `token_ids` computed from `rows_RxD` instead: one
+  small matmul, spread over the vocabulary by an exact one-hot product (float32 at highest
+  precision), so the columns shard over the vocabulary like the logits and no gradient of
+  the frozen head is formed."""
+  vocab = logits_NxV.shape[-1]
+  onehot_RxV = (jnp.asarray(token_ids)[:, None] == jnp.arange(vocab)[None, :])
+  onehot_RxV = nn.with_logical_constraint(onehot_RxV.astype(jnp.float32), (None, "act_vocab"))
+  rows_NxR = jnp.dot(x_NxD, rows_RxD.astype(x_NxD.dtype).T, preferred_element_type=jnp.float32)
+  spread_NxV = jnp.dot(rows_NxR, onehot_RxV, precision=jax.lax.Precision.HIGHEST)
+  return jnp.where(jnp.any(onehot_RxV > 0, axis=0), spread_NxV, logits_NxV)

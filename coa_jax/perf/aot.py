@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from coa_jax.data.tokenizer import TAG_TOKENS
 from coa_jax.losses.dapo import PolicyLossConfig
 from coa_jax.model import ModelConfig, Transformer, build_config, compiling_for
 from coa_jax.perf import flops, roofline
@@ -457,7 +458,7 @@ def config_reports(config: Any) -> dict[str, Any]:
     micro_batches, loss_config = config.rl.micro_batches, dapo.loss_config(config.rl)
     if needs_critic(config.rl.advantage):
       critic = critic_lib.critic_config(config.rl)
-  model = build_config(config.model)
+  model = with_tag_rows(build_config(config.model))
   shape = (config.model.preset, model, config.optimizer, config.topology,
            sharding.MeshConfig(**config.mesh), batch_size, seq_len, micro_batches)
   reports = {"train": aot_report(*shape, loss_config, critic)}
@@ -475,6 +476,18 @@ def config_reports(config: Any) -> dict[str, Any]:
         prefill=(bucket(rows // rollout.group_size, 1), bucket(rollout.max_prompt_tokens)),
         extend=(bucket(rows, 1), rollout.observation_bucket), resident_bytes=resident)
   return reports
+
+
+def with_tag_rows(config: ModelConfig) -> ModelConfig:
+  """Returns a LoRA model's config with the token rows that train beside its adapters when its
+  run starts from a base checkpoint whose tokenizer lacks the CoA tags, as Qwen2.5's does
+  (`hf_checkpoint.with_trained_token_ids`; the pod fit reads no tokenizer): one row per tag
+  token, at the top of the vocabulary (which ids does not change a byte)."""
+  if (not config.lora_rank or config.lora_train_embeddings != "added_tokens"
+      or config.lora_trained_token_ids):
+    return config
+  top = config.vocab_size
+  return config.replace(lora_trained_token_ids=tuple(range(top - len(TAG_TOKENS), top)))
 
 
 def train_state_bytes(config: ModelConfig, optimizer_config: Any, topology: str,

@@ -27,9 +27,18 @@ def train_flops(config: ModelConfig, batch_size: int, seq_len: int, head: str = 
   T (T + 1) / 2 pairs per row: what a causal model needs, however much of the square a kernel
   computes). Rematerialization is not counted (model, not hardware, FLOPs). head="value": a
   value model's step (`matmul_params`). With LoRA the frozen weights need no gradient of their
-  own (4 x, forward and the input's gradient) and the adapters train (6 x their params)."""
+  own (4 x, forward and the input's gradient) and the adapters train (6 x their params), as
+  does a trained LM head (lora_train_embeddings="all"; trained token rows are too few to
+  count)."""
   tokens = batch_size * seq_len
   pairs = seq_len * (seq_len + 1) / 2
   attention = 12 * config.num_layers * config.num_heads * config.head_dim * pairs
   weights = (4.0 if config.lora_rank else 6.0) * matmul_params(config, head)
-  return (weights + 6.0 * config.lora_params()) * tokens + float(attention) * batch_size
+  return ((weights + 6.0 * config.lora_params() + 2.0 * trained_head_params(config, head))
+          * tokens + float(attention) * batch_size)
+
+
+def trained_head_params(config: ModelConfig, head: str = "lm") -> int:
+  """Returns the LM head's parameters when a LoRA model trains it whole (its weights' gradient
+  is then computed), else 0."""
+  return config.vocab_size * config.hidden_size if config.trains_embeddings and head == "lm" else 0

@@ -84,8 +84,9 @@ def train_flops_executed(config: ModelConfig, batch_size: int, seq_len: int,
   recompute = {"full": forward, "dots_no_batch": attention}.get(config.remat, 0.0)
   rescore = attention / 2 if config.attention_impl == "blockwise" else 0.0
   # Backward: the input's and the weights' gradients, each a forward's matmuls; frozen (LoRA)
-  # weights need only the input's.
-  backward = (1 if config.lora_rank else 2) * matmul + 2 * (adapters + attention)
+  # weights need only the input's (a LoRA model's trained LM head: both).
+  head_grad = 2.0 * flops.trained_head_params(config, head) * tokens
+  backward = (1 if config.lora_rank else 2) * matmul + 2 * (adapters + attention) + head_grad
   return forward + recompute + backward + rescore
 
 
@@ -119,8 +120,9 @@ def train_roofline(config: ModelConfig, batch_size: int, seq_len: int, mesh: dic
                              _itemsize(config.params_dtype))
   forward_passes = 2 if config.remat == "full" else 1
   # LoRA: the frozen weights are read in the compute dtype and get no gradient; the adapters
-  # are read as weights are and are what the optimizer updates.
-  trained = config.lora_params() if config.lora_rank else params
+  # (and the embedding and LM-head rows that train beside them) are read as weights are and
+  # are what the optimizer updates.
+  trained = config.lora_params() + config.lora_embedding_params() if config.lora_rank else params
   frozen = params if config.lora_rank else 0
   weights = micro_batches / tensor * ((forward_passes + 1) * compute * (trained + frozen)
                                       + 2 * master * trained)

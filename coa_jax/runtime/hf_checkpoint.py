@@ -343,10 +343,11 @@ def save_adapters(folder: str, config: ModelConfig, adapters: Any, base_checkpoi
   """Writes LoRA adapters (`lora.split`'s second tree) in PEFT's format: adapter_config.json
   and adapter_model.safetensors, which `peft.PeftModel.from_pretrained` puts onto the HF base
   model. PEFT's lora_A.weight is (rank, in) and lora_B.weight (out, rank), in and out
-  flattened as the kernels' HF layouts flatten them. Every process takes part in the gathers;
-  process 0 writes."""
+  flattened as the kernels' HF layouts flatten them; trained embedding and LM-head rows go as
+  PEFT stores them (`_token_row_tensors`). Every process takes part in the gathers; process 0
+  writes."""
   np_dtype = np.dtype(jax.numpy.dtype(dtype))
-  items = []
+  items, token_rows_config = _token_row_tensors(config, adapters, np_dtype)
   for t in _tensor_map(config):
     *parent, leaf = t.path
     if leaf != "kernel" or parent[-1] not in config.lora_targets:
@@ -363,20 +364,63 @@ def save_adapters(folder: str, config: ModelConfig, adapters: Any, base_checkpoi
       peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_checkpoint,
       r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
       target_modules=sorted(config.lora_targets), bias="none", fan_in_fan_out=False,
-      use_rslora=False, inference_mode=True)
+      use_rslora=False, inference_mode=True, **token_rows_config)
   _write_on_process_0(folder, [(ADAPTER_FILE, items)], {"adapter_config.json": adapter_config},
                       f"adapter export {folder}")
+
+
+def _token_row_tensors(config: ModelConfig, trained: Any,
+                       np_dtype: np.dtype) -> tuple[list, dict[str, Any]]:
+  """Returns (tensors, adapter_config entries) of the embedding and LM-head rows that train
+  beside LoRA's adapters, as PEFT 0.21 stores them: the rows of `trained_token_ids` as
+  TrainableTokens' `trainable_tokens_delta` (the rows themselves, not a difference) with
+  `trainable_token_indices` (a list when the head is tied to the embedding: PEFT ties it, else
+  a list for embed_tokens and one for lm_head); the whole embedding and head ("all") as
+  `modules_to_save`. None without either."""
+  prefix = "base_model.model."
+  host = lambda leaf, layout=lambda x: x: (  # noqa: E731
+      lambda: layout(_to_host(trained[leaf])))
+  if "embedding_rows" in trained:
+    ids = list(config.trained_token_ids)
+    rows = [("model.embed_tokens", "embedding_rows"), ("lm_head", "lm_head_rows")]
+    tensors = [(f"{prefix}{module}.token_adapter.trainable_tokens_delta",
+                trained[leaf].shape, np_dtype, host(leaf))
+               for module, leaf in rows if leaf in trained]
+    indices = ids if config.tie_embeddings else {"embed_tokens": ids, "lm_head": ids}
+    return tensors, {"trainable_token_indices": indices}
+  if "embedding" in trained:  # our lm_head is (embed, vocab); a tied head is the embedding
+    head = ("lm_head", lambda x: x.T) if "lm_head" in trained else ("embedding", lambda x: x)
+    shape = trained["embedding"].shape
+    tensors = [(f"{prefix}model.embed_tokens.weight", shape, np_dtype, host("embedding")),
+               (f"{prefix}lm_head.weight", shape, np_dtype, host(*head))]
+    return tensors, {"modules_to_save": ["embed_tokens", "lm_head"]}
+  return [], {}
+
+
+def with_trained_token_ids(config: ModelConfig, tokenizer, source_vocab: int) -> ModelConfig:
+  """Returns `config` with the token ids whose rows train beside LoRA's adapters
+  (lora_train_embeddings="added_tokens", unless given): the tags the tokenizer added to its
+  source tokenizer and every row past the checkpoint's `source_vocab` rows, which no base
+  model trained (they start as the mean row, or as a padded vocabulary's untrained rows)."""
+  if (not config.lora_rank or config.lora_train_embeddings != "added_tokens"
+      or config.lora_trained_token_ids):
+    return config
+  ids = set(tokenizer.added_ids) | set(range(source_vocab, tokenizer.vocab_size))
+  return config.replace(lora_trained_token_ids=tuple(sorted(ids)))
 
 
 def load_model(config: Any, tokenizer, mesh) -> tuple[ModelConfig, Any]:
   """Returns (model config, params) from the HF folder config.model.checkpoint, or (model
   config, None) for a fresh model built from config.model; the vocabulary covers the
-  tokenizer's."""
+  tokenizer's, and a LoRA model's trained token rows are the tokens the checkpoint lacks
+  (`with_trained_token_ids`)."""
   sharding_lib.check_attention(config.model.get("attention_impl", "xla"), mesh)
   if config.model.get("checkpoint"):
     overrides = {k: v for k, v in config.model.items() if k not in ("preset", "checkpoint")}
-    return load_checkpoint(config.model.checkpoint, mesh,
-                           vocab_size=tokenizer.vocab_size, **overrides)
+    model_config, params = load_checkpoint(config.model.checkpoint, mesh,
+                                           vocab_size=tokenizer.vocab_size, **overrides)
+    source_vocab = int(read_hf_config(config.model.checkpoint)["vocab_size"])
+    return with_trained_token_ids(model_config, tokenizer, source_vocab), params
   model_config = build_config(config.model)
   if model_config.vocab_size < tokenizer.vocab_size:
     model_config = model_config.replace(vocab_size=tokenizer.vocab_size)

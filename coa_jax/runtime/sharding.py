@@ -40,6 +40,7 @@ AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     ("layers", None),
     ("lora_rank", None),
+    ("token_rows", None),
     # Activations.
     ("act_batch", BATCH_AXES),
     ("act_seq", None),

@@ -22,7 +22,8 @@ class TrainState:
   so checkpoints store it like any array).
 
   A LoRA model's state (ModelConfig.lora_rank > 0) trains its adapters only: `params` and the
-  optimizer state hold the adapters, and `frozen` the base weights in the compute dtype, which
+  optimizer state hold the adapters (and the embedding and LM-head rows that train beside them,
+  ModelConfig.lora_train_embeddings), and `frozen` the base weights in the compute dtype, which
   no update changes and checkpoints leave out (`checkpointed`)."""
 
   step: jax.Array
@@ -44,15 +45,21 @@ class TrainState:
 
 def _split_frozen(params: Any, config) -> tuple[Any, Any]:
   """Returns (trained, frozen) of a model's whole params: (params, None) without LoRA, else
-  (adapters, base weights cast to the compute dtype); a value model's head, which no base
-  checkpoint has, trains whole beside the adapters."""
+  (adapters and token rows, base weights cast to the compute dtype); a value model's head,
+  which no base checkpoint has, trains whole beside the adapters. With
+  lora_train_embeddings="all" a copy of the embedding and LM head in the params dtype trains
+  too, and the frozen base keeps its own (the KL reference's and a critic's)."""
   if not config.lora_rank:
     return params, None
   base, trained = lora.split(params)
   if "value_head" in base:
     trained["value_head"] = base.pop("value_head")
-  return trained, jax.tree_util.tree_map(
-      lambda x: x if x.dtype == config.compute_dtype else x.astype(config.compute_dtype), base)
+  cast = lambda tree, dtype: jax.tree_util.tree_map(  # noqa: E731
+      lambda x: x if x.dtype == dtype else x.astype(dtype), tree)
+  if config.trains_embeddings:
+    trained.update({name: cast(base[name], config.params_dtype)
+                    for name in ("embedding", "lm_head") if name in base})
+  return trained, cast(base, config.compute_dtype)
 
 
 def abstract_placed_params(model: nn.Module, mesh: Mesh) -> Any:
@@ -94,18 +101,22 @@ def state_from_params(params: Any, tx: optax.GradientTransformation, model: nn.M
                       mesh: Mesh, rng: jax.Array) -> TrainState:
   """Returns a step-0 TrainState around already placed params (e.g. from an HF checkpoint).
   A LoRA model's params are its base weights (a value model's: and its head), and its adapters
-  start fresh; base weights already in the compute dtype become the state's frozen weights as
-  they are, the same arrays (PPO's critic holds the actor's)."""
+  start fresh, its trained token rows as the base's rows; base weights already in the compute
+  dtype become the state's frozen weights as they are, the same arrays (PPO's critic holds the
+  actor's)."""
   out = state_shardings(model, tx, mesh)
   trained, frozen = _split_frozen(params, model.config)
 
-  def make(p, r):
+  def make(p, f, r):
     init_rng, run_rng = jax.random.split(r)
     if model.config.lora_rank:  # (the compiler drops the base weights' unused init)
       _, adapters = lora.split(nn.unbox(model.init(init_rng, init_ids())["params"]))
-      p = lora.combine(p, adapters)
+      rows = [name for name in lora.TOKEN_ROWS if name in adapters]
+      p = lora.combine(p, {**adapters, **lora.base_token_rows(f, model.config, rows)})
     return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
                       rng=jax.random.key_data(run_rng))
 
-  state = sharding.bind_mesh(jax.jit(make, out_shardings=out.checkpointed()), mesh)(trained, rng)
+  rows_from = frozen if model.config.trained_token_ids else None
+  state = sharding.bind_mesh(jax.jit(make, out_shardings=out.checkpointed()), mesh)(
+      trained, rows_from, rng)
   return state.replace(frozen=frozen)
