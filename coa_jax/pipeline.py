@@ -7,8 +7,10 @@ stage (`distill.run`, `sft.run`, `evaluation.run`, `rl.run`) on a config derived
 pipeline config. Distillation (the world and the teacher's data) is shared by every seed and
 written under config.output_dir/distill; each seed (model init, data order, sampling) trains and
 evaluates under config.output_dir/seed-<seed>/<stage>. Stages whose outputs exist are reused,
-so a re-run resumes where the last one stopped. results.json holds every seed's metrics, their
-mean and standard deviation, and the stage wall times; results.png shows them.
+so a re-run resumes where the last one stopped. On several hosts, output_dir is a folder they
+share: process 0's files decide which stages are done and give every host the metrics.
+results.json holds every seed's metrics, their mean and standard deviation, and the stage wall
+times; results.png shows them.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from coa_jax import distill, evaluation, rl, sft
 from coa_jax.data import DropCounter, load_source, load_tasks, load_tokenizer
 from coa_jax.model import Transformer
 from coa_jax.rl import query_selection
-from coa_jax.runtime import load_model, paths, sharding
-from coa_jax.runtime.cache import file_fingerprint, fingerprint, write_json
+from coa_jax.runtime import distributed, load_model, paths, sharding
+from coa_jax.runtime.cache import exists, file_fingerprint, fingerprint, write_json
 from coa_jax.runtime.distributed import say
 
 SYSTEMS = {"teacher": "teacher system", "sft": "AFM after SFT", "dapo": "AFM after DAPO"}
@@ -35,13 +37,27 @@ SYSTEMS = {"teacher": "teacher system", "sft": "AFM after SFT", "dapo": "AFM aft
 
 def _stage(name: str, path: str, finished: bool) -> bool:
   """Returns whether a stage is done: its output exists and its job `finished` (a job killed
-  while writing its output leaves one that must not be reused); says which."""
-  if os.path.exists(path) and finished:
+  while writing its output leaves one that must not be reused); says which. Process 0's files
+  decide for every host (a host that alone skipped a stage would leave the others in its
+  collectives)."""
+  found = exists(path)
+  if found and finished:
     say(f"== {name}: reusing {path}")
     return True
   say(f"== {name}" + (" (an earlier run was stopped before the stage finished: running it "
-                      "again)" if os.path.exists(path) else ""))
+                      "again)" if found else ""))
   return False
+
+
+def _on_process_0(read: Callable[[], Any], where: str) -> Any:
+  """Returns process 0's read() on every host: the files process 0 wrote decide, and its
+  failure to read them ends every host."""
+  return distributed.agreed_all(lambda: read() if jax.process_index() == 0 else None, where)[0]
+
+
+def _read_json(path: str) -> Any:
+  with open(path) as f:
+    return json.load(f)
 
 
 class StageTimes:
@@ -52,10 +68,8 @@ class StageTimes:
 
   def __init__(self, path: str):
     self.path = path
-    self.seconds: dict[str, float] = {}
-    if os.path.exists(path):
-      with open(path) as f:
-        self.seconds = json.load(f)
+    self.seconds: dict[str, float] = _on_process_0(
+        lambda: _read_json(path) if os.path.exists(path) else {}, f"reading {path}")
 
   def run(self, name: str, done: str, job: Callable[[], Any]) -> None:
     """Runs `job` unless it finished in an earlier invocation and its output `done` exists;
@@ -66,7 +80,9 @@ class StageTimes:
     start = time.perf_counter()
     job()
     self.seconds[name] = round(time.perf_counter() - start, 1)
-    write_json(self.path, self.seconds)  # a killed run leaves the last complete file
+    # a killed run leaves the last complete file; process 0 writes it, every host waits
+    distributed.agreed(lambda: jax.process_index() or write_json(self.path, self.seconds),
+                       f"writing {self.path}")
 
 
 def _metrics(cfg: Any, times: StageTimes, name: str, world: Any) -> dict[str, Any]:
@@ -74,11 +90,14 @@ def _metrics(cfg: Any, times: StageTimes, name: str, world: Any) -> dict[str, An
   figures, with pass@1 by where the answer's page states one."""
   path = os.path.join(cfg.output_dir, "metrics.json")
   times.run(name, path, lambda: evaluation.run(cfg))
-  with open(path) as f:
-    metrics = json.load(f)
-  if world.get("distractors"):
-    metrics["pass@1_by_page"] = evaluation.pass_at_1_by_page(world, cfg.tasks, cfg.output_dir)
-  return metrics
+
+  def read() -> dict[str, Any]:
+    metrics = _read_json(path)
+    if world.get("distractors"):
+      metrics["pass@1_by_page"] = evaluation.pass_at_1_by_page(world, cfg.tasks, cfg.output_dir)
+    return metrics
+
+  return _on_process_0(read, f"reading {path}")
 
 
 def metric_names(k: int) -> tuple[str, ...]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import os
 import re
 import time
@@ -28,6 +27,7 @@ from coa_jax.data import coa_format, rewards
 from coa_jax.data.coa_format import OBSERVATION, Step, Trajectory
 from coa_jax.data.world import World, WorldConfig, load_tools_spec
 from coa_jax.distill.teacher import ScriptedTeacher, TeacherConfig, Trace
+from coa_jax.runtime.cache import write_json, write_jsonl
 from coa_jax.runtime.distributed import say
 from coa_jax.runtime.paths import local
 from tools_env import registry as tools_registry
@@ -190,17 +190,14 @@ def run(config: Any) -> dict[str, Any]:
   clean = dataclasses.replace(teacher_config, vague_query_rate=0.0, misread_rate=0.0,
                               skip_verify_rate=0.0, mental_math_rate=0.0)
   heldout, _ = solve(ScriptedTeacher(tools, clean), world.tasks["heldout"], config.workers)
-  with open(out["heldout_trajectories"], "w") as f:
-    f.writelines(json.dumps(to_trajectory(trace, config.system_prompt).to_json()) + "\n"
-                 for trace in heldout)
-  with open(out["traces"], "w") as f:
-    f.writelines(json.dumps(trace.to_json()) + "\n" for trace in traces)
-  with open(out["trajectories"], "w") as f:
-    f.writelines(json.dumps(t.to_json()) + "\n" for t in kept)
+  # Each file atomically, the report last: a killed run leaves no half file, and no report.
+  write_jsonl(out["heldout_trajectories"],
+              (to_trajectory(trace, config.system_prompt).to_json() for trace in heldout))
+  write_jsonl(out["traces"], (trace.to_json() for trace in traces))
+  write_jsonl(out["trajectories"], (t.to_json() for t in kept))
   summary = {**report, "teacher_failures": failures, "world": paths, **out,
              "teacher_accuracy": report["stages"][0]["kept"] / max(len(traces), 1),
              "teacher_tokens_per_task": sum(t.tokens for t in traces) / max(len(traces), 1)}
-  with open(out["report"], "w") as f:
-    json.dump(summary, f, indent=1)
+  write_json(out["report"], summary)
   say(f"wrote {len(kept)} trajectories to {out['trajectories']}")
   return summary

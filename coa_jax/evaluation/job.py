@@ -259,8 +259,9 @@ def run(config: Any) -> dict[str, Any]:
 
 
 def _write(folder: str, metrics: dict[str, Any], outcomes: dict[str, list[Sample]]) -> None:
-  """Writes metrics.json and samples.jsonl (one line per task) into `folder`."""
-  write_json(os.path.join(folder, "metrics.json"), metrics)
+  """Writes samples.jsonl (one line per task), then metrics.json into `folder`: metrics.json
+  is what callers take for a finished evaluation."""
   write_jsonl(os.path.join(folder, "samples.jsonl"),
               ({"task_id": task_id, "samples": [dataclasses.asdict(s) for s in samples]}
                for task_id, samples in outcomes.items()))
+  write_json(os.path.join(folder, "metrics.json"), metrics)

@@ -24,6 +24,7 @@ from coa_jax.distill.teacher import Trace
 from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
                                         shared_dir)
 from coa_jax.model import ConfigError
+from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.cache import exists, file_fingerprint, write_jsonl
 from coa_jax.runtime.distributed import say
 
@@ -78,7 +79,7 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
     train.export_dir = os.path.join(folder, "hf_export")
     # saved every 250 steps: a run cut short resumes
     train.checkpoint.update(directory=os.path.join(folder, "checkpoints"), every=250)
-    if not exists(train.export_dir):
+    if not exists(hf_checkpoint.written_last(train.export_dir)):  # cut short: run again
       say(f"== SFT on {options['data']} ({count} trajectories) in {folder}")
       sft.run(train)
     evaluate.model.checkpoint = train.export_dir

@@ -23,6 +23,7 @@ from coa_jax import evaluation, sft
 from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
                                         shared_dir)
 from coa_jax.model import ConfigError, build_config
+from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.cache import exists
 from coa_jax.runtime.distributed import say
 
@@ -45,7 +46,7 @@ def _run_sft(config: Any, train: ml_collections.ConfigDict, kind: str, what: str
   train.workdir, train.export_dir = folder, os.path.join(folder, "hf_export")
   # saved every 250 steps: a run cut short resumes
   train.checkpoint.update(directory=os.path.join(folder, "checkpoints"), every=250)
-  if not exists(train.export_dir):
+  if not exists(hf_checkpoint.written_last(train.export_dir)):  # cut short: run again
     say(f"== {what} in {folder}")
     sft.run(train)
   return folder

@@ -25,6 +25,7 @@ from coa_jax import evaluation, pipeline, rl
 from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
                                         shared_dir)
 from coa_jax.model import ConfigError
+from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.cache import exists, file_fingerprint
 from coa_jax.runtime.distributed import say
 
@@ -60,7 +61,7 @@ def _point(train: ml_collections.ConfigDict, evaluate: ml_collections.ConfigDict
   if exists(done):
     return _read(done)
   export = os.path.join(folder, f"export-{steps}")
-  if not exists(export):
+  if not exists(hf_checkpoint.written_last(export)):  # an export cut short is run again
     segment = ml_collections.ConfigDict(train.to_dict())
     segment.rl.steps = steps
     segment.workdir, segment.export_dir = folder, export

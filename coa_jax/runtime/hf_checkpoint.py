@@ -298,13 +298,20 @@ def save_checkpoint(folder: str, config: ModelConfig, params: Any, dtype: str = 
     hf_config.update(architectures=[hf_config["architectures"][0].replace(
         "ForCausalLM", "ForTokenClassification")], num_labels=1, id2label={"0": "VALUE"},
         label2id={"VALUE": 0}, token_classification_bias=False, classifier_dropout=0.0)
-  jsons = {"config.json": hf_config}
+  jsons = {}
   if len(files) > 1:
     weight_map = {item[0]: file for file, shard in zip(files, shards) for item in shard}
     total = sum(int(np.prod(item[1])) * np_dtype.itemsize for item in items)
     jsons[INDEX_FILE] = {"metadata": {"total_size": total}, "weight_map": weight_map}
+  jsons["config.json"] = hf_config  # written last (`written_last`)
   _write_on_process_0(folder, list(zip(files, shards)), jsons, f"hf export {folder}")
   return files
+
+
+def written_last(folder: str) -> str:
+  """Returns the path of the file an export writes last (config.json): the folder holds a whole
+  export once it exists (a killed export leaves the folder without it)."""
+  return os.path.join(folder, "config.json")
 
 
 def _write_on_process_0(folder: str, safetensors: list[tuple[str, list]],
