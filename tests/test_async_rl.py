@@ -1,6 +1,7 @@
 """Asynchronous DAPO on 8 fake CPU devices, 4 decoding and 4 training: the staleness bound over
 random arrival orders, staleness 0 against the synchronous step, weight pushes, the job."""
 
+import dataclasses
 import json
 import random
 
@@ -15,6 +16,7 @@ from coa_jax.rl import dapo
 from coa_jax.rl import job as rl_job
 from coa_jax.rl.async_trainer import AsyncTrainer
 from coa_jax.rl.staleness import StalenessQueue
+from coa_jax.runtime import sharding
 from configs import common, dapo_tiny_cpu
 
 
@@ -171,36 +173,53 @@ def test_a_weight_push_copies_to_the_rollout_devices_and_leaves_the_trainer_stat
   jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
 
 
-def test_lora_pushes_base_and_adapters_and_updates_its_adapters(tmp_path):
-  """With LoRA the worker decodes the LoRA model itself: the push copies the frozen base and
-  the adapters, in the compute dtype, to the rollout devices; the update trains the adapters
-  on what it sampled, whose log-probs equal the adapted model's teacher-forced ones."""
+def test_lora_pushes_the_base_once_then_adapters_and_rows(tmp_path, monkeypatch):
+  """With LoRA the worker decodes the LoRA model itself: the first push copies the frozen base
+  and the trained leaves (adapters, token rows), in the compute dtype, to the rollout devices;
+  each update's push copies only the trained leaves, beside the very base buffers of the first.
+  Each batch's sampled log-probs equal the teacher-forced ones of the weights it was drawn with,
+  and the updates train the adapters and rows."""
   config = _config(tmp_path, staleness=0)
-  config.model.update(lora_rank=4, lora_alpha=8.0)
+  config.model.update(lora_rank=4, lora_alpha=8.0, lora_trained_token_ids=(3, 7))
   trainer = AsyncTrainer(config)
+  moves = []  # the paths of every leaf pushed to the rollout devices
+  to_host_mesh = sharding.to_host_mesh
+  monkeypatch.setattr(sharding, "to_host_mesh", lambda tree, *args: (
+      moves.extend(flax.traverse_util.flatten_dict(tree)), to_host_mesh(tree, *args))[1])
+  score = trainer.score  # an untrained model fails every task: give the samples advantages
+  trainer.score = lambda records: dataclasses.replace(score(records), scores=[1.0, -1.0])
   try:
     key = iter(jax.random.split(jax.random.key(1), 64))
-    adapters = jax.tree_util.tree_map(  # B = 0 would leave the base's outputs: make B count
+    trained = jax.tree_util.tree_map(  # B = 0 would leave the base's outputs: make B count
         lambda x: x + 0.05 * jax.random.normal(next(key), x.shape, x.dtype), trainer.state.params)
-    trainer.state = trainer.state.replace(params=adapters)
+    trainer.state = trainer.state.replace(params=trained)
     expected = flax.traverse_util.flatten_dict(jax.device_get(trainer.state.model_params()))
-    pushed = flax.traverse_util.flatten_dict(trainer._push())
+    trained_paths = flax.traverse_util.flatten_dict(trained).keys()
+    assert {"lora_b", "embedding_rows"} <= {path[-1] for path in trained_paths}  # (tied head)
+    before = jax.device_get(trained)  # the update donates the state
+    trainer._start_worker(version=0)
+    first = flax.traverse_util.flatten_dict(trainer.worker.box.latest()[1])
     rollout = {d.id for d in trainer.host.devices.flat}
-    assert pushed.keys() == expected.keys() and any("lora_b" in path for path in pushed)
-    for path, leaf in pushed.items():
+    assert first.keys() == expected.keys() and sorted(moves) == sorted(expected)
+    for path, leaf in first.items():
       assert {d.id for d in leaf.devices()} == rollout
       assert leaf.dtype == trainer.model_config.compute_dtype
       np.testing.assert_array_equal(leaf, expected[path].astype(leaf.dtype))
-      leaf.delete()
-    before = jax.device_get(adapters)  # the update donates the state
-    trainer._start_worker(version=0)
-    taken, _ = trainer.worker.queue.take(2, timeout=300)
+    pointers = lambda leaf: [s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards]
+    base = {path: (leaf, pointers(leaf)) for path, leaf in first.items()
+            if path not in trained_paths}
+    diffs = [trainer.update_once(step)["logp_diff_max"] for step in (1, 2)]
     trainer.worker.close(timeout=60)
-    groups = [r.group for r in taken]
-    for group in groups:  # an untrained model fails every task: give the samples advantages
-      group.scores = [1.0, -1.0]
-    metrics = trainer._train_on(groups, 1, proximal_version=0)
-    assert metrics["logp_diff_max"] < 1e-3 and metrics["nonfinite"] == 0
+    assert max(diffs) < 1e-3  # batch 2 was sampled with the weights of update 1's push
+    version, latest = trainer.worker.box.latest()
+    latest = flax.traverse_util.flatten_dict(latest)
+    assert version == 2 and latest.keys() == expected.keys()
+    for path, (leaf, pointer) in base.items():  # the very buffers of the first push
+      assert latest[path] is leaf and pointers(leaf) == pointer and moves.count(path) == 1
+    now = flax.traverse_util.flatten_dict(jax.device_get(trainer.state.params))
+    for path in trained_paths:  # copied at each of the 3 pushes: the trainer's latest
+      assert moves.count(path) == 3
+      np.testing.assert_array_equal(latest[path], now[path].astype(latest[path].dtype))
     moved = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - b).max()),
                                    trainer.state.params, before)
     assert min(jax.tree_util.tree_leaves(moved)) > 0

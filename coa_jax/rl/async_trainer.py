@@ -6,7 +6,8 @@ trainer mesh. A `RolloutWorker` thread per host keeps the rollout mesh busy: it 
 while the staleness budget allows (`coa_jax.rl.staleness`), runs their tools, scores them and
 queues them; the main thread takes a batch of groups from the queue, updates, and pushes the
 new weights to the rollout mesh (a device-to-device copy, cast to the compute dtype; across
-hosts an all-gather first), where the worker picks them up before its next decode chunk.
+hosts an all-gather first), where the worker picks them up before its next decode chunk. A LoRA
+model's push moves its adapters and token rows only: the frozen base is copied once.
 
 Partial rollouts: an unfinished sample continues with the new weights at once. Its KV cache,
 computed by the older weights, is kept (recomputing it would cost a prefill of every row at
@@ -38,10 +39,11 @@ import time
 from typing import Any, Iterator
 
 import jax
+from flax import traverse_util
 from jax.sharding import Mesh
 
 from coa_jax.data import Task
-from coa_jax.model import ConfigError
+from coa_jax.model import ConfigError, lora
 from coa_jax.rl.dapo import Trainer, over_hosts
 from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup
 from coa_jax.rl.staleness import QueueClosed, StalenessQueue
@@ -196,6 +198,7 @@ class AsyncTrainer(Trainer):
       raise ConfigError(f"rl.async.staleness must be >= 0, got {self.staleness}")
     super().__init__(config)
     self.worker: RolloutWorker | None = None
+    self._rollout_base: tuple[Any, Any] | None = None  # (the state's frozen base, its push)
     self._last = time.perf_counter()
 
   def _meshes(self) -> tuple[Mesh, Mesh]:
@@ -208,8 +211,26 @@ class AsyncTrainer(Trainer):
 
   def _push(self) -> Any:
     """Returns the weights for the rollout mesh (`sampling_params`: other devices, so new
-    buffers), once copied: the next update donates the train state."""
-    return jax.block_until_ready(self.sampling_params())
+    buffers), once copied: the next update donates the train state. With LoRA only what trains
+    moves (the adapters and token rows: for the 32B preset 269 MB a step, not 65.8 GB); the
+    frozen base is copied at the first push, and again only if the state holds another base (no
+    update changes it). The rollout model is the same tree either way."""
+    if self.state.frozen is None:
+      return jax.block_until_ready(self.sampling_params())
+    if self._rollout_base is None or self._rollout_base[0] is not self.state.frozen:
+      base = _without(self.state.frozen, self.state.params)  # ("all": the trained copies)
+      self._rollout_base = (self.state.frozen, jax.block_until_ready(self._to_rollout(base)))
+    trained = jax.block_until_ready(self._to_rollout(self.state.params))
+    return lora.combine(self._rollout_base[1], trained)
+
+  def _to_rollout(self, tree: Any) -> Any:
+    """Returns `tree` (part of the model's params, on the trainer mesh) in the compute dtype on
+    this host's rollout mesh, each leaf laid out as `sampling_params` lays it out."""
+    shardings = traverse_util.flatten_dict(self.host_shardings)
+    flat = traverse_util.flatten_dict(tree)
+    mine = traverse_util.unflatten_dict({path: shardings[path] for path in flat})
+    return sharding.to_host_mesh(self.engine.sampler.sampling_params(tree), self.mesh, self.host,
+                                 mine)
 
   def _start_worker(self, version: int) -> None:
     queue = StalenessQueue(self.config.rl.batch_groups // self.hosts, self.staleness, version)
@@ -265,6 +286,14 @@ class AsyncTrainer(Trainer):
     if self.worker is not None:
       self.worker.close(timeout=self.rollout_config.tool_timeout_s + 10)
     super().close()
+
+
+def _without(tree: Any, other: Any) -> dict:
+  """Returns the leaves of `tree` whose paths `other` does not hold."""
+  drop = traverse_util.flatten_dict(other).keys()
+  return traverse_util.unflatten_dict({path: leaf for path, leaf in
+                                       traverse_util.flatten_dict(tree).items()
+                                       if path not in drop})
 
 
 def plot_overlap(metrics_path: str, png_path: str, staleness: int) -> str | None:
