@@ -405,12 +405,18 @@ def _embed_token_rows(x_BxTxD, input_ids_BxT, rows_RxD, token_ids) -> jax.Array:
 
 def _token_row_logits(logits_NxV, x_NxD, rows_RxD, token_ids) -> jax.Array:
   """Returns the logits with the columns of `token_ids` computed from `rows_RxD` instead: one
-  small matmul, spread over the vocabulary by an exact one-hot product (float32 at highest
-  precision), so the columns shard over the vocabulary like the logits and no gradient of
-  the frozen head is formed."""
-  vocab = logits_NxV.shape[-1]
-  onehot_RxV = (jnp.asarray(token_ids)[:, None] == jnp.arange(vocab)[None, :])
-  onehot_RxV = nn.with_logical_constraint(onehot_RxV.astype(jnp.float32), (None, "act_vocab"))
+  small matmul written over those columns in place, a run of consecutive ids at a time (the
+  added tags are one run), so no second vocabulary-sized array is formed and no gradient of the
+  frozen head either."""
   rows_NxR = jnp.dot(x_NxD, rows_RxD.astype(x_NxD.dtype).T, preferred_element_type=jnp.float32)
-  spread_NxV = jnp.dot(rows_NxR, onehot_RxV, precision=jax.lax.Precision.HIGHEST)
-  return jnp.where(jnp.any(onehot_RxV > 0, axis=0), spread_NxV, logits_NxV)
+  for start, stop in _runs(token_ids):
+    logits_NxV = jax.lax.dynamic_update_slice_in_dim(
+        logits_NxV, rows_NxR[:, start:stop], token_ids[start], axis=1)
+  return logits_NxV
+
+
+def _runs(token_ids) -> list[tuple[int, int]]:
+  """Returns the [start, stop) index ranges of `token_ids` (increasing) whose ids are
+  consecutive."""
+  starts = [0] + [i for i in range(1, len(token_ids)) if token_ids[i] != token_ids[i - 1] + 1]
+  return list(zip(starts, starts[1:] + [len(token_ids)]))
