@@ -231,6 +231,10 @@ def host_mesh(mesh: Mesh) -> Mesh:
   return decode_mesh(_host_devices(mesh)[jax.process_index()], mesh.shape["tensor"])
 
 
+def _identity(tree: Any) -> Any:
+  return tree
+
+
 def to_host_mesh(tree: Any, mesh: Mesh, host: Mesh, shardings: Any) -> Any:
   """Returns `tree` (global arrays on `mesh`) as arrays of this process's `host` mesh, each laid
   out by the matching PartitionSpec of `shardings` (NamedShardings on `host`): every host gets
@@ -243,7 +247,8 @@ def to_host_mesh(tree: Any, mesh: Mesh, host: Mesh, shardings: Any) -> Any:
   shape = (len(hosts),) + _host_shape(len(hosts[0]), mesh.shape["tensor"])
   replicas = Mesh(np.array(hosts, dtype=object).reshape(shape), ("host",) + MESH_AXES,
                   axis_types=(AxisType.Auto,) * (1 + len(MESH_AXES)))
-  gathered = jax.jit(lambda t: t, out_shardings=jax.tree_util.tree_map(
+  # One function object: jit's cache hits at every later push (a fresh lambda traced anew).
+  gathered = jax.jit(_identity, out_shardings=jax.tree_util.tree_map(
       lambda s: NamedSharding(replicas, s.spec), shardings))(tree)
   mine = host_mesh(mesh)
 
