@@ -18,7 +18,7 @@ EXTRAS := test,tpu,plots,tfds
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit profile clean
 
 $(STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it the sandbox falls
@@ -111,6 +111,11 @@ $(GPU_AOT_STAMP): $(STAMP)
 # this CPU (docs/tpu.md); writes runs/pod_fit/pod_fit.json and pod_fit.md.
 pod-fit: $(GPU_AOT_STAMP)
 	$(BIN)/python experiments/pod_fit.py $(ARGS)
+
+# A per-kernel table of a benchmark's step (docs/benchmarks.md#per-kernel-profiles): traced on
+# this machine's devices, or ahead of time for a topology: make profile ARGS="--target=sft_7b"
+profile: $(GPU_AOT_STAMP)
+	$(BIN)/python experiments/profile_step.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs
