@@ -18,7 +18,7 @@ EXTRAS := test,tpu,plots,tfds
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-async aot pod-fit profile clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile clean
 
 $(STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it the sandbox falls
@@ -89,6 +89,10 @@ dapo: $(STAMP)
 
 bench-rollout: $(STAMP)
 	$(BIN)/python experiments/bench_rollout.py $(ARGS)
+
+# The sampler's host overhead: its decode loop against the decode step alone (tiny model, batch 16).
+bench-sampler: $(STAMP)
+	$(BIN)/python experiments/bench_rollout.py --host_overhead_only $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python experiments/bench_model.py $(ARGS)

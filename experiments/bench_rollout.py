@@ -3,6 +3,7 @@ latency rollouts hide.
 
   python experiments/bench_rollout.py [--config=configs/bench_model.py] [--skip_tools]
   python experiments/bench_rollout.py --config=configs/bench_model_gpu.py --skip_tools  # GPU
+  python experiments/bench_rollout.py --host_overhead_only  # part 3 only (make bench-sampler)
 
 1. Greedy decoding of the config's models (`config.decode`): random prompts, then rounds of
    new tokens with an observation appended between rounds, prefill and extends included.
@@ -16,6 +17,9 @@ latency rollouts hide.
    the shipped tasks, greedy, with the embedded tools answering at once and then after a
    200 ms delay: the extra wall time against the tool latency the samples incurred shows how
    much of it decoding hides.
+3. The sampler's host overhead on the tiny model (the rollout tests' preset), batch 16: the
+   decode step alone in a tight loop against `Sampler.decode_chunk` driven as the rollout loop
+   drives it, and the rollout loop itself (`coa_jax.perf.host_overhead`).
 """
 
 import dataclasses
@@ -30,8 +34,10 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from coa_jax.data.tasks import load_tasks
+from coa_jax.data.tasks import Task
+from coa_jax.data.tokenizer import default_tokenizer
 from coa_jax.model import Transformer, build_config
-from coa_jax.perf import bench
+from coa_jax.perf import bench, host_overhead
 from coa_jax.rollout import job as rollout_job
 from coa_jax.runtime import hf_checkpoint, sharding
 from coa_jax.runtime.sharding import init_params
@@ -43,6 +49,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", bench_model.__file__)
 _SKIP_TOOLS = flags.DEFINE_bool("skip_tools", False, "skip the tool-latency rollouts (part 2)")
 _TOOL_DELAY = flags.DEFINE_float("tool_delay_s", 0.2, "latency added to every tool call")
 _TASKS = flags.DEFINE_integer("tasks", 32, "rollout tasks for the tool-latency run")
+_HOST_ONLY = flags.DEFINE_bool("host_overhead_only", False, "run part 3 (host overhead) only")
+_REPEATS = flags.DEFINE_integer("repeats", 15, "timed runs of each loop in part 3")
+_CHUNK = flags.DEFINE_integer("chunk", 32, "decode steps per device call in part 3")
 _OUTPUT = flags.DEFINE_string("output", "", "figures (JSON); default: next to the config's")
 
 
@@ -151,11 +160,58 @@ def bench_decode_gemms():
   return rows
 
 
+def bench_host_overhead():
+  """The sampler's loop against the decode step alone, and the rollout loop, per token."""
+  tokenizer = default_tokenizer("plain")
+  config = build_config({"preset": "tiny", "vocab_size": tokenizer.vocab_size,
+                         "tie_embeddings": False})
+  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  params = init_params(Transformer(config), mesh, jax.random.key(0))
+  work = host_overhead.DecodeWork(chunk=_CHUNK.value, repeats=_REPEATS.value)
+  engine = host_overhead.rollout_engine(config, params, work, tokenizer)
+  tasks = [Task(f"t{i}", f"What is {i} + {i}?") for i in range(3 * work.batch)]
+  result = host_overhead.sampler_vs_step(config, params, work, rollout=(engine, tasks))
+  rollout, floor = result["rollout"], result["floor"]
+  result["rollout_overhead"] = rollout["device_step_s"] / floor["step_s"] - 1
+  result["rollout_overhead_cpu"] = rollout["cpu_step_s"] / floor["cpu_step_s"] - 1
+  _print_host_overhead(result)
+  return result
+
+
+def _print_host_overhead(result):
+  for name in ("floor_on_device", "floor", "chunks", "sampler", "rollout"):
+    r = result[name]
+    print(f"{name:>16}: {r['step_s'] * 1e6:7.0f} us per step of {result['batch']} rows "
+          f"({r['min_step_s'] * 1e6:.0f}-{r['max_step_s'] * 1e6:.0f}; CPU time "
+          f"{r['cpu_step_s'] * 1e6:.0f} us), {r['tokens_per_s']:8,.0f} tok/s", flush=True)
+  paired, cpu = result["host_overhead_paired"], result["host_overhead_cpu"]
+  split = ", ".join(f"{part} {t * 1e6:.0f} us" for part, t in
+                    result["host_split_per_chunk_s"].items())
+  rollout = result["rollout"]
+  print(f"host overhead (sampler / floor - 1): {result['host_overhead']:+.1%} (runs back to "
+        f"back: median {paired['median']:+.1%}, {paired['min']:+.1%} to {paired['max']:+.1%}; "
+        f"in CPU time {cpu['median']:+.1%}); against the on-device floor "
+        f"{result['overhead_vs_on_device']:+.1%}; chunk bookkeeping "
+        f"{result['chunk_bookkeeping']:+.1%}; fetch and checks {result['fetch_and_checks']:+.1%}; "
+        f"a chunk's host time: {split}; rollout loop per decode step the device ran (prefills, "
+        f"extends and the host's work included) {result['rollout_overhead']:+.1%}, in CPU time "
+        f"{result['rollout_overhead_cpu']:+.1%}, runs back to back "
+        f"{result['rollout_overhead_paired']['median']:+.1%} ({rollout['tool_calls_per_run']} "
+        f"tool calls, {rollout['tasks']} tasks, rows busy {rollout['rows_busy']:.0%} of the "
+        f"steps, decode chunks {rollout['decode_share']:.0%} of the wall time); "
+        f"compilations after warm-up: "
+        f"{result['compilations_after_warmup']} and {rollout['compilations_after_warmup']}",
+        flush=True)
+
+
 def main(argv):
   del argv
   bench.share_gpu_with_torch()
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
+  if _HOST_ONLY.value:
+    return _write(dict(host_overhead=bench_host_overhead()),
+                  _OUTPUT.value or config.output.replace(".json", "_host_overhead.json"))
   peak, source = bench.peak_flops()
   d = config.decode
   print(f"device {jax.devices()[0].device_kind} (PyTorch on {bench.torch_device()}); peak "
@@ -163,12 +219,15 @@ def main(argv):
         f"rounds of {d.new_tokens} new tokens with {d.observation_len}-token observations "
         f"between them, greedy")
   figures = dict(device=jax.devices()[0].device_kind, peak_flops=peak, peak_source=source,
-                 decode=bench_decode(config, peak))
+                 decode=bench_decode(config, peak), host_overhead=bench_host_overhead())
   if jax.devices()[0].platform == "cpu":
     figures["decode_gemms"] = bench_decode_gemms()
   if not _SKIP_TOOLS.value:
     figures["tools"] = bench_tool_latency()
-  output = _OUTPUT.value or config.output.replace(".json", "_rollout.json")
+  _write(figures, _OUTPUT.value or config.output.replace(".json", "_rollout.json"))
+
+
+def _write(figures, output):
   os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
   with open(output, "w") as f:
     json.dump(figures, f, indent=2)

@@ -48,3 +48,24 @@ def test_a_lora_config_step_runs_with_only_its_adapters_trained_in_memory():
   # full: 4 + 4 + 4 bytes (f32 weights, two moments) a parameter; LoRA: 2 (the bf16 base), and
   # 12 for each of the adapters' 4% of parameters
   assert lora["compiler_argument_bytes"] < 0.5 * full["compiler_argument_bytes"]
+
+
+def test_host_overhead_times_the_sampler_against_the_decode_step_without_recompiling():
+  """The host-overhead benchmark (bench_rollout --host_overhead_only): every loop decodes the
+  full budget (the stop ids are never sampled), nothing compiles after warm-up, and the
+  figures are per-step times of real runs."""
+  from coa_jax.perf import host_overhead
+
+  config = get_preset("tiny")
+  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  params = sharding.init_params(Transformer(config), mesh, jax.random.key(0))
+  work = host_overhead.DecodeWork(batch=4, prompt_len=8, tokens=8, chunk=4, repeats=2)
+  result = host_overhead.sampler_vs_step(config, params, work)
+  assert result["compilations_after_warmup"] == 0
+  for name in ("floor", "floor_on_device", "chunks", "sampler"):
+    r = result[name]
+    assert r["runs"] == 2 and 0 < r["min_step_s"] <= r["step_s"] <= r["max_step_s"]
+    assert np.isclose(r["tokens_per_s"], 4 / r["step_s"])
+  assert np.isclose(result["host_overhead"],
+                    result["sampler"]["step_s"] / result["floor"]["step_s"] - 1)
+  assert set(result["host_split_per_chunk_s"]) == {"dispatch", "device_wait", "fetch", "checks"}
