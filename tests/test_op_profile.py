@@ -39,6 +39,16 @@ def test_kernel_table_keeps_the_top_ops_and_sums_the_rest():
   assert "| 1 | `op25` |" in op_profile.markdown(rows, measured=True)
 
 
+def test_the_same_op_of_layers_with_weights_of_their_own_is_one_row():
+  src = "while/body/Transformer/layers_{}/mlp/gate_proj/dot_general"
+  ops = [op_profile.OpCost(f"dot.{i}", "fusion(dot)", src.format(i), 1, 2.0, 3.0, 0.5, 0)
+         for i in (0, 1, 12)] + [op_profile.OpCost("add", "fusion()", "", 1, 0, 1.0, 0.1, 0)]
+  (merged, other) = op_profile.group_ops(ops)
+  assert (merged.name, merged.source) == ("dot.0 (+2)", src.format("*"))
+  assert (merged.flops, merged.bytes, merged.seconds) == (6.0, 9.0, 1.5)
+  assert (other.name, other.source) == ("add", "")
+
+
 def test_kernel_table_of_a_compiled_program_lists_its_ops(compiled):
   program, _ = compiled
   ops, _ = op_profile.hlo_ops(program.as_text(), peak_flops=1e12, hbm_bytes_per_s=1e11)

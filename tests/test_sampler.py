@@ -261,3 +261,20 @@ def test_sampling_params_in_the_compute_dtype_sample_exactly_as_the_master_weigh
   # the same tokens with the same log-probs
   jax.tree_util.tree_map(np.testing.assert_array_equal, run_episode(s, cast),
                          run_episode(s, master))
+
+
+def test_per_layer_weights_sample_exactly_as_the_stacked_ones(mesh1, params):
+  """`layer_arrays` (the GPU default): the weights split into one array per layer, the decode
+  chunk applying the layers one by one, prefill and extend restacking them."""
+  split_sampler = Sampler(CONFIG, mesh1, batch_size=4, cache_size=64, chunk=6, stop_ids=(),
+                          sampling=SamplingConfig(temperature=1.0), layer_arrays=True)
+  split = split_sampler.sampling_params(params)
+  assert "layers" not in split and split["layers_1"]["mlp"]["up_proj"]["kernel"].shape == (
+      params["layers"]["mlp"]["up_proj"]["kernel"].shape[1:])
+  np.testing.assert_array_equal(split["layers_1"]["attn"]["q_proj"]["kernel"],
+                                params["layers"]["attn"]["q_proj"]["kernel"][1])
+  stacked = sampler(mesh1, SamplingConfig(temperature=1.0))
+  assert not stacked.layer_arrays and stacked.sampling_params(params) is not split
+  # the same tokens with the same float32 log-probs, and the same cache
+  jax.tree_util.tree_map(np.testing.assert_array_equal, run_episode(split_sampler, split),
+                         run_episode(stacked, params))

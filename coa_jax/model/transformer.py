@@ -276,6 +276,37 @@ class DecoderLayer(nn.Module):
     return ((x_BxTxD, k_all, v_all, layer + 1, rows) if cached else x_BxTxD), new_kv
 
 
+def _layer_list(layers: list):
+  """Returns a function running `layers` (each with its own weights) one after another as a
+  scanned `layers` runs: (carry, positions, segment ids) -> (carry, stacked new keys and values
+  or None)."""
+
+  def run(carry, positions_BxT, segment_ids_BxT):
+    new_kvs = []
+    for layer in layers:
+      carry, new_kv = layer(carry, positions_BxT, segment_ids_BxT)
+      new_kvs.append(new_kv)
+    if new_kvs[0] is None:
+      return carry, None
+    return carry, tuple(jnp.stack(parts) for parts in zip(*new_kvs))
+  return run
+
+
+def split_layers(params: dict, num_layers: int, take=lambda a, i: a[i]) -> dict:
+  """Returns `params` with the stacked `layers` subtree split into `layers_0`, `layers_1`, ...
+  (the layout of `Transformer(layer_arrays=True)`): `take(leaf, i)` is layer i's slice."""
+  rest = {name: tree for name, tree in params.items() if name != "layers"}
+  return {**rest, **{f"layers_{i}": jax.tree.map(lambda a: take(a, i), params["layers"])
+                     for i in range(num_layers)}}
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+  """Returns `split_layers`'s output in the stacked layout again (a copy of every layer)."""
+  names = [f"layers_{i}" for i in range(num_layers)]
+  rest = {name: tree for name, tree in params.items() if name not in names}
+  return {**rest, "layers": jax.tree.map(lambda *a: jnp.stack(a), *(params[n] for n in names))}
+
+
 HEADS = ("lm", "value")
 
 
@@ -302,6 +333,9 @@ class Transformer(nn.Module):
 
   config: ModelConfig
   head: str = "lm"
+  # Each layer's weights in arrays of their own (params `layers_0`, `layers_1`, ...; see
+  # `split_layers`) and the layers applied one after another instead of scanned.
+  layer_arrays: bool = False
 
   @nn.compact
   def __call__(self, input_ids_BxT, positions_BxT=None, segment_ids_BxT=None,
@@ -340,11 +374,15 @@ class Transformer(nn.Module):
     layer = DecoderLayer
     if cfg.remat != "none" and cache is None:
       layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    layers = nn.scan(
-        layer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers, unroll=layer_unroll(cfg),
-        metadata_params={nn.PARTITION_NAME: "layers"})(
-            cfg, cache_heads_first=cache is not None and cache.heads_first, name="layers")
+    if self.layer_arrays:
+      layers = _layer_list([layer(cfg, cache_heads_first=cache is not None and cache.heads_first,
+                                  name=f"layers_{i}") for i in range(cfg.num_layers)])
+    else:
+      layers = nn.scan(
+          layer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+          in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+          unroll=layer_unroll(cfg), metadata_params={nn.PARTITION_NAME: "layers"})(
+              cfg, cache_heads_first=cache is not None and cache.heads_first, name="layers")
     if cache is None:
       x_BxTxD, _ = layers(x_BxTxD, positions_BxT, segment_ids_BxT)
     else:

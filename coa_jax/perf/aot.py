@@ -380,9 +380,10 @@ def _compile_rollout_program(config: ModelConfig, mesh, rows: int, cache_size: i
   ("decode", "prefill" or "extend") on `mesh`."""
   sampler = Sampler(config, mesh, batch_size=rows, cache_size=cache_size, chunk=chunk,
                     stop_ids=(0,), sampling=SamplingConfig(temperature=1.0))
-  # The sampler holds its weights in the compute dtype (Sampler.sampling_params).
-  params = state_lib.abstract_placed_params(
-      Transformer(config.replace(param_dtype=config.dtype)), mesh)
+  # The sampler holds its weights in the compute dtype, on GPUs one array per layer
+  # (Sampler.sampling_params).
+  params = sampler.layer_params(state_lib.abstract_placed_params(
+      Transformer(config.replace(param_dtype=config.dtype)), mesh))
   ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   (p, t), (r, e) = prefill, extend
   args = {"decode": (sampler.decode_chunk, jax.eval_shape(lambda: jax.random.key(0))),

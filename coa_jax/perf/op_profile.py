@@ -349,16 +349,18 @@ def hlo_ops(text: str, peak_flops: float, hbm_bytes_per_s: float,
 
 
 def group_ops(ops: Iterable[OpCost]) -> list[OpCost]:
-  """Returns the ops merged by (kind, JAX source op): the same op of each unrolled layer, or
-  of each traced step, becomes one row named after its first instance (+ how many more)."""
+  """Returns the ops merged by (kind, JAX source op): the same op of each unrolled layer (or
+  layer with weights of its own, `layers_3/...` as `layers_*/...`), or of each traced step,
+  becomes one row named after its first instance (+ how many more) and the group's source."""
   groups: dict[tuple[str, str], list[OpCost]] = collections.defaultdict(list)
   for op in ops:
-    groups[(op.kind, op.source or op.name)].append(op)
+    groups[(op.kind, re.sub(r"/layers_\d+/", "/layers_*/", op.source) or op.name)].append(op)
   merged = []
   for (kind, source), members in groups.items():
     extra = len({m.name for m in members}) - 1
     merged.append(OpCost(
-        members[0].name + (f" (+{extra})" if extra else ""), kind, members[0].source,
+        members[0].name + (f" (+{extra})" if extra else ""), kind,
+        source if members[0].source else "",
         *(sum(getattr(m, f) for m in members) for f in ("count", "flops", "bytes", "seconds",
                                                           "cycles"))))
   return merged

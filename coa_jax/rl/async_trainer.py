@@ -229,8 +229,9 @@ class AsyncTrainer(Trainer):
     shardings = traverse_util.flatten_dict(self.host_shardings)
     flat = traverse_util.flatten_dict(tree)
     mine = traverse_util.unflatten_dict({path: shardings[path] for path in flat})
-    return sharding.to_host_mesh(self.engine.sampler.sampling_params(tree), self.mesh, self.host,
-                                 mine)
+    sampler = self.engine.sampler
+    return sampler.layer_params(sharding.to_host_mesh(sampler.cast_params(tree), self.mesh,
+                                                      self.host, mine))
 
   def _start_worker(self, version: int) -> None:
     queue = StalenessQueue(self.config.rl.batch_groups // self.hosts, self.staleness, version)

@@ -218,8 +218,10 @@ class Trainer:
     LoRA model decodes as it trains: its frozen base (already in the compute dtype) and its
     adapters, cast as the update's forward pass casts them. (Merged into bf16 kernels, small
     adapter updates would round away, and the rollouts would not sample the trained policy.)"""
-    params = self.engine.sampler.sampling_params(self.state.model_params())
-    return sharding.to_host_mesh(params, self.mesh, self.host, self.host_shardings)
+    sampler = self.engine.sampler
+    params = sampler.cast_params(self.state.model_params())
+    return sampler.layer_params(sharding.to_host_mesh(params, self.mesh, self.host,
+                                                      self.host_shardings))
 
   def score(self, group: list[RolloutRecord]) -> ScoredGroup:
     """Returns the group with its rewards (overlong shaping included) and correctness."""

@@ -45,10 +45,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coa_jax.model.config import ModelConfig
-from coa_jax.model.transformer import KVCache, Transformer, cache_axes
+from coa_jax.model.transformer import KVCache, Transformer, cache_axes, split_layers, stack_layers
 from coa_jax.runtime import sharding
 
 
@@ -146,7 +146,7 @@ class Sampler:
   def __init__(self, model_config: ModelConfig, mesh: Mesh, batch_size: int, cache_size: int,
                chunk: int, stop_ids: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
                cache_dtype: Any = None, cache_heads_first: bool | None = None,
-               extend_tokens: int = 2048):
+               extend_tokens: int = 2048, layer_arrays: bool | None = None):
     """`cache_heads_first` picks the KV cache's layout (see KVCache). By default kv heads come
     first, except on CPU devices for models with grouped query heads: there slots first
     decoded 1.1-1.2x faster (kv heads first was 1.1-1.5x faster in three models without).
@@ -159,9 +159,16 @@ class Sampler:
     On GPUs the decode chunk unrolls the layers: with the layer loop scanned, XLA:GPU copies
     each layer's slice of the stacked weights and of the KV cache before using it, at every
     token (in the 7B GPU preset's decode, 0.5 GiB of cache per layer and step: three times the
-    cache's own traffic); unrolled, the slices are read in place. Prefill and extend keep the
-    scan: unrolled, their attention scores stayed live across layers (extend: 34 GiB of
-    temporaries against 2.5)."""
+    cache's own traffic); unrolled, the cache slices are read in place. Prefill and extend keep
+    the scan: unrolled, their attention scores stayed live across layers (extend: 34 GiB of
+    temporaries against 2.5).
+
+    With `layer_arrays` (default: on GPUs) the sampling weights hold each layer's weights in
+    arrays of their own (`sampling_params` splits the stacked ones) and the decode chunk applies
+    the layers one by one: unrolled over the stacked arrays, XLA:GPU still copied each layer's
+    weights out of them at every token (the 1.5B bench's batch-16 decode on H100: 168 slice
+    copies, 3.7 GB read and written per token, 44% of the estimated time). Prefill and extend
+    stack the split weights again inside their programs (one transient copy per call)."""
     sharding.check_batch_fits_mesh(batch_size, 1, mesh)
     platform = mesh.devices.flat[0].platform
     if cache_heads_first is None:
@@ -171,6 +178,8 @@ class Sampler:
     self.model = Transformer(model_config)
     self.decode_model = (Transformer(model_config.replace(scan_unroll=model_config.num_layers))
                          if platform == "gpu" else self.model)
+    self.layer_arrays = platform == "gpu" if layer_arrays is None else layer_arrays
+    self.layer_model = Transformer(model_config, layer_arrays=True)
     self.batch_size, self.cache_size, self.chunk = batch_size, cache_size, chunk
     self.extend_tokens = extend_tokens
     self.stop_ids = tuple(int(i) for i in stop_ids)
@@ -181,11 +190,33 @@ class Sampler:
     self.decode_chunk = sharding.bind_mesh(jax.jit(self._decode_chunk, donate_argnums=1), mesh)
 
   def sampling_params(self, params: Any) -> Any:
+    """Returns `params` as this sampler decodes from them: `cast_params`, then `layer_params`."""
+    return self.layer_params(self.cast_params(params))
+
+  def cast_params(self, params: Any) -> Any:
     """Returns `params` in the compute dtype. The model casts every weight to it before use,
     so decoding gives the same tokens; but it reads half the bytes of float32 master weights
     and keeps no cast copies (in a 32B decode on v5p, 15 GiB of temporaries per chip)."""
     dtype = self.config.compute_dtype
     return jax.tree_util.tree_map(lambda p: p if p.dtype == dtype else p.astype(dtype), params)
+
+  def layer_params(self, params: Any) -> Any:
+    """Returns `params` (stacked, concrete or ShapeDtypeStructs) with each layer's weights in
+    arrays of their own (`split_layers`) if this sampler decodes so (`layer_arrays`), else
+    `params`; each array keeps its stacked parent's sharding less the layer axis."""
+    if not self.layer_arrays or "layers" not in params:
+      return params
+    n = self.config.num_layers
+    drop = lambda s: (NamedSharding(s.mesh, PartitionSpec(*s.spec[1:]))
+                      if isinstance(s, NamedSharding) else s)
+    leaves = jax.tree.leaves(params)
+    if all(isinstance(a, jax.ShapeDtypeStruct) for a in leaves):
+      take = lambda a, i: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=drop(a.sharding))
+      return split_layers(params, n, take)
+    shardings = split_layers(jax.tree.map(lambda a: a.sharding, params), n,
+                             lambda s, i: drop(s))
+    # One module-level function, so that every later push hits jit's cache.
+    return jax.jit(split_layers, static_argnums=1, out_shardings=shardings)(params, n)
 
   # --- state -----------------------------------------------------------------------------
 
@@ -222,13 +253,20 @@ class Sampler:
   # --- jitted steps ----------------------------------------------------------------------
 
   def _run(self, params, cache: KVCache, tokens_BxT, positions_BxT, rows_B=None, model=None):
+    if "layers" not in params:  # split weights (`layer_params`): decode only
+      model = self.layer_model
     return (model or self.model).apply({"params": params}, tokens_BxT, positions_BxT,
                                        cache=cache, cache_rows_B=rows_B)
+
+  def _stacked(self, params):
+    """Returns `params` with stacked layers (those of `layer_params` stacked again)."""
+    return params if "layers" in params else stack_layers(params, self.config.num_layers)
 
   def _prefill(self, params, state: DecodeState, rows_PxN, tokens_PxT, lengths_P, budgets_P,
                seeds_PxN):
     """Encodes P prompts once each and installs prompt p in rows rows_PxN[p] (all N), row
     rows_PxN[p, i] with the sampling seed seeds_PxN[p, i]."""
+    params = self._stacked(params)
     p, t = tokens_PxT.shape
     n = rows_PxN.shape[1]
     fresh = self._empty_cache(p, t)
@@ -249,6 +287,7 @@ class Sampler:
   def _extend(self, params, state: DecodeState, rows_R, tokens_RxT, counts_R):
     """Appends tokens_RxT[r, :counts_R[r]] to row rows_R[r] and resumes it (count >= 1). The
     rows are extended in place, in blocks of tokens (see `extend_tokens`)."""
+    params = self._stacked(params)
     r, t = tokens_RxT.shape
     lengths_R = jnp.take(state.cache.lengths_B, rows_R, mode="clip")
     pending_R = jnp.take(state.pending_B, rows_R, mode="clip")
