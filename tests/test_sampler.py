@@ -265,7 +265,7 @@ def test_sampling_params_in_the_compute_dtype_sample_exactly_as_the_master_weigh
 
 def test_per_layer_weights_sample_exactly_as_the_stacked_ones(mesh1, params):
   """`layer_arrays` (the GPU default): the weights split into one array per layer, the decode
-  chunk applying the layers one by one, prefill and extend restacking them."""
+  chunk applying the layers one by one, prefill and extend scanning them."""
   split_sampler = Sampler(CONFIG, mesh1, batch_size=4, cache_size=64, chunk=6, stop_ids=(),
                           sampling=SamplingConfig(temperature=1.0), layer_arrays=True)
   split = split_sampler.sampling_params(params)

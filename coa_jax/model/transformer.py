@@ -292,19 +292,29 @@ def _layer_list(layers: list):
   return run
 
 
+def _switched_scan(layer: nn.Module, weights: list, unroll: int):
+  """Returns a function scanning unbound `layer` over its per-layer `weights` as a scanned
+  `layers` runs: step i switches to weights[i]."""
+
+  def step(carry_and_inputs, i):
+    carry, positions_BxT, segment_ids_BxT = carry_and_inputs
+    params = jax.lax.switch(i, [lambda w, j=j: w[j] for j in range(len(weights))], weights)
+    carry, new_kv = layer.apply({"params": params}, carry, positions_BxT, segment_ids_BxT)
+    return (carry, positions_BxT, segment_ids_BxT), new_kv
+
+  def run(carry, positions_BxT, segment_ids_BxT):
+    (carry, *_), new_kv = jax.lax.scan(step, (carry, positions_BxT, segment_ids_BxT),
+                                       jnp.arange(len(weights)), unroll=unroll)
+    return carry, new_kv
+  return run
+
+
 def split_layers(params: dict, num_layers: int, take=lambda a, i: a[i]) -> dict:
   """Returns `params` with the stacked `layers` subtree split into `layers_0`, `layers_1`, ...
-  (the layout of `Transformer(layer_arrays=True)`): `take(leaf, i)` is layer i's slice."""
+  (the layout of a Transformer with `layer_arrays`): `take(leaf, i)` is layer i's slice."""
   rest = {name: tree for name, tree in params.items() if name != "layers"}
   return {**rest, **{f"layers_{i}": jax.tree.map(lambda a: take(a, i), params["layers"])
                      for i in range(num_layers)}}
-
-
-def stack_layers(params: dict, num_layers: int) -> dict:
-  """Returns `split_layers`'s output in the stacked layout again (a copy of every layer)."""
-  names = [f"layers_{i}" for i in range(num_layers)]
-  rest = {name: tree for name, tree in params.items() if name not in names}
-  return {**rest, "layers": jax.tree.map(lambda *a: jnp.stack(a), *(params[n] for n in names))}
 
 
 HEADS = ("lm", "value")
@@ -333,9 +343,11 @@ class Transformer(nn.Module):
 
   config: ModelConfig
   head: str = "lm"
-  # Each layer's weights in arrays of their own (params `layers_0`, `layers_1`, ...; see
-  # `split_layers`) and the layers applied one after another instead of scanned.
-  layer_arrays: bool = False
+  # "" (default): the layers' weights stacked (params `layers`), the layers scanned. Else each
+  # layer's weights in arrays of their own (params `layers_0`, `layers_1`, ...; see
+  # `split_layers`), and "each" applies the layers one after another, "scan" scans them, each
+  # step switching to its layer's weights (a copy of one layer's at a time).
+  layer_arrays: str = ""
 
   @nn.compact
   def __call__(self, input_ids_BxT, positions_BxT=None, segment_ids_BxT=None,
@@ -374,15 +386,20 @@ class Transformer(nn.Module):
     layer = DecoderLayer
     if cfg.remat != "none" and cache is None:
       layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    if self.layer_arrays:
-      layers = _layer_list([layer(cfg, cache_heads_first=cache is not None and cache.heads_first,
-                                  name=f"layers_{i}") for i in range(cfg.num_layers)])
+    heads_first = cache is not None and cache.heads_first
+    if self.layer_arrays == "scan" and not self.is_initializing():
+      weights = [self.variables["params"][f"layers_{i}"] for i in range(cfg.num_layers)]
+      layers = _switched_scan(layer(cfg, cache_heads_first=heads_first, parent=None), weights,
+                              layer_unroll(cfg))
+    elif self.layer_arrays:
+      layers = _layer_list([layer(cfg, cache_heads_first=heads_first, name=f"layers_{i}")
+                            for i in range(cfg.num_layers)])
     else:
       layers = nn.scan(
           layer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
           in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
           unroll=layer_unroll(cfg), metadata_params={nn.PARTITION_NAME: "layers"})(
-              cfg, cache_heads_first=cache is not None and cache.heads_first, name="layers")
+              cfg, cache_heads_first=heads_first, name="layers")
     if cache is None:
       x_BxTxD, _ = layers(x_BxTxD, positions_BxT, segment_ids_BxT)
     else:

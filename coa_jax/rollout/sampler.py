@@ -48,7 +48,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coa_jax.model.config import ModelConfig
-from coa_jax.model.transformer import KVCache, Transformer, cache_axes, split_layers, stack_layers
+from coa_jax.model.transformer import KVCache, Transformer, cache_axes, split_layers
 from coa_jax.runtime import sharding
 
 
@@ -168,7 +168,9 @@ class Sampler:
     the layers one by one: unrolled over the stacked arrays, XLA:GPU still copied each layer's
     weights out of them at every token (the 1.5B bench's batch-16 decode on H100: 168 slice
     copies, 3.7 GB read and written per token, 44% of the estimated time). Prefill and extend
-    stack the split weights again inside their programs (one transient copy per call)."""
+    scan the split weights, each layer's step switching to its weights (a copy of one layer's,
+    as a scan over stacked weights slices them; stacked again, they would need a second copy
+    of all weights in the program's temporaries)."""
     sharding.check_batch_fits_mesh(batch_size, 1, mesh)
     platform = mesh.devices.flat[0].platform
     if cache_heads_first is None:
@@ -179,7 +181,8 @@ class Sampler:
     self.decode_model = (Transformer(model_config.replace(scan_unroll=model_config.num_layers))
                          if platform == "gpu" else self.model)
     self.layer_arrays = platform == "gpu" if layer_arrays is None else layer_arrays
-    self.layer_model = Transformer(model_config, layer_arrays=True)
+    self.layer_models = {"decode": Transformer(model_config, layer_arrays="each"),
+                         "scan": Transformer(model_config, layer_arrays="scan")}
     self.batch_size, self.cache_size, self.chunk = batch_size, cache_size, chunk
     self.extend_tokens = extend_tokens
     self.stop_ids = tuple(int(i) for i in stop_ids)
@@ -253,20 +256,15 @@ class Sampler:
   # --- jitted steps ----------------------------------------------------------------------
 
   def _run(self, params, cache: KVCache, tokens_BxT, positions_BxT, rows_B=None, model=None):
-    if "layers" not in params:  # split weights (`layer_params`): decode only
-      model = self.layer_model
+    if "layers" not in params:  # split weights (`layer_params`)
+      model = self.layer_models["decode" if model is self.decode_model else "scan"]
     return (model or self.model).apply({"params": params}, tokens_BxT, positions_BxT,
                                        cache=cache, cache_rows_B=rows_B)
-
-  def _stacked(self, params):
-    """Returns `params` with stacked layers (those of `layer_params` stacked again)."""
-    return params if "layers" in params else stack_layers(params, self.config.num_layers)
 
   def _prefill(self, params, state: DecodeState, rows_PxN, tokens_PxT, lengths_P, budgets_P,
                seeds_PxN):
     """Encodes P prompts once each and installs prompt p in rows rows_PxN[p] (all N), row
     rows_PxN[p, i] with the sampling seed seeds_PxN[p, i]."""
-    params = self._stacked(params)
     p, t = tokens_PxT.shape
     n = rows_PxN.shape[1]
     fresh = self._empty_cache(p, t)
@@ -287,7 +285,6 @@ class Sampler:
   def _extend(self, params, state: DecodeState, rows_R, tokens_RxT, counts_R):
     """Appends tokens_RxT[r, :counts_R[r]] to row rows_R[r] and resumes it (count >= 1). The
     rows are extended in place, in blocks of tokens (see `extend_tokens`)."""
-    params = self._stacked(params)
     r, t = tokens_RxT.shape
     lengths_R = jnp.take(state.cache.lengths_B, rows_R, mode="clip")
     pending_R = jnp.take(state.pending_B, rows_R, mode="clip")
