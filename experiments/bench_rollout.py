@@ -11,8 +11,13 @@ latency rollouts hide.
    against HF transformers `generate` (PyTorch, SDPA attention, its static KV cache kept
    across rounds) with the same weights (exported by coa-jax, loaded by transformers), on the
    same device kind, in the same run; also how many generated tokens agree. Each is given as
-   a fraction of the matmul-bound ceiling: the device's peak over 2 x parameters FLOPs per
-   generated token.
+   a fraction of the roofline: a step must read every weight (compute dtype) and each row's
+   filled KV slots (`bench.decode_step_bytes`) at the device's memory bandwidth (an
+   accelerator's HBM figure, a CPU's measured rate), and run 2 x params FLOPs a row at its
+   peak; the slower of the two bounds the step (on an accelerator the bytes, at these batch
+   sizes; on a CPU the FLOPs from a few rows up). The measured time includes the prefill and
+   the extends, which the roofline leaves out, so the fraction is a lower bound for the decode
+   steps alone.
 2. Rollouts of the SFT demo's model (trained here first if `make demo` has not been run) on
    the shipped tasks, greedy, with the embedded tools answering at once and then after a
    200 ms delay: the extra wall time against the tool latency the samples incurred shows how
@@ -55,7 +60,7 @@ _CHUNK = flags.DEFINE_integer("chunk", 32, "decode steps per device call in part
 _OUTPUT = flags.DEFINE_string("output", "", "figures (JSON); default: next to the config's")
 
 
-def bench_decode(config, peak):
+def bench_decode(config, bandwidth, peak):
   settings = config.decode.to_dict()
   batches = settings.pop("batches")
   work = bench.AgentDecode(**settings)
@@ -66,7 +71,6 @@ def bench_decode(config, peak):
       continue
     model_config = build_config(dict(spec, attention_impl="xla"))  # cached attention decodes
     params = init_params(Transformer(model_config), mesh, jax.random.key(0))
-    ceiling = peak / (2 * model_config.num_params())  # tokens/s if matmul-bound
     with tempfile.TemporaryDirectory() as folder:
       hf_checkpoint.save_checkpoint(folder, model_config, params, dtype=model_config.dtype)
       for batch in batches:
@@ -77,15 +81,24 @@ def bench_decode(config, peak):
                                              observations)
         tokens = batch * work.generated
         ours, theirs = tokens / ours_s, tokens / hf_s
+        step_bytes = bench.decode_step_bytes(model_config, batch, work.mean_filled_slots)
+        bounds = {"memory": step_bytes / bandwidth,
+                  "compute": 2 * model_config.num_params() * batch / peak}
+        bound = max(bounds, key=bounds.get)
+        roofline = batch / bounds[bound]  # tokens/s at the binding limit
         row = dict(model=name, params=model_config.num_params(), batch=batch,
                    dtype=model_config.dtype, **dataclasses.asdict(work),
                    ours_tokens_per_s=ours, hf_tokens_per_s=theirs, ratio=ours / theirs,
-                   ours_of_ceiling=ours / ceiling, hf_of_ceiling=theirs / ceiling,
+                   step_bytes=step_bytes, bound=bound, roofline_tokens_per_s=roofline,
+                   ours_of_roofline=ours / roofline, hf_of_roofline=theirs / roofline,
+                   ours_of_bandwidth=ours * bounds["memory"] / batch,
                    same_tokens=float((ours_ids == hf_ids).mean()))
         rows.append(row)
-        print(f"{name:>12} batch {batch:3d}: coa-jax {ours:9,.0f} tok/s ({ours / ceiling:6.1%} "
-              f"of ceiling)  HF generate {theirs:9,.0f} tok/s ({theirs / ceiling:6.1%})  "
-              f"ratio {ours / theirs:.2f}x  same tokens {row['same_tokens']:.0%}", flush=True)
+        print(f"{name:>12} batch {batch:3d}: coa-jax {ours:9,.0f} tok/s ({ours / roofline:6.1%} "
+              f"of the roofline, {bound}-bound; {step_bytes / 1e9:.3g} GB a step, "
+              f"{row['ours_of_bandwidth']:.1%} of the bandwidth)  HF generate {theirs:9,.0f} "
+              f"tok/s ({theirs / roofline:6.1%})  ratio {ours / theirs:.2f}x  same tokens "
+              f"{row['same_tokens']:.0%}", flush=True)
   return rows
 
 
@@ -212,14 +225,18 @@ def main(argv):
   if _HOST_ONLY.value:
     return _write(dict(host_overhead=bench_host_overhead()),
                   _OUTPUT.value or config.output.replace(".json", "_host_overhead.json"))
-  peak, source = bench.peak_flops()
+  bandwidth, source = bench.memory_bandwidth()
+  peak, peak_source = bench.peak_flops()
   d = config.decode
-  print(f"device {jax.devices()[0].device_kind} (PyTorch on {bench.torch_device()}); peak "
-        f"{peak / 1e12:.3g} TFLOP/s ({source}); prompts {d.prompt_len} tokens, {d.rounds} "
-        f"rounds of {d.new_tokens} new tokens with {d.observation_len}-token observations "
-        f"between them, greedy")
-  figures = dict(device=jax.devices()[0].device_kind, peak_flops=peak, peak_source=source,
-                 decode=bench_decode(config, peak), host_overhead=bench_host_overhead())
+  print(f"device {jax.devices()[0].device_kind} (PyTorch on {bench.torch_device()}); memory "
+        f"bandwidth {bandwidth / 1e9:.3g} GB/s ({source}); peak {peak / 1e12:.3g} TFLOP/s "
+        f"({peak_source}); prompts {d.prompt_len} tokens, {d.rounds} rounds of "
+        f"{d.new_tokens} new tokens with {d.observation_len}-token observations between "
+        f"them, greedy")
+  figures = dict(device=jax.devices()[0].device_kind, bandwidth_bytes_per_s=bandwidth,
+                 bandwidth_source=source, peak_flops=peak, peak_source=peak_source,
+                 decode=bench_decode(config, bandwidth, peak),
+                 host_overhead=bench_host_overhead())
   if jax.devices()[0].platform == "cpu":
     figures["decode_gemms"] = bench_decode_gemms()
   if not _SKIP_TOOLS.value:

@@ -69,3 +69,14 @@ def test_host_overhead_times_the_sampler_against_the_decode_step_without_recompi
   assert np.isclose(result["host_overhead"],
                     result["sampler"]["step_s"] / result["floor"]["step_s"] - 1)
   assert set(result["host_split_per_chunk_s"]) == {"dispatch", "device_wait", "fetch", "checks"}
+
+
+def test_a_decode_step_reads_every_weight_once_and_each_rows_filled_kv_slots():
+  config = get_preset("tiny", dtype="bfloat16")  # 2 layers, 2 kv heads of 16, bf16 compute
+  weights = config.num_params() * 2
+  kv_per_slot = 2 * 2 * 2 * 16 * 2  # keys and values x layers x kv heads x head dim x bytes
+  step_bytes = bench.decode_step_bytes(config, batch=4, filled_slots=10.0)
+  assert step_bytes == weights + 4 * 10 * kv_per_slot
+  # prompt 3, 2 rounds of 2 tokens, a 5-token observation between: slots 3, 4, then 10, 11
+  work = bench.AgentDecode(prompt_len=3, new_tokens=2, rounds=2, observation_len=5)
+  assert work.mean_filled_slots == (3 + 4 + 10 + 11) / 4

@@ -80,6 +80,29 @@ def peak_flops() -> tuple[float, str]:
   return chip.peak_bf16_flops, f"{chip.name} dense bf16 peak (spec sheet)"
 
 
+def memory_bandwidth(size_bytes: int = 512 << 20) -> tuple[float, str]:
+  """Returns the bytes/s a decode step is measured against on JAX's first device and where it
+  comes from: an accelerator's published HBM bandwidth, or on a CPU the measured rate of a
+  jitted sum over a `size_bytes` float32 array (bytes read over the median time)."""
+  device = jax.devices()[0]
+  if device.platform != "cpu":
+    chip = hardware.chip_for(device.device_kind)
+    return chip.hbm_bytes_per_s, f"{chip.name} HBM bandwidth (spec sheet)"
+  x = jnp.ones((size_bytes // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  seconds = time_calls(lambda: total(x).block_until_ready(), warmup=2, steps=7)
+  return size_bytes / seconds, f"measured: a jitted sum over {size_bytes >> 20} MiB"
+
+
+def decode_step_bytes(config: ModelConfig, batch: int, filled_slots: float) -> float:
+  """Returns the bytes one decode step of `batch` rows must read from memory at least: every
+  weight once in the compute dtype, and the keys and values of each row's filled cache slots
+  (`filled_slots`, a row's mean over the steps)."""
+  itemsize = jnp.dtype(config.compute_dtype).itemsize
+  kv_per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+  return config.num_params() * itemsize + batch * filled_slots * kv_per_slot
+
+
 def torch_device() -> str:
   """Returns the PyTorch device matching JAX's: "cuda" when JAX runs on a GPU, else "cpu"."""
   return "cuda" if jax.devices()[0].platform == "gpu" else "cpu"
@@ -170,6 +193,14 @@ class AgentDecode:
   def generated(self) -> int:
     """Tokens generated per row."""
     return self.rounds * self.new_tokens
+
+  @property
+  def mean_filled_slots(self) -> float:
+    """A row's filled cache slots averaged over its decode steps: the prompt, the earlier
+    rounds' tokens and observations, and this round's tokens so far."""
+    slots = [self.prompt_len + r * (self.new_tokens + self.observation_len) + t
+             for r in range(self.rounds) for t in range(self.new_tokens)]
+    return float(np.mean(slots))
 
   @property
   def length(self) -> int:
