@@ -94,3 +94,17 @@ def test_tpu_convolutions_count_only_the_positions_that_read_input():
   text = scores.lower(arg(2, 64, 4, 32), arg(2, 64, 4, 32)).compile().as_text()
   ops, _ = op_profile.hlo_ops(text, peak_flops=1e12, hbm_bytes_per_s=1e11)
   assert sum(o.flops for o in ops) == 2 * 2 * 4 * 64 * 64 * 32
+
+
+def _switched_layers(x_BxD, w_LxDxD):
+  """The layers of `_layers`, each trip switching to its own layer's weights (lax.switch)."""
+  layers = w_LxDxD.shape[0]
+  branches = [lambda x, i=i: jnp.tanh(x @ w_LxDxD[i]) for i in range(layers)]
+  return jax.lax.fori_loop(0, layers, lambda i, x: jax.lax.switch(i, branches, x), x_BxD).sum()
+
+
+def test_a_conditional_counts_one_branch_a_run():
+  x, w = jnp.ones((32, 64)), jnp.ones((3, 64, 64))
+  text = jax.jit(_switched_layers).lower(x, w).compile().as_text()
+  ops, _ = op_profile.hlo_ops(text, peak_flops=1e12, hbm_bytes_per_s=1e11)
+  assert sum(o.flops for o in ops) == pytest.approx(3 * 2 * 32 * 64 * 64)  # not 3 x 3 layers

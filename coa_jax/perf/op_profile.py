@@ -9,7 +9,8 @@ Two sources, one table (`kernel_table`: the top ops by time, the rest summed, sh
   matmul FLOPs and HBM bytes (operands read + results written; a sliced operand counts its
   slice, an in-place update its update), and its time at the chip's peaks (the larger of
   FLOPs / peak FLOP/s and bytes / HBM bandwidth: a roofline per op, ops run one after another).
-  Ops in a loop body count once per trip (the layer scan, the micro-batch loop, the decode
+  A conditional's branches count as equally likely (each 1/n of its runs). Ops in a loop body
+  count once per trip (the layer scan, the micro-batch loop, the decode
   loop), which XLA's own cost analysis does not: it counts a loop body once.
 """
 
@@ -308,10 +309,13 @@ def _walk(comp: str, times: float, computations: dict[str, list[Instruction]],
       _walk(_attr(inst, "body").lstrip("%"), times * trips, computations, out, notes,
             unknown_trips)
     elif op in ("call", "conditional", "async-start"):
-      called = _attr(inst, "to_apply") or _attr(inst, "calls") or _attr(
-          inst, "branch_computations")
-      for name in re.findall(r"[\w.\-]+", called):
-        _walk(name, times, computations, out, notes, unknown_trips)
+      called = re.findall(r"[\w.\-]+", _attr(inst, "to_apply") or _attr(inst, "calls") or
+                          _attr(inst, "branch_computations"))
+      # One branch of a conditional runs each time: branches count as equally likely (exact
+      # for a scan that switches to layer i's weights at trip i).
+      share = 1 / len(called) if op == "conditional" and called else 1
+      for name in called:
+        _walk(name, times * share, computations, out, notes, unknown_trips)
     elif op not in _FREE and not op.endswith("-done") and not op.endswith("-update"):
       out.append(_leaf(inst, times, computations, shapes))
 
