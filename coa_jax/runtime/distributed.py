@@ -84,23 +84,25 @@ def agreed(fn: Callable[[], T], where: str) -> T:
   HostFailure naming each failure. So one host's error (a tool crash, a worker's error) ends
   every host, where raising alone would leave the others waiting in the next collective.
   `where` says what was being done."""
-  try:
-    result, error = fn(), None
-  except Exception as e:  # noqa: BLE001 - every process hears of it, then raises
-    result, error = None, e
+  result, error = _attempt(fn)
   _raise_together(error, where)
   return result
 
 
 def agreed_all(fn: Callable[[], T], where: str) -> list[T]:
   """Collective: as `agreed`, and returns every process's fn() (JSON values) in process order."""
-  try:
-    result, error = fn(), None
-  except Exception as e:  # noqa: BLE001 - every process hears of it, then raises
-    result, error = None, e
+  result, error = _attempt(fn)
   reports = gather_json([_describe(error), None if error else result])
   _raise_reported(error, [r for r, _ in reports], where)
   return [value for _, value in reports]
+
+
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
+  """Returns (fn(), None), or (None, what it raised), for the caller to raise on every process."""
+  try:
+    return fn(), None
+  except Exception as e:  # noqa: BLE001 - every process hears of it, then raises
+    return None, e
 
 
 def _raise_together(error: BaseException | None, where: str) -> None:
@@ -140,11 +142,8 @@ class FirstError:
     """Returns fn(*args), or None once anything run here has raised (the first error kept)."""
     if self.error is not None:
       return None
-    try:
-      return fn(*args)
-    except Exception as e:  # noqa: BLE001 - raised on every process by raise_together
-      self.error = e
-      return None
+    result, self.error = _attempt(lambda: fn(*args))
+    return result
 
   def raise_together(self, where: str) -> None:
     """Collective: raises the kept error on this process and HostFailure on the others."""
