@@ -35,6 +35,7 @@ from coa_jax.runtime.cache import cached_json, write_json
 from coa_jax.runtime.checkpointing import Checkpointer
 from coa_jax.train.loop import LoopConfig, run_loop
 from configs import common
+from state_job import StateJob
 
 distributed.initialize(distributed.DistributedConfig(
     mode="explicit", coordinator_address=f"127.0.0.1:{port}", num_processes=2,
@@ -120,7 +121,7 @@ miss = cached_json(os.path.join(out, f"miss-{process_id}.json"), {"k": 2}, compu
 write("cache", hit=hit, miss=miss, computed=len(computed))
 
 
-class Counter:
+class Counter(StateJob):
   """A job whose every step is a global program; process 1 gets SIGTERM during step 3."""
 
   def __init__(self):
@@ -132,15 +133,6 @@ class Counter:
     time.sleep(0.05)
     self.state = {"w": ADD_ONE(self.state["w"])}
     return {"loss": float(step)}
-
-  def checkpoint_state(self):
-    return self.state
-
-  def data_state(self, step):
-    return {}
-
-  def restore(self, state, data_state):
-    self.state = state
 
 
 checkpoint = common.checkpoint(os.path.join(out, "preempt"), every=1000, async_save=False)

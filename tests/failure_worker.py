@@ -39,6 +39,7 @@ from coa_jax.sft.job import SFTJob  # noqa: E402
 from coa_jax.train import writers  # noqa: E402
 from coa_jax.train.loop import LoopConfig, run_loop  # noqa: E402
 from configs import common  # noqa: E402
+from state_job import StateJob  # noqa: E402
 
 distributed.initialize(distributed.DistributedConfig(
     mode="explicit", coordinator_address=f"127.0.0.1:{port}", num_processes=2,
@@ -115,7 +116,7 @@ def set_aside() -> None:
   Checkpointer(directory).restore_latest(abstract)
 
 
-class Steps:
+class Steps(StateJob):
   """A job whose every step is a global program."""
 
   def __init__(self):
@@ -125,15 +126,6 @@ class Steps:
   def step(self, step):
     self.state = {"w": jax.jit(lambda w: w + 1.0 + 0.0 * jnp.sum(w))(self.state["w"])}
     return {"loss": float(step)}
-
-  def checkpoint_state(self):
-    return self.state
-
-  def data_state(self, step):
-    return {}
-
-  def restore(self, state, data_state):
-    self.state = state
 
 
 def metrics() -> None:

@@ -19,6 +19,7 @@ from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
 from configs import common, demo_tiny
+from state_job import StateJob
 
 
 def test_cross_entropy_counts_only_masked_tokens():
@@ -122,7 +123,7 @@ def test_an_all_masked_batch_moves_nothing(single_device_mesh, tiny_state):
 # --- the shared loop (coa_jax.train.loop, as SFT and RL drive it) -----------------------------
 
 
-class _PlannedJob:
+class _PlannedJob(StateJob):
   """A job for `run_loop` whose step i runs the jitted step plan[i - 1][0] on batch
   plan[i - 1][1] through `run_step`, as the SFT and RL jobs do."""
 
@@ -133,15 +134,6 @@ class _PlannedJob:
     step_fn, batch = self.plan[step - 1]
     self.state, metrics = step_lib.run_step(step_fn, self.state, batch)
     return metrics
-
-  def checkpoint_state(self):
-    return self.state
-
-  def data_state(self, step):
-    return {}
-
-  def restore(self, state, data_state):
-    self.state = state
 
 
 def _loop(tmp_path, steps):
