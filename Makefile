@@ -18,7 +18,7 @@ EXTRAS := test,tpu,plots,tfds
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile device-check clean
 
 $(STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it the sandbox falls
@@ -120,6 +120,12 @@ pod-fit: $(GPU_AOT_STAMP)
 # this machine's devices, or ahead of time for a topology: make profile ARGS="--target=sft_7b"
 profile: $(GPU_AOT_STAMP)
 	$(BIN)/python experiments/profile_step.py $(ARGS)
+
+# Every GPU figure of issue 53 in one prepared call (docs/benchmarks.md): on a lent GPU through
+# the device tool (see experiments/device_check.py); here ARGS=--smoke runs it on tiny shapes,
+# ARGS=--fetch_wheels downloads the wheels the GPU machine lacks.
+device-check: $(STAMP)
+	$(BIN)/python experiments/device_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -24,6 +24,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", bench_model.__file__)
 _MODELS = flags.DEFINE_list("models", [], "the config's models to run (default: all); on a GPU "
                             "run one per process: JAX keeps the memory it allocated")
+_OUTPUT = flags.DEFINE_string("output", "", "figures (JSON); default: the config's, with the "
+                              "models' names")
 
 
 def main(argv):
@@ -61,10 +63,10 @@ def main(argv):
           f"{row['jax_tokens_per_s']:9,.0f} tok/s (MFU {row['jax_mfu']:.1%})  HF/PyTorch "
           f"{row['torch_tokens_per_s']:9,.0f} tok/s (MFU {row['torch_mfu']:.1%})  ratio "
           f"{row['ratio']:.2f}x", flush=True)
-  output = config.output  # one file per choice of models: runs one at a time do not overwrite
-  if _MODELS.value:
-    stem, ext = os.path.splitext(output)
-    output = f"{stem}_{'_'.join(_MODELS.value)}{ext}"
+  output = _OUTPUT.value
+  if not output:  # the config's, one file per choice of models: runs one at a time don't overwrite
+    stem, ext = os.path.splitext(config.output)
+    output = f"{stem}_{'_'.join(_MODELS.value)}{ext}" if _MODELS.value else config.output
   os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
   with open(output, "w") as f:
     json.dump(dict(device=device.device_kind, peak_flops=peak, peak_source=source, rows=rows),

@@ -4,6 +4,8 @@ latency rollouts hide.
   python experiments/bench_rollout.py [--config=configs/bench_model.py] [--skip_tools]
   python experiments/bench_rollout.py --config=configs/bench_model_gpu.py --skip_tools  # GPU
   python experiments/bench_rollout.py --host_overhead_only  # part 3 only (make bench-sampler)
+  python experiments/bench_rollout.py --config=configs/bench_model_gpu.py --skip_tools \
+      --skip_host_overhead --batches=16  # part 1 at one batch size (experiments/device_check.py)
 
 1. Greedy decoding of the config's models (`config.decode`): random prompts, then rounds of
    new tokens with an observation appended between rounds, prefill and extends included.
@@ -55,19 +57,27 @@ _SKIP_TOOLS = flags.DEFINE_bool("skip_tools", False, "skip the tool-latency roll
 _TOOL_DELAY = flags.DEFINE_float("tool_delay_s", 0.2, "latency added to every tool call")
 _TASKS = flags.DEFINE_integer("tasks", 32, "rollout tasks for the tool-latency run")
 _HOST_ONLY = flags.DEFINE_bool("host_overhead_only", False, "run part 3 (host overhead) only")
+_SKIP_HOST = flags.DEFINE_bool("skip_host_overhead", False, "skip the host overhead (part 3)")
+_MODELS = flags.DEFINE_list("models", [], "the config's models to decode (default: all)")
+_BATCHES = flags.DEFINE_multi_integer("batches", [], "decode batch sizes (default: the "
+                                      "config's); repeat the flag for several")
 _REPEATS = flags.DEFINE_integer("repeats", 15, "timed runs of each loop in part 3")
 _CHUNK = flags.DEFINE_integer("chunk", 32, "decode steps per device call in part 3")
 _OUTPUT = flags.DEFINE_string("output", "", "figures (JSON); default: next to the config's")
 
 
-def bench_decode(config, bandwidth, peak):
+def bench_decode(config, bandwidth, peak, models=(), batches=()):
+  """Returns a row of figures per (model, batch): `models` of the config (default all but the
+  LoRA ones), at `batches` (default the config's)."""
   settings = config.decode.to_dict()
-  batches = settings.pop("batches")
+  batches = list(batches or settings["batches"])
+  del settings["batches"]
   work = bench.AgentDecode(**settings)
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   rows = []
   for name, spec in config.models.items():
-    if spec.get("lora_rank"):  # rollouts decode LoRA's merged weights: the base model's cost
+    # rollouts decode LoRA's merged weights: the base model's cost
+    if spec.get("lora_rank") or (models and name not in models):
       continue
     model_config = build_config(dict(spec, attention_impl="xla"))  # cached attention decodes
     params = init_params(Transformer(model_config), mesh, jax.random.key(0))
@@ -235,8 +245,9 @@ def main(argv):
         f"them, greedy")
   figures = dict(device=jax.devices()[0].device_kind, bandwidth_bytes_per_s=bandwidth,
                  bandwidth_source=source, peak_flops=peak, peak_source=peak_source,
-                 decode=bench_decode(config, bandwidth, peak),
-                 host_overhead=bench_host_overhead())
+                 decode=bench_decode(config, bandwidth, peak, _MODELS.value, _BATCHES.value))
+  if not _SKIP_HOST.value:
+    figures["host_overhead"] = bench_host_overhead()
   if jax.devices()[0].platform == "cpu":
     figures["decode_gemms"] = bench_decode_gemms()
   if not _SKIP_TOOLS.value:
