@@ -64,6 +64,9 @@ _BATCHES = flags.DEFINE_multi_integer("batches", [], "decode batch sizes (defaul
 _REPEATS = flags.DEFINE_integer("repeats", 15, "timed runs of each loop in part 3")
 _CHUNK = flags.DEFINE_integer("chunk", 32, "decode steps per device call in part 3")
 _OUTPUT = flags.DEFINE_string("output", "", "figures (JSON); default: next to the config's")
+_CACHE = flags.DEFINE_integer("cache_size", 0, "KV cache slots of part 1's decodes, both sides "
+                              "(default: the bucket that fits the work; a rollout's cache is "
+                              "sized for its longest sample)")
 
 
 def bench_decode(config, bandwidth, peak, models=(), batches=()):
@@ -86,9 +89,9 @@ def bench_decode(config, bandwidth, peak, models=(), batches=()):
       for batch in batches:
         prompts, observations = work.inputs(batch, model_config.vocab_size, seed=batch)
         ours_s, ours_ids = bench.jax_agent_decode(model_config, params, mesh, work, prompts,
-                                                  observations)
+                                                  observations, cache_size=_CACHE.value)
         hf_s, hf_ids = bench.hf_agent_decode(folder, model_config.dtype, work, prompts,
-                                             observations)
+                                             observations, cache_size=_CACHE.value)
         tokens = batch * work.generated
         ours, theirs = tokens / ours_s, tokens / hf_s
         step_bytes = bench.decode_step_bytes(model_config, batch, work.mean_filled_slots)
@@ -98,6 +101,7 @@ def bench_decode(config, bandwidth, peak, models=(), batches=()):
         roofline = batch / bounds[bound]  # tokens/s at the binding limit
         row = dict(model=name, params=model_config.num_params(), batch=batch,
                    dtype=model_config.dtype, **dataclasses.asdict(work),
+                   cache_size=_CACHE.value or None,
                    ours_tokens_per_s=ours, hf_tokens_per_s=theirs, ratio=ours / theirs,
                    step_bytes=step_bytes, bound=bound, roofline_tokens_per_s=roofline,
                    ours_of_roofline=ours / roofline, hf_of_roofline=theirs / roofline,

@@ -6,7 +6,9 @@
 
 Targets: train_1p5b (the 1.5B GPU bench's train step, batch 2 x 2048), decode_b16 (its decode
 chunk at batch 16), sft_7b (configs/sft_qwen2_5_7b.py's train step), train_tiny and
-decode_tiny (the CPU bench's tiny model). Without --topology the step runs on this machine's
+decode_tiny (the CPU bench's tiny model). A decode chunk starts with its rows' caches filled to
+--filled slots (default: the bench's first round, its prompt) and reads the window of cache
+slots that its rows can fill (`Sampler.window_for`). Without --topology the step runs on this machine's
 devices under jax.profiler.trace and the table holds each op's measured time (on a GPU or TPU
 from the device's ops, on a CPU from XLA:CPU's per-op events); with it the step is compiled
 ahead of time for that TPU topology or GPU and the table holds each op's FLOPs, bytes and
@@ -24,7 +26,7 @@ from absl import app, flags
 
 from coa_jax.model import Transformer, build_config, compiling_for
 from coa_jax.perf import aot, flops, op_profile
-from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket
+from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket, window_for
 from coa_jax.runtime import hardware, sharding
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
@@ -40,6 +42,11 @@ _TOPOLOGY = flags.DEFINE_string("topology", None, "compile ahead of time for thi
 _STEPS = flags.DEFINE_integer("steps", 3, "traced steps (decode: chunks)")
 _TOP = flags.DEFINE_integer("top", 20, "rows before the rest is summed")
 _OUTPUT = flags.DEFINE_string("output_dir", "runs/profiles", "where the tables go")
+_FILLED = flags.DEFINE_integer("filled", -1, "decode: the rows' filled cache slots at the "
+                               "chunk's start (-1: the bench's prompt, less its pending token)")
+_CACHE = flags.DEFINE_integer("cache_size", 0, "decode: KV cache slots (0: the bucket that fits "
+                              "the bench's prompt, rounds and observations)")
+_SUFFIX = flags.DEFINE_string("suffix", "", "appended to the tables' file names")
 
 
 def target_spec(name: str) -> dict:
@@ -59,9 +66,10 @@ def target_spec(name: str) -> dict:
   work = dict(config.decode)  # the bench's decode: cache for its prompt, rounds, observations
   length = work["prompt_len"] + work["rounds"] * work["new_tokens"] + (
       work["rounds"] - 1) * work["observation_len"]
+  filled = work["prompt_len"] - 1 if _FILLED.value < 0 else _FILLED.value
   return dict(kind="decode", model=build_config(dict(spec, attention_impl="xla")), rows=16,
-              cache=bucket(length + 1), chunk=work["new_tokens"], prompt=work["prompt_len"],
-              topology=None)
+              cache=_CACHE.value or bucket(length + 1), chunk=work["new_tokens"],
+              prompt=filled + 1, topology=None)
 
 
 def header_lines(spec: dict, where: str) -> list[str]:
@@ -70,7 +78,8 @@ def header_lines(spec: dict, where: str) -> list[str]:
   shape = (f"train step (fwd + bwd + AdamW), batch {spec['batch']} x {spec['seq']}, "
            f"{spec['micro']} micro-batch(es), remat {model.remat}" if spec["kind"] == "train"
            else f"decode chunk of {spec['chunk']} tokens at batch {spec['rows']}, KV cache "
-                f"{spec['cache']} slots")
+                f"{spec['cache']} slots, every row filled to {spec['prompt'] - 1} slots at the "
+                f"chunk's start: the chunk reads the window of {decode_window(spec)} slots")
   return [f"model: {model.num_params() / 1e9:.2f}B params ({model.num_layers} layers x "
           f"{model.hidden_size}), {model.dtype} compute, attention {model.attention_impl}",
           f"step: {shape}", f"where: {where}"]
@@ -88,15 +97,34 @@ def analytic_line(spec: dict, devices: int) -> str:
           f"attention excluded): {2 * model.num_params() * spec['rows'] * spec['chunk'] / devices:.3e}")
 
 
+def decode_sampler(spec: dict, mesh, sampling: SamplingConfig, stop_ids=()) -> Sampler:
+  """Returns the sampler of a decode target."""
+  return Sampler(spec["model"], mesh, batch_size=spec["rows"], cache_size=spec["cache"],
+                 chunk=spec["chunk"], stop_ids=stop_ids, sampling=sampling)
+
+
+def decode_window(spec: dict) -> int:
+  """Returns the cache slots a decode target's chunk reads (`Sampler.window_for`)."""
+  return window_for(spec["prompt"] - 1, spec["chunk"], spec["cache"])
+
+
 def compile_target(spec: dict, devices: list):
-  """Returns the compiled step of a target for `devices` (ahead of time when abstract)."""
+  """Returns the compiled step of a target for `devices` (ahead of time when abstract): a
+  decode chunk as the sampler runs it, its weights in the compute dtype (on GPUs one array per
+  layer), reading its window of the cache."""
   if spec["kind"] == "train":
     return aot.compile_train_step(spec["model"], spec["opt"], devices, spec["mesh"],
                                   spec["batch"], spec["seq"], spec["micro"])[0]
   mesh = sharding.decode_mesh(devices[:1], 1)
-  return aot._compile_rollout_program(spec["model"], mesh, spec["rows"], spec["cache"],
-                                      spec["chunk"], (spec["rows"], spec["prompt"]),
-                                      (spec["rows"], spec["chunk"]), "decode")[0]
+  # As the rollout programs' ahead-of-time compiles (`aot.decode_report`): sampling at
+  # temperature 1, one stop token.
+  sampler = decode_sampler(spec, mesh, SamplingConfig(temperature=1.0), stop_ids=(0,))
+  config = spec["model"]
+  params = sampler.layer_params(state_lib.abstract_placed_params(
+      Transformer(config.replace(param_dtype=config.dtype)), mesh))
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  return sampler.decode_chunk.lower(params, sampler.abstract_state(), key,
+                                    window=decode_window(spec)).compile()
 
 
 def profile_ahead_of_time(spec: dict, topology: str) -> tuple[list[str], list, dict]:
@@ -159,8 +187,7 @@ def run_target(spec: dict):
 def _decode_runner(spec: dict, devices: list):
   """Returns (prefill a fresh prompt, then time one full decode chunk; its HLO text)."""
   mesh = sharding.decode_mesh(devices[:1], 1)
-  sampler = Sampler(spec["model"], mesh, batch_size=spec["rows"], cache_size=spec["cache"],
-                    chunk=spec["chunk"], stop_ids=(), sampling=SamplingConfig(temperature=0.0))
+  sampler = decode_sampler(spec, mesh, SamplingConfig(temperature=0.0))
   params = sampler.sampling_params(sharding.init_params(Transformer(spec["model"]), mesh,
                                                         jax.random.key(0)))
   prompts = np.random.default_rng(0).integers(0, spec["model"].vocab_size,
@@ -168,13 +195,15 @@ def _decode_runner(spec: dict, devices: list):
   groups = [([row], list(p)) for row, p in enumerate(prompts)]
   budgets = [spec["cache"] - 1] * spec["rows"]
   key = jax.random.key(0)
-  text = sampler.decode_chunk.lower(params, sampler.abstract_state(), key).compile().as_text()
+  window = decode_window(spec)
+  text = sampler.decode_chunk.lower(params, sampler.abstract_state(), key,
+                                    window=window).compile().as_text()
 
   def run():  # a fresh prompt each time (its prefill is another module), then one full chunk
     state = sampler.prefill_groups(params, sampler.init_state(), groups, budgets)
     jax.block_until_ready(state)
     start = time.perf_counter()
-    _, chunk = sampler.decode_chunk(params, state, key)
+    _, chunk = sampler.decode_chunk(params, state, key, window=window)
     chunk.tokens_BxK.block_until_ready()
     return time.perf_counter() - start
   return run, text
@@ -216,7 +245,7 @@ def main(argv):
   else:
     header, rows, extra = profile_run(spec, _STEPS.value)
     where, measured = jax.devices()[0].platform, True
-  stem = os.path.join(_OUTPUT.value, f"{_TARGET.value}_{where}")
+  stem = os.path.join(_OUTPUT.value, f"{_TARGET.value}_{where}{_SUFFIX.value}")
   title = f"{_TARGET.value}: per-op profile ({'measured' if measured else 'compiler estimate'})"
   op_profile.write_tables(stem, title, header, rows, measured, extra)
   print(open(stem + ".md").read())

@@ -75,6 +75,17 @@ def cache_axes(heads_first: bool) -> tuple[str, ...]:
   return CACHE_LBKSH if heads_first else CACHE_LBSKH
 
 
+def _cache_window(cache: KVCache | None, window: int) -> int:
+  """Returns the slots the cached layers read, as DecoderLayer.cache_window: 0 for all of them
+  (no cache, no window, or a window of the whole cache)."""
+  if cache is None or not window:
+    return 0
+  slots = cache.k.shape[3 if cache.heads_first else 2]
+  if window < 0:
+    raise ValueError(f"cache_window={window}: expected a slot count >= 0")
+  return 0 if window >= slots else int(window)
+
+
 def _write(cache, new_LxBxTxKxH, rows_B, positions_BxT, heads_first: bool):
   """Returns the cache with new[l, b, t, k] written at row rows[b], slot positions[b, t] of
   layer l, kv head k; writes past the last row or slot (the padding of a bucketed extend) are
@@ -245,14 +256,16 @@ class DecoderLayer(nn.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); scan-compatible.
 
   With a KV cache the scan carry is (x, k_all, v_all, layer, rows): the layer reads its
-  slice of the whole cache (the cache rows `rows` of x's rows, or all of them when None),
-  passes the cache on unchanged and returns x's new keys and values as the scan output.
-  (Carrying the cache, rather than scanning over it, lets XLA update it in place after the
-  loop instead of copying it to keep the loop's input alive.)
+  slice of the whole cache (the cache rows `rows` of x's rows, or all of them when None;
+  with `cache_window`, only the slots [0, cache_window)), passes the cache on unchanged and
+  returns x's new keys and values as the scan output. (Carrying the cache, rather than
+  scanning over it, lets XLA update it in place after the loop instead of copying it to keep
+  the loop's input alive.)
   """
 
   config: ModelConfig
   cache_heads_first: bool = False  # the layout of a KV cache in the carry (see KVCache)
+  cache_window: int = 0  # read only the cache slots [0, cache_window); 0: all of them
 
   @nn.compact
   def __call__(self, carry, positions_BxT, segment_ids_BxT):
@@ -263,7 +276,9 @@ class DecoderLayer(nn.Module):
     cache = None
     if cached:
       _, k_all, v_all, layer, rows = carry
-      read = lambda a: a[layer] if rows is None else jnp.take(a[layer], rows, 0, mode="clip")
+      slots = (slice(None),) * (1 + self.cache_heads_first) + (slice(self.cache_window),)
+      at = (layer, *slots) if self.cache_window else layer  # a static slice: no copy
+      read = lambda a: a[at] if rows is None else jnp.take(a[at], rows, 0, mode="clip")
       cache = (read(k_all), read(v_all))
     attended = Attention(cfg, name="attn")(norm("input_norm")(x_BxTxD), positions_BxT,
                                            segment_ids_BxT, cache, self.cache_heads_first)
@@ -351,7 +366,8 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids_BxT, positions_BxT=None, segment_ids_BxT=None,
-               cache: KVCache | None = None, cache_rows_B: jax.Array | None = None):
+               cache: KVCache | None = None, cache_rows_B: jax.Array | None = None,
+               cache_window: int = 0):
     """Returns next-token logits; positions default to 0..T-1, segment ids to one segment.
 
     With `segment_ids_BxT` (packed rows; 0 may mark padding) a token attends only to earlier
@@ -361,7 +377,10 @@ class Transformer(nn.Module):
     their keys and values are written into the cache at those slots, each token attends to
     the slots up to its own position, and (logits, updated cache) is returned. Row b uses
     cache row `cache_rows_B[b]` (default: row b), so a few rows extend a large cache in place;
-    rows past the cache's last one read its last row and write nothing.
+    rows past the cache's last one read its last row and write nothing. With `cache_window`
+    (static; 0 or the cache size: every slot) the layers read only the slots [0,
+    cache_window) and write into the whole cache: the caller keeps every position a token
+    attends to below it (a row past it would see only the window).
     """
     cfg = self.config
     if self.head not in HEADS or (self.head == "value" and cache is not None):
@@ -387,19 +406,20 @@ class Transformer(nn.Module):
     if cfg.remat != "none" and cache is None:
       layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     heads_first = cache is not None and cache.heads_first
+    window = _cache_window(cache, cache_window)
     if self.layer_arrays == "scan" and not self.is_initializing():
       weights = [self.variables["params"][f"layers_{i}"] for i in range(cfg.num_layers)]
-      layers = _switched_scan(layer(cfg, cache_heads_first=heads_first, parent=None), weights,
-                              layer_unroll(cfg))
+      layers = _switched_scan(layer(cfg, cache_heads_first=heads_first, cache_window=window,
+                                    parent=None), weights, layer_unroll(cfg))
     elif self.layer_arrays:
-      layers = _layer_list([layer(cfg, cache_heads_first=heads_first, name=f"layers_{i}")
-                            for i in range(cfg.num_layers)])
+      layers = _layer_list([layer(cfg, cache_heads_first=heads_first, cache_window=window,
+                                  name=f"layers_{i}") for i in range(cfg.num_layers)])
     else:
       layers = nn.scan(
           layer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
           in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
           unroll=layer_unroll(cfg), metadata_params={nn.PARTITION_NAME: "layers"})(
-              cfg, cache_heads_first=heads_first, name="layers")
+              cfg, cache_heads_first=heads_first, cache_window=window, name="layers")
     if cache is None:
       x_BxTxD, _ = layers(x_BxTxD, positions_BxT, segment_ids_BxT)
     else:

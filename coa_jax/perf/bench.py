@@ -217,13 +217,17 @@ class AgentDecode:
 
 def jax_agent_decode(config: ModelConfig, params: Any, mesh, work: AgentDecode,
                      prompts_BxP: np.ndarray, observations_BxRxO: np.ndarray,
-                     warmup: int = 1, steps: int = 3) -> tuple[float, np.ndarray]:
+                     warmup: int = 1, steps: int = 3,
+                     cache_size: int = 0) -> tuple[float, np.ndarray]:
   """Returns (median seconds, generated ids B x rounds*new_tokens) of greedy decoding of
-  `work` with our Sampler: one prefill, a decode chunk per round, an extend between rounds."""
+  `work` with our Sampler: one prefill, a decode chunk per round, an extend between rounds;
+  a KV cache of `cache_size` slots (default: the bucket that fits the work)."""
   from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket
 
   batch = prompts_BxP.shape[0]
-  sampler = Sampler(config, mesh, batch_size=batch, cache_size=bucket(work.length + 1),
+  sampler = Sampler(config, mesh, batch_size=batch,
+                    cache_size=max(cache_size, work.length + 1) if cache_size else
+                    bucket(work.length + 1),
                     chunk=work.new_tokens, stop_ids=(), sampling=SamplingConfig(temperature=0.0))
   params = sampler.sampling_params(params)
   groups = [([row], list(prompt)) for row, prompt in enumerate(prompts_BxP)]
@@ -245,11 +249,12 @@ def jax_agent_decode(config: ModelConfig, params: Any, mesh, work: AgentDecode,
 
 
 def hf_agent_decode(folder: str, dtype: str, work: AgentDecode, prompts_BxP: np.ndarray,
-                    observations_BxRxO: np.ndarray, warmup: int = 1,
-                    steps: int = 3) -> tuple[float, np.ndarray]:
+                    observations_BxRxO: np.ndarray, warmup: int = 1, steps: int = 3,
+                    cache_size: int = 0) -> tuple[float, np.ndarray]:
   """Returns (median seconds, generated ids) of the same work with HF transformers `generate`
-  (greedy, SDPA attention, its static KV cache kept across rounds: each round's call feeds
-  only the last sampled token and the observation) on `torch_device()`."""
+  (greedy, SDPA attention, its static KV cache of `cache_size` slots, default the work's
+  length, kept across rounds: each round's call feeds only the last sampled token and the
+  observation) on `torch_device()`."""
   import torch
   import transformers
 
@@ -258,7 +263,8 @@ def hf_agent_decode(folder: str, dtype: str, work: AgentDecode, prompts_BxP: np.
       folder, dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device)
   model.eval()
   batch = prompts_BxP.shape[0]
-  cache = transformers.StaticCache(config=model.config, max_cache_len=work.length + 1)
+  cache = transformers.StaticCache(config=model.config,
+                                   max_cache_len=max(cache_size, work.length + 1))
   prompts = torch.as_tensor(prompts_BxP, dtype=torch.long, device=device)
   observations = torch.as_tensor(observations_BxRxO, dtype=torch.long, device=device)
   out = []

@@ -4,7 +4,8 @@ Four loops that generate the same tokens from the same prefilled state, and the 
 timed interleaved (the rollout's runs between theirs):
 
 - floor: one jitted decode step (the model on the pending tokens, the row keys, sampling) with
-  the state donated, called in a tight Python loop, synchronised once at the end;
+  the state donated, called in a tight Python loop, synchronised once at the end; each step
+  reads the cache window its chunk reads in the sampler (`Sampler.window_for`);
 - floor_on_device: the same step run `tokens` times inside one program (no host at all);
 - chunks: `Sampler.decode_chunk` called in a tight loop, nothing fetched (the chunk's own
   bookkeeping on device: stop checks, budgets, the token and log-prob buffers);
@@ -49,14 +50,16 @@ class DecodeWork:
   repeats: int = 15
 
 
-def decode_step(sampler: Sampler, key: jax.Array) -> Callable[[Any, Any], Any]:
-  """Returns the (params, state) -> state step that samples one token per row: the decode
-  chunk's per-token work without its bookkeeping."""
+def decode_step(sampler: Sampler, key: jax.Array) -> Callable[[Any, Any, int], Any]:
+  """Returns the (params, state, window) -> state step that samples one token per row reading
+  the cache slots [0, window) (0: all): the decode chunk's per-token work without its
+  bookkeeping."""
 
-  def step(params, state):
+  def step(params, state, window=0):
     cache = state.cache
     logits_BxTxV, cache = sampler._run(params, cache, state.pending_B[:, None],
-                                       cache.lengths_B[:, None], model=sampler.decode_model)
+                                       cache.lengths_B[:, None], model=sampler.decode_model,
+                                       window=window)
     keys_B = token_keys(key, state.seed_B, cache.lengths_B)
     token_B, _ = sample_tokens(logits_BxTxV[:, -1], keys_B, sampler.sampling)
     return state.replace(cache=cache.replace(lengths_B=cache.lengths_B + 1), pending_B=token_B)
@@ -105,16 +108,24 @@ def _sampler_loop(sampler: Sampler, params, state, key, chunks: int,
 def _loops(sampler: Sampler, params, key, work: DecodeWork) -> dict[str, Callable[[Any], Any]]:
   """Returns the four ways to decode `work.tokens` tokens from a state (see the module doc)."""
   step = decode_step(sampler, key)
-  jit_step = sharding.bind_mesh(jax.jit(step, donate_argnums=1), sampler.mesh)
-  on_device = sharding.bind_mesh(jax.jit(lambda p, s: jax.lax.fori_loop(
-      0, work.tokens, lambda _, s: step(p, s), s), donate_argnums=1), sampler.mesh)
+  chunks = work.tokens // work.chunk
+  # The window each chunk reads in the sampler: every row holds prompt_len - 1 tokens at first.
+  windows = [sampler.window_for(work.prompt_len - 1 + i * work.chunk) for i in range(chunks)]
+  jit_step = sharding.bind_mesh(jax.jit(step, donate_argnums=1, static_argnums=2), sampler.mesh)
+
+  def all_steps(p, s):
+    for window in windows:
+      s = jax.lax.fori_loop(0, work.chunk, lambda _, s: step(p, s, window), s)
+    return s
+
+  on_device = sharding.bind_mesh(jax.jit(all_steps, donate_argnums=1), sampler.mesh)
 
   def floor(state):
-    for _ in range(work.tokens):
-      state = jit_step(params, state)
+    for window in windows:
+      for _ in range(work.chunk):
+        state = jit_step(params, state, window)
     return state
 
-  chunks = work.tokens // work.chunk
   return {"floor": floor, "floor_on_device": lambda state: on_device(params, state),
           "chunks": lambda state: _chunks_loop(sampler, params, state, key, chunks),
           "sampler": lambda state: _sampler_loop(sampler, params, state, key, chunks)}

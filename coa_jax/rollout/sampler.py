@@ -27,6 +27,18 @@ and extend are padded up to power-of-two buckets (rows past the real ones point 
 and are dropped, as are padding tokens past slot S), so a rollout compiles each function once
 per bucket it uses.
 
+A decode chunk reads only the cache slots [0, W) that its rows can fill: its window W is a
+power-of-two bucket (at least `MIN_WINDOW`, at most S) of the longest active row's length plus
+K - 1, one past the last slot a row's K-th step attends to (`window_for`, `decode_window`: the
+host fetches the rows' lengths). An extend reads the window of its rows' longest length plus
+its padded token count; a prefill's prompts start at slot 0 and read one (masked) slot. Each
+program is compiled once per window; writes still go to the whole cache, in place. A row that
+is not active may lie past a chunk's window: it reads a cut cache, but what it samples is
+discarded and the one slot it writes (its pending token's, at its length) is written again
+when it resumes (extend). So a window changes no token: the slots past it are masked to exact
+zeros either way, and only the order of the attention's float32 sums may differ (log-probs
+within 5e-7 of the whole cache's in tests/test_decode_window.py).
+
 Log-probabilities are those of the distribution each token was drawn from: softmax(logits /
 temperature) restricted to the tokens that top-k and top-p keep and renormalised, i.e.
 log_softmax(logits / temperature) minus the log of the kept tokens' total probability (which is
@@ -126,9 +138,24 @@ def token_keys(key: jax.Array, seed_B: jax.Array, position_B: jax.Array) -> jax.
       seed_B, position_B)
 
 
+# The smallest decode window: fewer programs to compile, at a read of at most this many slots.
+MIN_WINDOW = 128
+
+
 def bucket(n: int, smallest: int = 8) -> int:
   """Returns the power of two >= max(n, smallest) that pads a count of n."""
   return max(smallest, 1 << max(0, int(n) - 1).bit_length())
+
+
+def window_for(longest: int, chunk: int, cache_size: int, growth: int = 2) -> int:
+  """Returns the cache slots a decode chunk of `chunk` steps (or an extend of `chunk` padded
+  tokens) reads when its longest row holds `longest` tokens: the smallest MIN_WINDOW x
+  growth^i >= one past the last slot its last token attends to (longest + chunk - 2), at most
+  the cache size."""
+  window = MIN_WINDOW
+  while window < min(longest + chunk - 1, cache_size):
+    window *= growth
+  return min(window, cache_size)
 
 
 def _scatter_rows(cache: KVCache, rows_R: jax.Array, part: KVCache, slots: int) -> KVCache:
@@ -188,9 +215,22 @@ class Sampler:
     self.stop_ids = tuple(int(i) for i in stop_ids)
     self.sampling = sampling
     self.cache_dtype = cache_dtype or model_config.compute_dtype
-    self.prefill = sharding.bind_mesh(jax.jit(self._prefill, donate_argnums=1), mesh)
-    self.extend = sharding.bind_mesh(jax.jit(self._extend, donate_argnums=1), mesh)
-    self.decode_chunk = sharding.bind_mesh(jax.jit(self._decode_chunk, donate_argnums=1), mesh)
+    self._jits = [jax.jit(self._prefill, donate_argnums=1),
+                  jax.jit(self._extend, donate_argnums=1, static_argnames="window"),
+                  jax.jit(self._decode_chunk, donate_argnums=1, static_argnames="window")]
+    self.prefill, self.extend, decode = (sharding.bind_mesh(f, mesh) for f in self._jits)
+
+    def decode_chunk(params, state: DecodeState, key, window: int | None = None):
+      """Returns (state, Chunk) of up to `chunk` steps reading the cache slots [0, window):
+      by default `decode_window(state)` (which fetches the rows' lengths); a caller that knows
+      them may pass `window_for` its longest active row."""
+      window = self.decode_window(state) if window is None else window
+      return decode(params, state, key, window=min(window, self.cache_size))
+
+    # Lowering (ahead of time, an abstract state): the whole cache unless given a window.
+    decode_chunk.lower = lambda params, state, key, window=None: decode.lower(
+        params, state, key, window=min(window or self.cache_size, self.cache_size))
+    self.decode_chunk = decode_chunk
 
   def sampling_params(self, params: Any) -> Any:
     """Returns `params` as this sampler decodes from them: `cast_params`, then `layer_params`."""
@@ -255,11 +295,12 @@ class Sampler:
 
   # --- jitted steps ----------------------------------------------------------------------
 
-  def _run(self, params, cache: KVCache, tokens_BxT, positions_BxT, rows_B=None, model=None):
+  def _run(self, params, cache: KVCache, tokens_BxT, positions_BxT, rows_B=None, model=None,
+           window: int = 0):
     if "layers" not in params:  # split weights (`layer_params`)
       model = self.layer_models["decode" if model is self.decode_model else "scan"]
     return (model or self.model).apply({"params": params}, tokens_BxT, positions_BxT,
-                                       cache=cache, cache_rows_B=rows_B)
+                                       cache=cache, cache_rows_B=rows_B, cache_window=window)
 
   def _prefill(self, params, state: DecodeState, rows_PxN, tokens_PxT, lengths_P, budgets_P,
                seeds_PxN):
@@ -269,7 +310,9 @@ class Sampler:
     n = rows_PxN.shape[1]
     fresh = self._empty_cache(p, t)
     positions_PxT = jnp.broadcast_to(jnp.arange(t), (p, t))
-    _, fresh = self._run(params, fresh, tokens_PxT, positions_PxT)
+    # The prompts start at position 0: they attend to each other, to no cache slot. A window of
+    # one (masked) slot spares scoring every token against the t empty ones.
+    _, fresh = self._run(params, fresh, tokens_PxT, positions_PxT, window=1)
     last_P = jnp.maximum(lengths_P - 1, 0)
     fresh = fresh.replace(lengths_B=last_P)
     rows_R = rows_PxN.reshape(-1)
@@ -282,9 +325,10 @@ class Sampler:
                        put(state.budget_B, budgets_P),
                        state.seed_B.at[rows_R].set(seeds_PxN.reshape(-1), mode="drop"))
 
-  def _extend(self, params, state: DecodeState, rows_R, tokens_RxT, counts_R):
+  def _extend(self, params, state: DecodeState, rows_R, tokens_RxT, counts_R, window: int = 0):
     """Appends tokens_RxT[r, :counts_R[r]] to row rows_R[r] and resumes it (count >= 1). The
-    rows are extended in place, in blocks of tokens (see `extend_tokens`)."""
+    rows are extended in place, in blocks of tokens (see `extend_tokens`), reading the cache
+    slots [0, window) (0: all; every row's length + T must fit)."""
     r, t = tokens_RxT.shape
     lengths_R = jnp.take(state.cache.lengths_B, rows_R, mode="clip")
     pending_R = jnp.take(state.pending_B, rows_R, mode="clip")
@@ -295,7 +339,8 @@ class Sampler:
 
     def feed(i, cache):
       part = lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=1)
-      return self._run(params, cache, part(inputs_RxT), part(positions_RxT), rows_R)[1]
+      return self._run(params, cache, part(inputs_RxT), part(positions_RxT), rows_R,
+                       window=window)[1]
 
     cache = jax.lax.fori_loop(0, t // block, feed, state.cache)
     cache = cache.replace(lengths_B=cache.lengths_B.at[rows_R].add(counts_R, mode="drop"))
@@ -304,9 +349,13 @@ class Sampler:
                          pending_B=state.pending_B.at[rows_R].set(last_R, mode="drop"),
                          active_B=state.active_B.at[rows_R].set(True, mode="drop"))
 
-  def _decode_chunk(self, params, state: DecodeState, key):
-    """Samples up to `chunk` tokens per active row; returns (state, Chunk)."""
+  def _decode_chunk(self, params, state: DecodeState, key, window: int):
+    """Samples up to `chunk` tokens per active row, attending over the cache slots [0, window)
+    only (every active row's length + chunk - 1 must fit: `decode_window`); returns (state,
+    Chunk)."""
     b, k = self.batch_size, self.chunk
+    if not 0 < window <= self.cache_size:
+      raise ValueError(f"decode window {window}: expected 1..{self.cache_size} cache slots")
     stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
     out = Chunk(jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32),
                 jnp.zeros((b,), jnp.int32))
@@ -315,7 +364,7 @@ class Sampler:
       i, state, out = carry
       cache = state.cache
       logits, cache = self._run(params, cache, state.pending_B[:, None], cache.lengths_B[:, None],
-                                model=self.decode_model)
+                                model=self.decode_model, window=window)
       keys_B = token_keys(key, state.seed_B, cache.lengths_B)
       token_B, logprob_B = sample_tokens(logits[:, -1], keys_B, self.sampling)
       active_B = state.active_B
@@ -338,6 +387,27 @@ class Sampler:
 
   # --- host-side helpers -----------------------------------------------------------------
 
+  def window_for(self, longest: int) -> int:
+    """Returns the cache slots a decode chunk of this sampler reads when its longest active
+    row holds `longest` tokens (module-level `window_for`)."""
+    return window_for(longest, self.chunk, self.cache_size)
+
+  def decode_window(self, state: DecodeState) -> int:
+    """Returns the window of the next decode chunk from `state`: `window_for` its longest
+    active row (`_longest`)."""
+    longest = self._longest(state, state.active_B)
+    return self.cache_size if longest is None else self.window_for(longest)
+
+  def _longest(self, state: DecodeState, rows) -> int | None:
+    """Returns the longest filled length of the given rows (a mask or indices) of `state`,
+    fetching the rows' lengths: one wait for the state's producer (the rollout loop has
+    already waited for it). None for a state this process does not hold alone (a multi-host
+    mesh, where every host must compile the same program: it reads the whole cache)."""
+    arrays = [state.cache.lengths_B] + ([rows] if isinstance(rows, jax.Array) else [])
+    if not all(a.is_fully_addressable for a in arrays):
+      return None
+    return int(np.asarray(state.cache.lengths_B)[np.asarray(rows)].max(initial=0))
+
   def prefill_groups(self, params, state: DecodeState, groups: Sequence[tuple[Sequence[int],
                                                                               Sequence[int]]],
                      budgets: Sequence[int],
@@ -359,18 +429,27 @@ class Sampler:
       row_seeds[g] = group_rows if seeds is None else seeds[g]
     return self.prefill(params, state, rows, tokens, lengths, budget, row_seeds)
 
-  def extend_rows(self, params, state: DecodeState,
-                  appends: dict[int, Sequence[int]]) -> DecodeState:
-    """Appends the given ids to each row (at least one id each) and resumes those rows."""
+  def extend_rows(self, params, state: DecodeState, appends: dict[int, Sequence[int]],
+                  window: int | None = None) -> DecodeState:
+    """Appends the given ids to each row (at least one id each) and resumes those rows,
+    reading the cache slots [0, window): by default those its rows can fill (`window_for` the
+    longest of them and the padded ids, in steps of 4x: an extend compiles once per (rows,
+    tokens, window) bucket, and 2x steps would double its programs for the last 2x of
+    slots)."""
     r = bucket(len(appends), 1)
     t = bucket(max(len(ids) for ids in appends.values()))
+    if window is None:
+      longest = self._longest(state, list(appends))
+      window = (self.cache_size if longest is None else
+                window_for(longest, t, self.cache_size, growth=4))
     rows = np.full((r,), self.batch_size, np.int32)
     tokens = np.zeros((r, t), np.int32)
     counts = np.ones((r,), np.int32)
     for i, (row, ids) in enumerate(appends.items()):
       rows[i], tokens[i, :len(ids)], counts[i] = row, ids, len(ids)
-    return self.extend(params, state, rows, tokens, counts)
+    return self.extend(params, state, rows, tokens, counts, window=min(window, self.cache_size))
 
   def compilations(self) -> int:
-    """Returns how many programs the three jitted steps have compiled so far."""
-    return sum(f.__wrapped__._cache_size() for f in (self.prefill, self.extend, self.decode_chunk))
+    """Returns how many programs the three jitted steps have compiled so far (the decode chunk
+    once per window)."""
+    return sum(f._cache_size() for f in self._jits)
