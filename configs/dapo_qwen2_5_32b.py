@@ -24,6 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.tokenizer = common.tokenizer("/ckpt/afm-sft-qwen2.5-32b", "chatml")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=4)
   config.topology = "v5p:4x4x4"
+  config.xla_flags = "tpu"  # coa_jax/runtime/xla_flags.py
   config.tasks = "/data/afm_rl_train.jsonl"
   config.max_tasks = 0
   config.eval_tasks = "/data/afm_rl_heldout.jsonl"

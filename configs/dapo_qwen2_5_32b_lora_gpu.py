@@ -13,6 +13,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.attention_impl = "cudnn"
   config.mesh = common.mesh(data=1, fsdp=1, tensor=8)
   config.topology = "h100:8"
+  config.xla_flags = "gpu"  # coa_jax/runtime/xla_flags.py
   config.batch_size = 64  # decode rows per node
   config.checkpoint.directory = "runs/dapo_qwen2_5_32b_lora_gpu/checkpoints"
   config.workdir = "runs/dapo_qwen2_5_32b_lora_gpu"

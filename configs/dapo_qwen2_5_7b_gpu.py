@@ -14,6 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.checkpoint = "/ckpt/afm-sft-qwen2.5-7b"
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=2)
   config.topology = "h100:8"  # one node of 8 H100s (experiments/aot_compile.py)
+  config.xla_flags = "gpu"  # coa_jax/runtime/xla_flags.py
   config.batch_size = 128  # decode rows per node
   # 16 micro-batches of 16 rows: 4 rows of 16k tokens per data x fsdp shard (8 did not fit
   # an 80 GB H100: 115 GiB per GPU by an ahead-of-time compile).

@@ -11,6 +11,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.attention_impl = "cudnn"
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)  # all GPUs of all nodes
   config.topology = "h100:8"
+  config.xla_flags = "gpu"  # coa_jax/runtime/xla_flags.py
   config.batch_size = 16  # 2 micro-batches of 8 rows: one 16k-token row per GPU each
   config.train.micro_batches = 2
   config.checkpoint.directory = "runs/sft_qwen2_5_32b_lora_gpu/checkpoints"

@@ -21,6 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data = common.data("/data/coa_sft.json", num_epochs=3, overlong="drop")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.topology = "v5p:2x2x2"
+  config.xla_flags = "tpu"  # coa_jax/runtime/xla_flags.py
   config.batch_size = 32  # 4 micro-batches of 8 rows: one 16k-token row per chip each
   config.seq_len = 16384
   config.optimizer = common.optimizer(learning_rate=2e-5, warmup_steps=100, schedule="cosine",

@@ -15,6 +15,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.checkpoint = "/ckpt/Qwen2.5-7B-Instruct"
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)  # all GPUs of all nodes
   config.topology = "h100:8"  # one node of 8 H100s (experiments/aot_compile.py)
+  config.xla_flags = "gpu"  # coa_jax/runtime/xla_flags.py
   config.checkpoint.directory = "runs/sft_qwen2_5_7b_gpu/checkpoints"
   config.workdir = "runs/sft_qwen2_5_7b_gpu"
   config.export_dir = "runs/sft_qwen2_5_7b_gpu/hf_export"

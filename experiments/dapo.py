@@ -13,7 +13,7 @@ from absl import app, logging
 from ml_collections import config_flags
 
 from coa_jax.rl import job as rl_job
-from coa_jax.runtime import cli, distributed
+from coa_jax.runtime import cli, distributed, xla_flags
 from configs import dapo_tiny_cpu
 
 sys.argv[:] = cli.config_argv(sys.argv)  # e.g. --config.rl.async.staleness=2
@@ -25,6 +25,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
+  xla_flags.apply(_CONFIG.value.get("xla_flags", ""))
   distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   rl_job.run(_CONFIG.value)

@@ -15,7 +15,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from coa_jax.perf import bench
-from coa_jax.runtime import hardware
+from coa_jax.runtime import hardware, xla_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "an SFT config file")
 _STEPS = flags.DEFINE_integer("steps", 3, "timed steps after one warm-up step")
@@ -24,6 +24,7 @@ _OUTPUT = flags.DEFINE_string("output", "", "the JSON file (default runs/device_
 
 def main(argv):
   del argv
+  xla_flags.apply(_CONFIG.value.get("xla_flags", ""))
   path = config_flags.get_config_filename(flags.FLAGS["config"])
   name = os.path.splitext(os.path.basename(path))[0]
   result = dict(config=name, topology=_CONFIG.value.get("topology"),

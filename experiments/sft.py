@@ -8,7 +8,7 @@
 from absl import app, logging
 from ml_collections import config_flags
 
-from coa_jax.runtime import distributed
+from coa_jax.runtime import distributed, xla_flags
 from coa_jax.sft import job as sft
 from configs import sft_tiny_cpu
 
@@ -20,6 +20,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
+  xla_flags.apply(_CONFIG.value.get("xla_flags", ""))
   distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   sft.run(_CONFIG.value)

@@ -4,7 +4,7 @@ import pytest
 
 from coa_jax.model import get_preset
 from coa_jax.perf import aot
-from coa_jax.runtime import hardware, sharding
+from coa_jax.runtime import hardware, sharding, xla_flags
 from configs import common
 
 TINY = get_preset("tiny", num_layers=4, dtype="bfloat16", remat="full")
@@ -193,3 +193,14 @@ def test_pod_fit_rows_of_a_ppo_config_name_both_updates(report):
   programs = [[c.strip() for c in row.strip("|").split("|")][1] for row in rows]
   assert programs == ["PPO actor update (one mini-batch; critic state resident)",
                       "PPO critic update (one mini-batch; actor state resident)"]
+
+
+def test_cost_compiles_reach_the_tpu_compiler_without_windowed_einsums(monkeypatch):
+  """The options of `xla_flags.COUNTED_MATMULS` go to the cost compiles alone (an option the
+  compiler does not know fails the compile that gets it)."""
+  monkeypatch.setattr(xla_flags, "COUNTED_MATMULS", {"xla_no_such_option": "false"})
+  shape = (TINY, common.optimizer(), aot.topology_devices("v5e:2x2"),
+           sharding.MeshConfig(fsdp=-1), 4, 16)
+  aot.compile_train_step(*shape)
+  with pytest.raises(Exception, match="No such compile option: 'xla_no_such_option'"):
+    aot.compile_train_step(*shape, for_cost=True)

@@ -43,7 +43,7 @@ def test_real_config_batches_split_over_its_mesh(name):
 def test_a_gpu_preset_on_cpu_fails_before_the_checkpoint_loads():
   config = importlib.import_module("configs.sft_qwen2_5_7b_gpu").get_config()
   mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
-  with pytest.raises(ConfigError, match="'cudnn' needs a GPU backend, but the mesh is on 'cpu'"):
+  with pytest.raises(ConfigError, match="'cudnn' needs a GPU backend, but the model runs on 'cpu'"):
     load_model(config, None, mesh)  # the checkpoint folder would be read next
 
 

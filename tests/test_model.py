@@ -114,7 +114,8 @@ def _remat_grads(remat_policy):
   return jax.jit(jax.grad(lambda p: m.apply({"params": p}, ids).mean()))(params)
 
 
-@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+@pytest.mark.parametrize("remat", ["full", "minimal", "minimal_with_context", "qkv_context",
+                                   "dots"])
 def test_remat_policies_give_the_same_gradients(remat):
   for g, ref in zip(jax.tree_util.tree_leaves(_remat_grads(remat)),
                     jax.tree_util.tree_leaves(_remat_grads("none"))):
@@ -141,6 +142,16 @@ def test_cudnn_attention_on_cpu_fails_early_and_clearly():
     cudnn.apply({"params": params}, np.zeros((1, 4), np.int32))
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (dict(attention_impl="splash"), "attention_impl='splash' needs a TPU"),
+    (dict(remat="offload"), "remat='offload' moves activations to host memory")])
+def test_a_kernel_or_memory_this_backend_lacks_fails_early_and_clearly(overrides, message):
+  _, params = _init(get_preset("tiny"))
+  with pytest.raises(ConfigError, match=message):
+    Transformer(get_preset("tiny", **overrides)).apply({"params": params},
+                                                       np.zeros((1, 4), np.int32))
+
+
 def test_unknown_preset_is_named():
   with pytest.raises(ConfigError, match="unknown model preset 'qwen9'"):
     get_preset("qwen9")
@@ -162,3 +173,37 @@ def test_invalid_config_values_are_named(overrides, message):
 def test_config_is_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     get_preset("tiny").num_layers = 3
+
+
+def _dots(jaxpr) -> int:
+  """Counts the dot_general equations of a jaxpr and of every jaxpr nested in it."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    total += eqn.primitive.name == "dot_general"
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          total += _dots(inner)
+  return total
+
+
+def test_each_remat_policy_reruns_what_it_does_not_keep():
+  """Matmuls rerun in a gradient's program (a layer counted once; a matmul whose output no
+  gradient needs, the MLP's down projection, is never rerun): full remat the layer's 6 other
+  projections and attention's 2 dots; qkv_context the output, gate and up projections and
+  attention's scores (the softmax's gradient needs them); minimal attention's 2 dots;
+  minimal_with_context the scores alone (the dense XLA attention keeps no probabilities; the
+  splash kernel's residuals are named "context" too)."""
+  ids = np.zeros((1, 8), np.int32)
+  _, params = _init(get_preset("tiny"))
+
+  def dots(remat):
+    m = Transformer(get_preset("tiny", remat=remat))
+    return _dots(jax.make_jaxpr(jax.grad(lambda p: m.apply({"params": p}, ids).mean()))(
+        params).jaxpr)
+
+  base = dots("none")
+  assert {r: dots(r) - base for r in ("full", "qkv_context", "minimal",
+                                      "minimal_with_context")} == dict(
+      full=8, qkv_context=4, minimal=2, minimal_with_context=1)

@@ -1,4 +1,5 @@
-"""Attention kernels: dense (`jax.nn.dot_product_attention`) and exact blockwise causal.
+"""Attention kernels: dense (`jax.nn.dot_product_attention`), exact blockwise causal, and
+Pallas splash attention on TPU.
 
 Layout conventions: q (B, T, N, H), k and v (B, S, K, H) with N a multiple of K (GQA);
 segment ids (B, T) / (B, S) let a query see only keys of its own segment (packed rows).
@@ -10,6 +11,7 @@ import contextlib
 import contextvars
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -123,6 +125,52 @@ def blockwise_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
   return out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, head_dim)
 
 
+def splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block_q: int,
+                     block_kv: int, interpret: bool = False) -> jax.Array:
+  """Returns causal (and segment-masked) softmax attention by the Pallas TPU splash-attention
+  kernel: (q block, kv block) tiles above the diagonal or outside every row's segments are
+  skipped, the backward pass is one fused kernel for dq, dk and dv, and the kernel's residuals
+  (output and log-sum-exp) are named "context" for the remat policies that keep them.
+
+  Under a mesh the kernel runs per device (`jax.shard_map`): rows split as the batch is, heads
+  as `tensor` splits them; each device's rows and heads are whole, so no collective is needed.
+  `interpret` runs the kernel in Pallas' interpreter (any backend; for tests).
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_kernel as splash, splash_attention_mask as masks)
+
+  batch, seq, heads, head_dim = q_BxTxNxH.shape
+  if block_q % 128 or block_kv % 128:
+    raise ValueError(f"splash attention: blocks of {block_q} queries by {block_kv} keys; the "
+                     f"kernel tiles by multiples of 128")
+  if seq % block_q or seq % block_kv:
+    raise ValueError(f"splash attention: sequence length {seq} is not a multiple of the query "
+                     f"block {block_q} and the key block {block_kv}")
+  if segment_ids_BxT is None:
+    segment_ids_BxT = jnp.ones((batch, seq), jnp.int32)
+  blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_q_dkv=block_q,
+                             block_kv_dkv=block_kv, use_fused_bwd_kernel=True)
+
+  def local(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_BxT):
+    mask = masks.MultiHeadMask([masks.CausalMask((seq, seq))] * q_BxNxTxH.shape[1])
+    kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1,
+                                    residual_checkpoint_name="context", interpret=interpret)
+    segments = splash.SegmentIds(q=segment_ids_BxT, kv=segment_ids_BxT)
+    return jax.vmap(kernel)(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids=segments)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    rows, heads_axis = nn.logical_to_mesh_axes(("act_batch", "act_heads"))
+    spec = jax.sharding.PartitionSpec(rows, heads_axis)
+    local = jax.shard_map(local, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(rows)),
+                          out_specs=spec, check_vma=False)
+  scaled = q_BxTxNxH * jnp.asarray(head_dim ** -0.5, q_BxTxNxH.dtype)
+  heads_first = lambda x: x.transpose(0, 2, 1, 3)
+  out_BxNxTxH = local(heads_first(scaled), heads_first(k_BxTxKxH), heads_first(v_BxTxKxH),
+                      segment_ids_BxT.astype(jnp.int32))
+  return heads_first(out_BxNxTxH)
+
+
 def cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache, v_cache, starts_B,
                      heads_first: bool = False) -> jax.Array:
   """Returns (B, T, N, H) attention of T new tokens over the cache slots before their first
@@ -156,19 +204,26 @@ def cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_cache, v_cache, starts_B
 
 
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_ids_BxT=None, kv_segment_ids_BxS=None,
-           is_causal: bool, implementation: str, block: int = 128) -> jax.Array:
+           is_causal: bool, implementation: str, block: int = 128,
+           block_kv: int = 0) -> jax.Array:
   """Returns softmax(q k^T / sqrt(H) + masks) v as (B, T, N, H).
 
-  `implementation` is "xla" or "cudnn" (`jax.nn.dot_product_attention`) or "blockwise"
-  (`blockwise_causal_attention`, used for causal self-attention; other calls fall back to the
-  dense XLA kernel). The KV-cache decode path uses `cached_attention`.
+  `implementation` is "xla" or "cudnn" (`jax.nn.dot_product_attention`), "blockwise"
+  (`blockwise_causal_attention`, query blocks of `block`) or "splash" (`splash_attention`, TPU:
+  tiles of `block` queries by `block_kv` keys, 0: `block`); the last two serve causal
+  self-attention, and other calls fall back to the dense XLA kernel. The KV-cache decode path
+  uses `cached_attention`.
   """
-  if implementation == "blockwise" and is_causal and k_BxSxKxH.shape[1] == q_BxTxNxH.shape[1]:
+  self_attention = is_causal and k_BxSxKxH.shape[1] == q_BxTxNxH.shape[1]
+  if implementation == "blockwise" and self_attention:
     return blockwise_causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT, block)
+  if implementation == "splash" and self_attention:
+    return splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT, block,
+                            block_kv or block)
   mask = None
   if q_segment_ids_BxT is not None:
     kv_segment_ids_BxS = q_segment_ids_BxT if kv_segment_ids_BxS is None else kv_segment_ids_BxS
     mask = segment_mask(q_segment_ids_BxT, kv_segment_ids_BxS)
   return jax.nn.dot_product_attention(
       q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, is_causal=is_causal,
-      implementation=None if implementation == "blockwise" else implementation)
+      implementation=None if implementation in ("blockwise", "splash") else implementation)

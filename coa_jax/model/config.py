@@ -12,12 +12,29 @@ FAMILIES = ("qwen2", "llama")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Which embedding and LM-head rows train beside LoRA adapters (ModelConfig.lora_train_embeddings).
 LORA_EMBEDDINGS = ("added_tokens", "all", "none")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("xla", "cudnn", "blockwise")
+REMAT_POLICIES = ("none", "full", "minimal", "minimal_with_context", "qkv_context", "offload",
+                  "dots")  # coa_jax/model/transformer.py says what each keeps
+ATTENTION_IMPLS = ("xla", "cudnn", "blockwise", "splash")
 
 
 class ConfigError(ValueError):
   """A configuration value is invalid; the message names the field and the problem."""
+
+
+# Attention kernels that run on one backend only.
+_ATTENTION_BACKEND = {"cudnn": "gpu", "splash": "tpu"}
+
+
+def check_backend(attention_impl: str, remat: str, platform: str) -> None:
+  """Raises ConfigError if a model's numerics ask for what `platform` lacks: cuDNN attention
+  (GPU only), splash attention (TPU only), activations offloaded to host memory (not CPU)."""
+  needs = _ATTENTION_BACKEND.get(attention_impl, platform)
+  if needs != platform:
+    raise ConfigError(f"attention_impl={attention_impl!r} needs a {needs.upper()} backend, but "
+                      f"the model runs on {platform!r}; use attention_impl='xla' or 'blockwise'")
+  if remat == "offload" and platform == "cpu":
+    raise ConfigError("remat='offload' moves activations to host memory, which a CPU backend "
+                      "does not have apart; use remat='minimal_with_context' or 'full'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +72,8 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: str = "none"
   attention_impl: str = "xla"
-  attention_block: int = 128  # query block of the "blockwise" attention
+  attention_block: int = 128  # query block of the "blockwise" and "splash" attention
+  attention_block_kv: int = 0  # key block of the "splash" attention (0: attention_block)
   scan_unroll: int = 1  # layers per scan iteration (num_layers unrolls fully)
   # LoRA (lora_rank 0: none): beside each projection named in lora_targets, a low-rank update
   # x A B (A: in x rank, B: rank x out, B zero at init) scaled by lora_alpha / lora_rank; while
@@ -96,6 +114,9 @@ class ModelConfig:
       raise ConfigError(f"head_dim={self.head_dim}: RoPE needs an even head dimension")
     if self.rope_theta <= 0:
       raise ConfigError(f"rope_theta={self.rope_theta}: expected a positive number")
+    if not isinstance(self.attention_block_kv, int) or self.attention_block_kv < 0:
+      raise ConfigError(f"attention_block_kv={self.attention_block_kv!r}: expected 0 (the "
+                        f"attention_block) or a positive integer")
     if not 1 <= self.scan_unroll <= self.num_layers:
       raise ConfigError(f"scan_unroll={self.scan_unroll}: expected 1..num_layers")
     if self.remat not in REMAT_POLICIES:

@@ -29,9 +29,10 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from coa_jax.model.attention import attend, cached_attention, target_platform
-from coa_jax.model.config import ConfigError, ModelConfig
+from coa_jax.model.config import LORA_TARGETS, ConfigError, ModelConfig, check_backend
 from coa_jax.model.rope import apply_rope, inverse_frequencies
 
 # Logical names of activation axes (parameter axes are named in the layout above).
@@ -108,10 +109,25 @@ def _write(cache, new_LxBxTxKxH, rows_B, positions_BxT, heads_first: bool):
                              mode="drop")
 
 
+# What the backward pass keeps of a layer's forward (ModelConfig.remat), by the names the layer
+# gives its projections' outputs (LORA_TARGETS) and attention's output ("context"):
+# "full" keeps nothing and reruns the layer; "minimal" keeps every projection's output and
+# reruns attention and the elementwise ops; "minimal_with_context" keeps attention's output too
+# (nothing is rerun but elementwise ops); "qkv_context" keeps q, k, v and the context and reruns
+# the rest of the layer; "offload" keeps what "minimal_with_context" does in host memory
+# (TPU and GPU); "dots" keeps every matmul's output (attention's scores too, unless a kernel
+# computes them).
+_SAVED = LORA_TARGETS + ("context",)
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
+    "minimal": jax.checkpoint_policies.save_only_these_names(*LORA_TARGETS),
+    "minimal_with_context": jax.checkpoint_policies.save_only_these_names(*_SAVED),
+    "qkv_context": jax.checkpoint_policies.save_only_these_names(
+        "q_proj", "k_proj", "v_proj", "context"),
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=_SAVED,
+        offload_src="device", offload_dst="pinned_host"),
     "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 
@@ -162,7 +178,7 @@ class Projection(nn.Module):
     y = x_NxI @ kernel.astype(self.dtype).reshape(in_size, out_size)
     if self.lora_rank:
       y = y + self._lora(x_NxI, in_shape, in_size, out_size)
-    y = y.reshape(lead_shape + self.features)
+    y = checkpoint_name(y.reshape(lead_shape + self.features), self.name)
     if self.use_bias:
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                              self.out_names),
@@ -223,13 +239,16 @@ class Attention(nn.Module):
         apply_rope(k_BxTxKxH, positions_BxT, inv_freq), ACT_BTKH)
     v_BxTxKxH = nn.with_logical_constraint(v_BxTxKxH, ACT_BTKH)
     if cache is None:
+      # Initializing traces a few tokens for the parameters' shapes, which no kernel's tiles
+      # need to fit: the dense kernel does.
+      implementation = "xla" if self.is_initializing() else cfg.attention_impl
       out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, q_segment_ids_BxT=segment_ids_BxT,
-                           is_causal=True, implementation=cfg.attention_impl,
-                           block=cfg.attention_block)
+                           is_causal=True, implementation=implementation,
+                           block=cfg.attention_block, block_kv=cfg.attention_block_kv)
     else:
       out_BxTxNxH = cached_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *cache,
                                      positions_BxT[:, 0], cache_heads_first)
-    out_BxTxNxH = nn.with_logical_constraint(out_BxTxNxH, ACT_BTNH)
+    out_BxTxNxH = nn.with_logical_constraint(checkpoint_name(out_BxTxNxH, "context"), ACT_BTNH)
     out_BxTxD = self._linear("o_proj", (cfg.hidden_size,), ("heads", "head_dim"),
                              ("embed",))(out_BxTxNxH)
     return out_BxTxD if cache is None else (out_BxTxD, k_BxTxKxH, v_BxTxKxH)
@@ -335,6 +354,7 @@ def split_layers(params: dict, num_layers: int, take=lambda a, i: a[i]) -> dict:
 HEADS = ("lm", "value")
 
 
+
 def layer_unroll(cfg: ModelConfig) -> int:
   """Returns how many layers one step of the layer scan runs: all of them in a program over
   several CPU devices (the current mesh), else `cfg.scan_unroll` (the same computation; the
@@ -386,9 +406,7 @@ class Transformer(nn.Module):
     if self.head not in HEADS or (self.head == "value" and cache is not None):
       raise ConfigError(f"head={self.head!r}: expected one of {HEADS} (a value model does not "
                         f"decode)")
-    if cfg.attention_impl == "cudnn" and target_platform() != "gpu":
-      raise ConfigError(f"attention_impl='cudnn' needs a GPU backend, but JAX runs on "
-                        f"{target_platform()!r}; use attention_impl='xla'")
+    check_backend(cfg.attention_impl, cfg.remat, target_platform())
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(jnp.arange(input_ids_BxT.shape[1]), input_ids_BxT.shape)
     embedding_VxD = self.param("embedding", _init(0.02, ("vocab", "embed")),
@@ -404,7 +422,11 @@ class Transformer(nn.Module):
 
     layer = DecoderLayer
     if cfg.remat != "none" and cache is None:
-      layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+      # The backward pass's rerun of a layer sits in another loop than its first forward, so
+      # XLA cannot merge the two; with every layer unrolled (no loop left) it could, and would
+      # keep what the policy drops.
+      layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat],
+                       prevent_cse=layer_unroll(cfg) >= cfg.num_layers)
     heads_first = cache is not None and cache.heads_first
     window = _cache_window(cache, cache_window)
     if self.layer_arrays == "scan" and not self.is_initializing():

@@ -40,7 +40,7 @@ from coa_jax.rl import update as rl_update
 from coa_jax.rl.advantages import needs_critic
 from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket
 from coa_jax.rollout.tool_loop import RolloutConfig
-from coa_jax.runtime import hardware, sharding
+from coa_jax.runtime import hardware, sharding, xla_flags
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
@@ -71,6 +71,9 @@ class AotReport:
   roofline: roofline.Roofline  # per device, with the chip's peaks
   step: str = "train step (fwd + bwd + AdamW)"
   resident_bytes: int = 0  # per device, held beside the step (PPO: the other model's state)
+  # Of compiler_seconds: the splash attention kernels at the chip's peak FLOP/s. XLA costs a
+  # Pallas (Mosaic) kernel only by the estimate the kernel declares, and splash declares none.
+  kernel_seconds: float = 0.0
 
   @property
   def peak_bytes(self) -> int:
@@ -128,7 +131,10 @@ class AotReport:
       lines += [
           f"compiler's FLOPs per device (XLA cost analysis, extrapolated from 1/2-layer "
           f"compiles): {self.compiler_flops:.3e}",
-          f"compiler's estimated step time: {self.compiler_seconds * 1e3:.1f} ms -> implied MFU "
+          f"compiler's estimated step time: {self.compiler_seconds * 1e3:.1f} ms"
+          + (f" (of which the splash attention kernels at peak FLOP/s, which XLA cannot cost: "
+             f"{self.kernel_seconds * 1e3:.1f} ms)" if self.kernel_seconds else "") +
+          f" -> implied MFU "
           f"{self.implied_mfu:.1%} (peak {self.peak_flops / 1e12:.0f} TFLOP/s per device), "
           f"{tokens / self.compiler_seconds:,.0f} tokens/s"]
     return "\n".join(lines)
@@ -179,11 +185,14 @@ def _gpu_devices(kind: str, shape: str) -> list[Any]:
 def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list[Any],
                        mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int,
                        micro_batches: int = 1, loss_config: PolicyLossConfig | None = None,
-                       critic: critic_lib.CriticConfig | None = None):
+                       critic: critic_lib.CriticConfig | None = None, flags: str = "",
+                       for_cost: bool = False):
   """Returns (compiled step, mesh, compile seconds, other state's bytes per device) for
   `devices` without running it: the SFT train step; the DAPO update step when `loss_config` is
   given; with `critic` too, PPO's actor update, or its critic's update when `loss_config` is
-  None. The last figure is, for PPO, the train state of the model the step does not update."""
+  None. The last figure is, for PPO, the train state of the model the step does not update.
+  `flags` names the XLA flag set the job runs with (`runtime.xla_flags`); `for_cost` compiles
+  for XLA:TPU's cost analysis (`xla_flags.COUNTED_MATMULS`)."""
   mesh = sharding.make_mesh(mesh_config, devices=devices)
   sharding.check_model_fits_mesh(config, mesh)
   sharding.check_batch_fits_mesh(batch_size, micro_batches, mesh)
@@ -211,7 +220,10 @@ def compile_train_step(config: ModelConfig, optimizer_config: Any, devices: list
     else:
       step = rl_update.jit_dapo_step(actor, tx, mesh, loss_config=loss_config,
                                      micro_batches=micro_batches)
-    compiled = step.lower(states[updated], batch).compile()
+    options = xla_flags.compiler_options(flags)
+    if for_cost and devices[0].platform == "tpu":
+      options.update(xla_flags.COUNTED_MATMULS)
+    compiled = step.lower(states[updated], batch).compile(compiler_options=options)
   # A LoRA critic's frozen base is the actor's body (the same arrays): resident beside the
   # updated state are the other's own arrays and whatever of the actor's base it lacks.
   frozen = {name: _bytes_per_device(s.frozen) for name, s in states.items()}
@@ -240,14 +252,14 @@ def _to_depth(one: float, two: float, layers: int) -> float:
 def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: str,
                mesh_config: sharding.MeshConfig, batch_size: int, seq_len: int,
                micro_batches: int = 1, loss_config: PolicyLossConfig | None = None,
-               critic: critic_lib.CriticConfig | None = None) -> AotReport:
+               critic: critic_lib.CriticConfig | None = None, flags: str = "") -> AotReport:
   """Compiles the train step of `config` (the DAPO update with `loss_config`; PPO's actor or
-  critic update with `critic`, see `compile_train_step`) for `topology` and returns what the
-  compiler found."""
+  critic update with `critic`, see `compile_train_step`; with XLA flag set `flags`) for
+  `topology` and returns what the compiler found."""
   devices = topology_devices(topology)
   compiled, mesh, seconds, resident = compile_train_step(
       config, optimizer_config, devices, mesh_config, batch_size, seq_len, micro_batches,
-      loss_config, critic)
+      loss_config, critic, flags)
   head = "value" if critic is not None and loss_config is None else "lm"
   memory = compiled.memory_analysis()
   # Cost analysis counts a loop body once: layers are unrolled in these small compiles and
@@ -257,12 +269,16 @@ def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: 
     small = config.replace(num_layers=layers, scan_unroll=layers)
     flops_, seconds_ = _cost(compile_train_step(small, optimizer_config, devices, mesh_config,
                                                 batch_size // micro_batches, seq_len,
-                                                loss_config=loss_config, critic=critic)[0])
+                                                loss_config=loss_config, critic=critic,
+                                                flags=flags, for_cost=True)[0])
     per_layer_costs.append((flops_ * micro_batches, seconds_ * micro_batches))
   (f1, t1), (f2, t2) = per_layer_costs
   devices_per_chip = len(devices) / hardware.chips_in_topology(topology)
   chip = hardware.chip_for(devices[0].device_kind)
   peak_flops = chip.peak_bf16_flops / devices_per_chip
+  kernels = (roofline.attention_kernel_seconds(config, batch_size, seq_len, len(devices),
+                                               peak_flops)
+             if config.attention_impl == "splash" else 0.0)
   return AotReport(
       model=name, topology=topology, device_kind=devices[0].device_kind,
       num_devices=len(devices), mesh=dict(mesh.shape), batch_size=batch_size, seq_len=seq_len,
@@ -272,7 +288,7 @@ def aot_report(name: str, config: ModelConfig, optimizer_config: Any, topology: 
       hbm_bytes=int(chip.hbm_bytes / devices_per_chip),
       model_flops=flops.train_flops(config, batch_size, seq_len, head),
       compiler_flops=_to_depth(f1, f2, config.num_layers),
-      compiler_seconds=_to_depth(t1, t2, config.num_layers),
+      compiler_seconds=_to_depth(t1, t2, config.num_layers) + kernels, kernel_seconds=kernels,
       roofline=roofline.train_roofline(config, batch_size, seq_len, dict(mesh.shape),
                                        micro_batches, peak_flops,
                                        chip.hbm_bytes_per_s / devices_per_chip, head),
@@ -462,9 +478,10 @@ def config_reports(config: Any) -> dict[str, Any]:
   model = with_tag_rows(build_config(config.model))
   shape = (config.model.preset, model, config.optimizer, config.topology,
            sharding.MeshConfig(**config.mesh), batch_size, seq_len, micro_batches)
-  reports = {"train": aot_report(*shape, loss_config, critic)}
+  flags = config.get("xla_flags", "")
+  reports = {"train": aot_report(*shape, loss_config, critic, flags)}
   if critic is not None:
-    reports["critic"] = aot_report(*shape, None, critic)
+    reports["critic"] = aot_report(*shape, None, critic, flags)
   if "rl" in config:
     hosts = len({d.process_index for d in topology_devices(config.topology)})
     rollout, rows = RolloutConfig(**config.rollout), config.batch_size // hosts

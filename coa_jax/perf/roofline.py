@@ -4,8 +4,9 @@ device, from the model's shapes alone; and the time a chip's published peaks bou
 Training step (tokens split over data x fsdp, matmuls over tensor):
 - FLOPs: the model FLOPs (`flops.train_flops`; LoRA: no weight gradient for the frozen
   weights) with what the implementation changes: causal
-  kernels ("blockwise", "cudnn") skip the blocks above the diagonal, remat="full" recomputes
-  the forward pass ("dots_no_batch": its attention), and blockwise attention's backward pass
+  kernels ("blockwise", "cudnn", "splash") skip the blocks above the diagonal, remat reruns what
+  its policy does not keep ("full": the forward pass; "minimal": attention; "qkv_context": the
+  output projection and the MLP), and the backward pass of blockwise and splash attention
   recomputes the scores.
 - HBM bytes: weights (the compute-dtype copy read by each forward pass and the backward pass,
   a gradient in the parameter dtype written and read back, per micro-batch; with LoRA, the
@@ -31,7 +32,8 @@ import jax.numpy as jnp
 from coa_jax.model.config import ModelConfig
 from coa_jax.perf import flops
 
-_CAUSAL_TILE = {"blockwise": None, "cudnn": 128}  # None: the config's attention_block
+_CAUSAL_TILE = {"blockwise": None, "cudnn": 128, "splash": None}  # None: attention_block
+_RESCORING = ("blockwise", "splash")  # kernels whose backward pass recomputes the scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,18 @@ def _computed_fraction(config: ModelConfig, seq_len: int) -> float:
   return (blocks + 1) / (2 * blocks)
 
 
+def _attention_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
+  """Returns the FLOPs of attention's forward pass (scores and weighted values) that its kernel
+  computes, all layers and rows."""
+  return (4.0 * config.num_layers * config.num_heads * config.head_dim * seq_len * seq_len
+          * batch_size * _computed_fraction(config, seq_len))
+
+
+def _rerun_attention(config: ModelConfig) -> bool:
+  """Returns whether the backward pass reruns attention's forward (its remat keeps no output)."""
+  return config.remat in ("full", "minimal")
+
+
 def train_flops_executed(config: ModelConfig, batch_size: int, seq_len: int,
                          head: str = "lm") -> float:
   """Returns the FLOPs one training step executes (all devices); head="value": a value
@@ -78,16 +92,28 @@ def train_flops_executed(config: ModelConfig, batch_size: int, seq_len: int,
   tokens = batch_size * seq_len
   matmul = 2.0 * flops.matmul_params(config, head) * tokens
   adapters = 2.0 * config.lora_params() * tokens
-  attention = (4.0 * config.num_layers * config.num_heads * config.head_dim * seq_len * seq_len
-               * batch_size * _computed_fraction(config, seq_len))
+  attention = _attention_flops(config, batch_size, seq_len)
   forward = matmul + adapters + attention
-  recompute = {"full": forward, "dots_no_batch": attention}.get(config.remat, 0.0)
-  rescore = attention / 2 if config.attention_impl == "blockwise" else 0.0
+  d, f = config.hidden_size, config.intermediate_size
+  output_and_mlp = 2.0 * config.num_layers * (config.num_heads * config.head_dim * d + 3 * d * f)
+  recompute = {"full": forward, "minimal": attention,
+               "qkv_context": output_and_mlp * tokens}.get(config.remat, 0.0)
+  rescore = attention / 2 if config.attention_impl in _RESCORING else 0.0
   # Backward: the input's and the weights' gradients, each a forward's matmuls; frozen (LoRA)
   # weights need only the input's (a LoRA model's trained LM head: both).
   head_grad = 2.0 * flops.trained_head_params(config, head) * tokens
   backward = (1 if config.lora_rank else 2) * matmul + 2 * (adapters + attention) + head_grad
   return forward + recompute + backward + rescore
+
+
+def attention_kernel_seconds(config: ModelConfig, batch_size: int, seq_len: int, devices: int,
+                             peak_flops: float) -> float:
+  """Returns the time of one training step's attention kernels on one device at the chip's
+  peak FLOP/s: forward, backward (twice the forward, plus the scores recomputed) and the
+  forward rerun by remat. The kernels are compute-bound (a tile of 512 queries by 512 keys of
+  128-wide heads does 512 FLOPs per byte of keys and values it reads)."""
+  passes = 1 + 2 + 0.5 + _rerun_attention(config)
+  return passes * _attention_flops(config, batch_size, seq_len) / devices / peak_flops
 
 
 def _activation_bytes_per_token_layer(config: ModelConfig, tensor: int) -> float:
@@ -118,7 +144,7 @@ def train_roofline(config: ModelConfig, batch_size: int, seq_len: int, mesh: dic
   tensor, shard = mesh["tensor"], mesh["fsdp"] * mesh["tensor"]
   params, compute, master = (config.num_params(), _itemsize(config.compute_dtype),
                              _itemsize(config.params_dtype))
-  forward_passes = 2 if config.remat == "full" else 1
+  forward_passes = 2 if config.remat in ("full", "qkv_context") else 1
   # LoRA: the frozen weights are read in the compute dtype and get no gradient; the adapters
   # (and the embedding and LM-head rows that train beside them) are read as weights are and
   # are what the optimizer updates.

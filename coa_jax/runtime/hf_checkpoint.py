@@ -421,7 +421,8 @@ def load_model(config: Any, tokenizer, mesh) -> tuple[ModelConfig, Any]:
   config, None) for a fresh model built from config.model; the vocabulary covers the
   tokenizer's, and a LoRA model's trained token rows are the tokens the checkpoint lacks
   (`with_trained_token_ids`)."""
-  sharding_lib.check_attention(config.model.get("attention_impl", "xla"), mesh)
+  sharding_lib.check_backend(config.model.get("attention_impl", "xla"),
+                             config.model.get("remat", "none"), mesh)
   if config.model.get("checkpoint"):
     overrides = {k: v for k, v in config.model.items() if k not in ("preset", "checkpoint")}
     model_config, params = load_checkpoint(config.model.checkpoint, mesh,

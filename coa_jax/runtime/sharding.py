@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from coa_jax.model import config as config_lib
 from coa_jax.model.config import ConfigError, ModelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -88,19 +89,16 @@ def make_mesh(config: MeshConfig | Sequence[int] = MeshConfig(),
                        devices=devices)
 
 
-def check_attention(attention_impl: str, mesh: Mesh) -> None:
-  """Raises ConfigError when cuDNN attention is chosen for a mesh of other devices than GPUs
-  (checked before a checkpoint loads, not deep in the first trace)."""
-  platform = mesh.devices.flat[0].platform
-  if attention_impl == "cudnn" and platform != "gpu":
-    raise ConfigError(f"attention_impl='cudnn' needs a GPU backend, but the mesh is on "
-                      f"{platform!r} devices; use attention_impl='xla' or 'blockwise'")
+def check_backend(attention_impl: str, remat: str, mesh: Mesh) -> None:
+  """Raises ConfigError when the model's attention kernel or remat policy needs other devices
+  than the mesh's (checked before a checkpoint loads, not deep in the first trace)."""
+  config_lib.check_backend(attention_impl, remat, mesh.devices.flat[0].platform)
 
 
 def check_model_fits_mesh(config: ModelConfig, mesh: Mesh) -> None:
   """Raises ConfigError when a model dimension cannot be split evenly over its mesh axis, or
-  when the model needs another kind of device than the mesh's (see check_attention)."""
-  check_attention(config.attention_impl, mesh)
+  when the model needs another kind of device than the mesh's (see check_backend)."""
+  check_backend(config.attention_impl, config.remat, mesh)
   tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
   for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
     if getattr(config, name) % tensor:
