@@ -120,3 +120,16 @@ def test_the_decode_chunk_reads_its_window_in_place_and_updates_the_cache_in_pla
   params_in = len(jax.tree.leaves(params))  # then the state: cache k, v first
   alias = re.search(r"input_output_alias=\{(.*?)\}, entry", text).group(1)
   assert f"{{0}}: ({params_in}, {{}}" in alias and f"{{1}}: ({params_in + 1}, {{}}" in alias
+
+
+def test_a_sharded_window_decodes_as_one_device(mesh1, params):
+  """Rows over data (4), kv heads over tensor (2): the window cuts only the slots."""
+  mesh8 = sharding.make_mesh(sharding.MeshConfig(data=4, fsdp=1, tensor=2))
+  sharded = jax.device_put(params, sharding.param_shardings(Transformer(CONFIG), mesh8))
+  one, _ = episode(sampler(mesh1, cache_heads_first=True), params)
+  eight, state = episode(sampler(mesh8, cache_heads_first=True), sharded)
+  assert [c[0] for c in eight] == [c[0] for c in one]
+  for a, b in zip(eight, one):
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_allclose(a[2], b[2], rtol=0, atol=1e-5)
+  assert state.cache.k.addressable_shards[0].data.shape == (2, 1, 1, SLOTS, 16)

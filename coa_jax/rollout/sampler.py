@@ -31,7 +31,7 @@ A decode chunk reads only the cache slots [0, W) that its rows can fill: its win
 power-of-two bucket (at least `MIN_WINDOW`, at most S) of the longest active row's length plus
 K - 1, one past the last slot a row's K-th step attends to (`window_for`, `decode_window`: the
 host fetches the rows' lengths). An extend reads the window of its rows' longest length plus
-its padded token count; a prefill's prompts start at slot 0 and read one (masked) slot. Each
+its padded token count (in 4x steps); a prefill's prompts start at slot 0 and read one (masked) slot. Each
 program is compiled once per window; writes still go to the whole cache, in place. A row that
 is not active may lie past a chunk's window: it reads a cut cache, but what it samples is
 discarded and the one slot it writes (its pending token's, at its length) is written again
@@ -433,9 +433,8 @@ class Sampler:
                   window: int | None = None) -> DecodeState:
     """Appends the given ids to each row (at least one id each) and resumes those rows,
     reading the cache slots [0, window): by default those its rows can fill (`window_for` the
-    longest of them and the padded ids, in steps of 4x: an extend compiles once per (rows,
-    tokens, window) bucket, and 2x steps would double its programs for the last 2x of
-    slots)."""
+    longest of them and the padded ids, in 4x steps: an extend compiles once per (rows, tokens,
+    window) bucket, so every window step multiplies its programs)."""
     r = bucket(len(appends), 1)
     t = bucket(max(len(ids) for ids in appends.values()))
     if window is None:
