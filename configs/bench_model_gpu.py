@@ -16,7 +16,9 @@ def get_config() -> ml_collections.ConfigDict:
   config = bench_model.get_config()
   # Batch 2 x 2048 without remat. 4 x 2048 (59.9 GiB per H100 by an ahead-of-time compile)
   # ran out of memory beside PyTorch's leftovers in the same process (docs/benchmarks.md).
-  full = dict(dtype="bfloat16", param_dtype="float32", attention_impl="cudnn")
+  # Layers unrolled, as the GPU presets: the layer scan's slicing and stacking of weights,
+  # activations and gradients was a third of the step's HBM bytes (docs/benchmarks.md).
+  full = dict(dtype="bfloat16", param_dtype="float32", attention_impl="cudnn", scan_unroll=28)
   config.models = {
       "qwen2_5_1_5b": common.model("qwen2_5_1_5b", **full),
       # LoRA rank 16 on every projection, the base frozen in bf16; HF's side is PEFT's LoRA.

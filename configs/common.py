@@ -8,7 +8,8 @@ from coa_jax.model import ModelConfig
 
 # Numerics and execution fields of ModelConfig, listed here so that the command line can
 # override them (--config.model.remat=full); their defaults stay in ModelConfig.
-NUMERICS = ("dtype", "param_dtype", "remat", "attention_impl", "attention_block", "scan_unroll")
+NUMERICS = ("dtype", "param_dtype", "remat", "attention_impl", "attention_block",
+            "attention_block_kv", "scan_unroll")
 
 
 def model(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:

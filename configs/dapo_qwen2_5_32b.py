@@ -19,7 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.model = common.model("qwen2_5_32b", dtype="bfloat16", param_dtype="float32",
-                              remat="full", attention_impl="blockwise", attention_block=512)
+                              remat="full", attention_impl="splash", attention_block=512)
   config.model.checkpoint = "/ckpt/afm-sft-qwen2.5-32b"  # the SFT model, a local HF folder
   config.tokenizer = common.tokenizer("/ckpt/afm-sft-qwen2.5-32b", "chatml")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=4)

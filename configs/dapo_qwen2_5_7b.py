@@ -9,7 +9,7 @@ from configs import common, dapo_qwen2_5_32b
 def get_config() -> ml_collections.ConfigDict:
   config = dapo_qwen2_5_32b.get_config()
   config.model = common.model("qwen2_5_7b", dtype="bfloat16", param_dtype="float32",
-                              remat="full", attention_impl="blockwise", attention_block=512)
+                              remat="full", attention_impl="splash", attention_block=512)
   config.model.checkpoint = "/ckpt/afm-sft-qwen2.5-7b"
   config.tokenizer = common.tokenizer("/ckpt/afm-sft-qwen2.5-7b", "chatml")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=2)

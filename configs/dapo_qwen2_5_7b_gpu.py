@@ -10,7 +10,8 @@ from configs import common, dapo_qwen2_5_7b
 def get_config() -> ml_collections.ConfigDict:
   config = dapo_qwen2_5_7b.get_config()
   config.model = common.model("qwen2_5_7b", dtype="bfloat16", param_dtype="float32",
-                              remat="full", attention_impl="cudnn")
+                              remat="full", attention_impl="cudnn",
+                              scan_unroll=28)  # layers unrolled on GPUs
   config.model.checkpoint = "/ckpt/afm-sft-qwen2.5-7b"
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=2)
   config.topology = "h100:8"  # one node of 8 H100s (experiments/aot_compile.py)

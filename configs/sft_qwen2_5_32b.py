@@ -10,7 +10,7 @@ from configs import common, sft_qwen2_5_7b
 def get_config() -> ml_collections.ConfigDict:
   config = sft_qwen2_5_7b.get_config()
   config.model = common.model("qwen2_5_32b", dtype="bfloat16", param_dtype="float32",
-                              remat="full", attention_impl="blockwise", attention_block=512)
+                              remat="full", attention_impl="splash", attention_block=512)
   config.model.checkpoint = "/ckpt/Qwen2.5-32B-Instruct"
   config.tokenizer = common.tokenizer("/ckpt/Qwen2.5-32B-Instruct", "chatml")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=4)

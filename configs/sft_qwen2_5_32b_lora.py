@@ -11,7 +11,7 @@ from configs import common, sft_qwen2_5_32b
 def get_config() -> ml_collections.ConfigDict:
   config = sft_qwen2_5_32b.get_config()
   config.model = common.model("qwen2_5_32b", dtype="bfloat16", param_dtype="float32",
-                              remat="full", attention_impl="blockwise", attention_block=512,
+                              remat="full", attention_impl="splash", attention_block=512,
                               lora_rank=16, lora_alpha=32.0, lora_dropout=0.05)
   config.model.checkpoint = "/ckpt/Qwen2.5-32B-Instruct"
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)

@@ -2,7 +2,8 @@
 
 Hyper-parameters in the range of the reference release: lr 2e-5 with warm-up and cosine
 decay, 3 epochs, 16k-token packed rows, bf16 compute with f32 master weights, full remat,
-FSDP over every chip. `experiments/aot_compile.py --config=configs/sft_qwen2_5_7b.py` compiles
+splash attention in 512 x 512 tiles, TPU collective flags, FSDP over every chip (the choices
+and their ahead-of-time figures: docs/tpu.md). `experiments/aot_compile.py --config=configs/sft_qwen2_5_7b.py` compiles
 its train step for `topology`.
 """
 
@@ -15,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.model = common.model("qwen2_5_7b", dtype="bfloat16", param_dtype="float32",
-                              remat="full", attention_impl="blockwise", attention_block=512)
+                              remat="full", attention_impl="splash", attention_block=512)
   config.model.checkpoint = "/ckpt/Qwen2.5-7B-Instruct"  # a local HF folder
   config.tokenizer = common.tokenizer("/ckpt/Qwen2.5-7B-Instruct", "chatml")
   config.data = common.data("/data/coa_sft.json", num_epochs=3, overlong="drop")

@@ -40,10 +40,11 @@ def main(argv):
       print(report.format(), flush=True)
     results[name] = {program: aot.report_json(r) for program, r in reports.items()}
     table += aot.pod_fit_rows(name, reports)
-  with open(os.path.join(_OUTPUT.value, "pod_fit.json"), "w") as f:
-    json.dump(results, f, indent=2)
-  with open(os.path.join(_OUTPUT.value, "pod_fit.md"), "w") as f:
-    f.write("\n".join(table) + "\n")
+    # Written after every config: a run cut short keeps the rows it has.
+    with open(os.path.join(_OUTPUT.value, "pod_fit.json"), "w") as f:
+      json.dump(results, f, indent=2)
+    with open(os.path.join(_OUTPUT.value, "pod_fit.md"), "w") as f:
+      f.write("\n".join(table) + "\n")
   print("\n".join(table))
   print(f"wrote {_OUTPUT.value}/pod_fit.json and pod_fit.md in {time.perf_counter() - start:.0f} s")
 

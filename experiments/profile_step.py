@@ -47,6 +47,21 @@ _FILLED = flags.DEFINE_integer("filled", -1, "decode: the rows' filled cache slo
 _CACHE = flags.DEFINE_integer("cache_size", 0, "decode: KV cache slots (0: the bucket that fits "
                               "the bench's prompt, rounds and observations)")
 _SUFFIX = flags.DEFINE_string("suffix", "", "appended to the tables' file names")
+_SET = flags.DEFINE_list("set", [], "model config overrides, e.g. remat=minimal,scan_unroll=28")
+_MICRO = flags.DEFINE_integer("micro_batches", 0, "train: micro-batches (0: the target's own)")
+_XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "ahead of time: compile with this XLA flag "
+                                 "set (coa_jax/runtime/xla_flags.py: tpu, gpu)")
+
+
+def with_overrides(spec: dict) -> dict:
+  """Returns a target's spec with the --set model overrides and --micro_batches applied."""
+  def value(text: str):
+    return int(text) if text.lstrip("-").isdigit() else text
+  overrides = dict(item.split("=", 1) for item in _SET.value)
+  spec = dict(spec, model=spec["model"].replace(**{k: value(v) for k, v in overrides.items()}))
+  if _MICRO.value:
+    spec["micro"] = _MICRO.value
+  return spec
 
 
 def target_spec(name: str) -> dict:
@@ -113,8 +128,11 @@ def compile_target(spec: dict, devices: list):
   decode chunk as the sampler runs it, its weights in the compute dtype (on GPUs one array per
   layer), reading its window of the cache."""
   if spec["kind"] == "train":
+    # Without windowed einsums on TPU (`xla_flags.COUNTED_MATMULS`): their loops have no trip
+    # count in the HLO, so the table could not count their matmuls.
     return aot.compile_train_step(spec["model"], spec["opt"], devices, spec["mesh"],
-                                  spec["batch"], spec["seq"], spec["micro"])[0]
+                                  spec["batch"], spec["seq"], spec["micro"],
+                                  flags=_XLA_FLAGS.value, for_cost=True)[0]
   mesh = sharding.decode_mesh(devices[:1], 1)
   # As the rollout programs' ahead-of-time compiles (`aot.decode_report`): sampling at
   # temperature 1, one stop token.
@@ -145,7 +163,9 @@ def profile_ahead_of_time(spec: dict, topology: str) -> tuple[list[str], list, d
   xla = aot._cost(compiled)[0]
   header = header_lines(spec, f"compiled ahead of time for {topology} ({devices[0].device_kind}"
                         f", {program_devices} device(s)) on this CPU in {seconds:.0f} s, "
-                        f"JAX {jax.__version__}; figures per device")
+                        f"JAX {jax.__version__}, XLA flags {_XLA_FLAGS.value or 'default'}, "
+                        f"{spec['model'].scan_unroll} layer(s) per scan step; figures per "
+                        f"device")
   header += [
       f"table's totals: {sum(o.flops for o in ops):.3e} matmul FLOPs, {sum(o.bytes for o in ops):.3e}"
       f" bytes, {sum(o.seconds for o in ops) * 1e3:.2f} ms at {chip.name}'s peaks "
@@ -237,7 +257,7 @@ def profile_run(spec: dict, steps: int) -> tuple[list[str], list, dict]:
 
 def main(argv):
   del argv
-  spec = target_spec(_TARGET.value)
+  spec = with_overrides(target_spec(_TARGET.value))
   topology = _TOPOLOGY.value or spec["topology"]
   if topology:
     header, rows, extra = profile_ahead_of_time(spec, topology)

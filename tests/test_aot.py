@@ -3,7 +3,7 @@
 import pytest
 
 from coa_jax.model import get_preset
-from coa_jax.perf import aot
+from coa_jax.perf import aot, roofline
 from coa_jax.runtime import hardware, sharding, xla_flags
 from configs import common
 
@@ -60,7 +60,8 @@ def test_the_7b_sft_config_compiles_scaled_down_with_its_state_split_over_every_
 
   config = sft_qwen2_5_7b.get_config()
   model = build_config(config.model).replace(num_layers=2, hidden_size=512,
-                                             intermediate_size=1024, vocab_size=4096)
+                                             intermediate_size=1024, vocab_size=4096,
+                                             attention_block=128)  # splash's smallest tile
   compiled, mesh, _, _ = aot.compile_train_step(
       model, config.optimizer, aot.topology_devices("v5e:2x2"),
       sharding.MeshConfig(**config.mesh), batch_size=16, seq_len=128,
@@ -78,10 +79,11 @@ def test_the_32b_lora_sft_config_compiles_scaled_down_holding_bf16_base_and_f32_
 
   config = sft_qwen2_5_32b_lora.get_config()
   model = build_config(config.model).replace(num_layers=2, hidden_size=512,
-                                             intermediate_size=1024, vocab_size=4096)
+                                             intermediate_size=1024, vocab_size=4096,
+                                             attention_block=128)  # splash's smallest tile
   compiled, mesh, _, _ = aot.compile_train_step(
       model, config.optimizer, aot.topology_devices(config.topology),
-      sharding.MeshConfig(**config.mesh), batch_size=8, seq_len=64, micro_batches=2)
+      sharding.MeshConfig(**config.mesh), batch_size=8, seq_len=128, micro_batches=2)
   assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}  # one v5p host
   # Per chip: the frozen base in bf16 over fsdp; the adapters with their two AdamW moments in
   # float32, over fsdp where an adapter has the embed axis (A of q, k, v, gate, up; B of o,
@@ -101,10 +103,11 @@ def test_the_32b_dapo_update_compiles_scaled_down():
 
   config = dapo_qwen2_5_32b.get_config()
   model = build_config(config.model).replace(num_layers=2, hidden_size=512,
-                                             intermediate_size=1024, vocab_size=4096)
+                                             intermediate_size=1024, vocab_size=4096,
+                                             attention_block=128)  # splash's smallest tile
   compiled, mesh, _, _ = aot.compile_train_step(
       model, config.optimizer, aot.topology_devices("v5e:2x2"),
-      sharding.MeshConfig(data=1, fsdp=2, tensor=2), batch_size=8, seq_len=64, micro_batches=2,
+      sharding.MeshConfig(data=1, fsdp=2, tensor=2), batch_size=8, seq_len=128, micro_batches=2,
       loss_config=dapo.loss_config(config.rl))
   assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
   assert compiled.memory_analysis().temp_size_in_bytes > 0
@@ -175,10 +178,11 @@ def test_ppo_updates_compile_scaled_down_with_the_other_models_state_resident():
 
   config = ppo_qwen2_5_7b.get_config()
   model = build_config(config.model).replace(num_layers=2, hidden_size=512,
-                                             intermediate_size=1024, vocab_size=4096)
+                                             intermediate_size=1024, vocab_size=4096,
+                                             attention_block=128)  # splash's smallest tile
   critic = critic_lib.CriticConfig(**config.rl.critic)
   shape = (model, config.optimizer, aot.topology_devices("v5e:2x2"),
-           sharding.MeshConfig(data=1, fsdp=2, tensor=2), 8, 64, 2)
+           sharding.MeshConfig(data=1, fsdp=2, tensor=2), 8, 128, 2)
   actor, _, _, critic_state = aot.compile_train_step(*shape, dapo.loss_config(config.rl), critic)
   value, _, _, actor_state = aot.compile_train_step(*shape, None, critic)
   # The states differ by their heads: the LM head (embed over fsdp, vocab over tensor) against
@@ -204,3 +208,15 @@ def test_cost_compiles_reach_the_tpu_compiler_without_windowed_einsums(monkeypat
   aot.compile_train_step(*shape)
   with pytest.raises(Exception, match="No such compile option: 'xla_no_such_option'"):
     aot.compile_train_step(*shape, for_cost=True)
+
+
+def test_the_compilers_estimate_adds_the_splash_kernels_it_cannot_cost():
+  """XLA costs a Pallas kernel only by the estimate the kernel declares, and splash declares
+  none: the report adds the kernels' time at the chip's peak, and says so."""
+  model = TINY.replace(attention_impl="splash", remat="minimal_with_context")
+  splash = aot.aot_report("tiny", model, common.optimizer(), "v5e:2x2",
+                          sharding.MeshConfig(fsdp=-1), batch_size=4, seq_len=256)
+  peak = hardware.chip_for(splash.device_kind).peak_bf16_flops
+  kernels = roofline.attention_kernel_seconds(model, 4, 256, 4, peak)
+  assert splash.kernel_seconds == kernels > 0 and splash.compiler_seconds > kernels
+  assert "splash attention kernels at peak FLOP/s, which XLA cannot cost" in splash.format()
