@@ -1,10 +1,11 @@
 """Observation-masked SFT of Qwen2.5-7B-Instruct on CoA trajectories (TPU/GPU pod scale).
 
 Hyper-parameters in the range of the reference release: lr 2e-5 with warm-up and cosine
-decay, 3 epochs, 16k-token packed rows, bf16 compute with f32 master weights, full remat,
-splash attention in 512 x 512 tiles, TPU collective flags, FSDP over every chip (the choices
-and their ahead-of-time figures: docs/tpu.md). `experiments/aot_compile.py --config=configs/sft_qwen2_5_7b.py` compiles
-its train step for `topology`.
+decay, 3 epochs, 16k-token packed rows, bf16 compute with f32 master weights, remat keeping
+q, k, v and attention's output, splash attention in 512 x 512 tiles, TPU collective flags,
+FSDP over every chip (the choices and their ahead-of-time figures: docs/tpu.md).
+`experiments/aot_compile.py --config=configs/sft_qwen2_5_7b.py` compiles its train step for
+`topology`.
 """
 
 import ml_collections
@@ -16,7 +17,8 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.model = common.model("qwen2_5_7b", dtype="bfloat16", param_dtype="float32",
-                              remat="full", attention_impl="splash", attention_block=512)
+                              remat="qkv_context", attention_impl="splash",
+                              attention_block=512)
   config.model.checkpoint = "/ckpt/Qwen2.5-7B-Instruct"  # a local HF folder
   config.tokenizer = common.tokenizer("/ckpt/Qwen2.5-7B-Instruct", "chatml")
   config.data = common.data("/data/coa_sft.json", num_epochs=3, overlong="drop")

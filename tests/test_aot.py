@@ -220,3 +220,11 @@ def test_the_compilers_estimate_adds_the_splash_kernels_it_cannot_cost():
   kernels = roofline.attention_kernel_seconds(model, 4, 256, 4, peak)
   assert splash.kernel_seconds == kernels > 0 and splash.compiler_seconds > kernels
   assert "splash attention kernels at peak FLOP/s, which XLA cannot cost" in splash.format()
+
+
+def test_offloading_remat_keeps_the_activations_in_host_memory_on_tpu():
+  compiled, *_ = aot.compile_train_step(TINY.replace(remat="offload"), common.optimizer(),
+                                        aot.topology_devices("v5e:2x2"),
+                                        sharding.MeshConfig(fsdp=-1), 4, 64)
+  assert "S(5)" in compiled.as_text()  # XLA's memory space of pinned host memory
+  assert compiled.memory_analysis().host_temp_size_in_bytes > 0

@@ -113,8 +113,9 @@ def _write(cache, new_LxBxTxKxH, rows_B, positions_BxT, heads_first: bool):
 # gives its projections' outputs (LORA_TARGETS) and attention's output ("context"):
 # "full" keeps nothing and reruns the layer; "minimal" keeps every projection's output and
 # reruns attention and the elementwise ops; "minimal_with_context" keeps attention's output too
-# (nothing is rerun but elementwise ops); "qkv_context" keeps q, k, v and the context and reruns
-# the rest of the layer; "offload" keeps what "minimal_with_context" does in host memory
+# (and the splash kernel's residuals, which carry its name: nothing is rerun but elementwise
+# ops; the dense kernel's scores are rerun); "qkv_context" keeps q, k, v and the context and
+# reruns the rest of the layer; "offload" keeps what "minimal_with_context" does in host memory
 # (TPU and GPU); "dots" keeps every matmul's output (attention's scores too, unless a kernel
 # computes them).
 _SAVED = LORA_TARGETS + ("context",)
@@ -406,7 +407,8 @@ class Transformer(nn.Module):
     if self.head not in HEADS or (self.head == "value" and cache is not None):
       raise ConfigError(f"head={self.head!r}: expected one of {HEADS} (a value model does not "
                         f"decode)")
-    check_backend(cfg.attention_impl, cfg.remat, target_platform())
+    if not self.is_initializing():  # initializing runs no kernel (see Attention)
+      check_backend(cfg.attention_impl, cfg.remat, target_platform())
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(jnp.arange(input_ids_BxT.shape[1]), input_ids_BxT.shape)
     embedding_VxD = self.param("embedding", _init(0.02, ("vocab", "embed")),
