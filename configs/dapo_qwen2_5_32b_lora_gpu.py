@@ -11,7 +11,6 @@ from configs import common, dapo_qwen2_5_32b_lora
 def get_config() -> ml_collections.ConfigDict:
   config = dapo_qwen2_5_32b_lora.get_config()
   config.model.attention_impl = "cudnn"
-  config.model.scan_unroll = 64  # layers unrolled on GPUs
   config.mesh = common.mesh(data=1, fsdp=1, tensor=8)
   config.topology = "h100:8"
   config.xla_flags = "gpu"  # coa_jax/runtime/xla_flags.py

@@ -11,8 +11,7 @@ from configs import common, sft_qwen2_5_7b
 def get_config() -> ml_collections.ConfigDict:
   config = sft_qwen2_5_7b.get_config()
   config.model = common.model("qwen2_5_7b", dtype="bfloat16", param_dtype="float32",
-                              remat="full", attention_impl="cudnn",
-                              scan_unroll=28)  # layers unrolled on GPUs
+                              remat="full", attention_impl="cudnn")
   config.model.checkpoint = "/ckpt/Qwen2.5-7B-Instruct"
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)  # all GPUs of all nodes
   config.topology = "h100:8"  # one node of 8 H100s (experiments/aot_compile.py)

@@ -9,7 +9,7 @@ from configs import common, sft_qwen2_5_7b_gpu
 def get_config() -> ml_collections.ConfigDict:
   config = sft_qwen2_5_7b_gpu.get_config()
   config.model = common.model("qwen2_5_7b", dtype="bfloat16", param_dtype="float32",
-                              remat="full", attention_impl="cudnn", scan_unroll=28, lora_rank=16,
+                              remat="full", attention_impl="cudnn", lora_rank=16,
                               lora_alpha=32.0, lora_dropout=0.05)
   config.model.checkpoint = "/ckpt/Qwen2.5-7B-Instruct"
   config.mesh = common.mesh(data=1, fsdp=1, tensor=1)

@@ -35,9 +35,9 @@ FLAG_SETS: dict[str, dict[str, bool | int]] = {
         "xla_gpu_enable_pipelined_reduce_scatter": True,
         "xla_gpu_enable_pipelined_all_reduce": True,
         "xla_gpu_enable_while_loop_double_buffering": True,
-        "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30,
-        "xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30,
-        "xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30,
+        "xla_gpu_all_gather_combine_threshold_bytes": 1 << 27,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 27,
+        "xla_gpu_all_reduce_combine_threshold_bytes": 1 << 27,
     },
 }
 _ENV = {"tpu": "LIBTPU_INIT_ARGS", "gpu": "XLA_FLAGS"}
