@@ -7,25 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from coa_jax.model import build_config
 from coa_jax.model.transformer import Transformer
 from coa_jax.perf import aot
 from coa_jax.rollout.sampler import Sampler, SamplingConfig, window_for
 from coa_jax.runtime import sharding
-from coa_jax.runtime.sharding import init_params
 
-CONFIG = build_config({"preset": "tiny", "tie_embeddings": False})
+from test_sampler import CONFIG, mesh1, params  # noqa: F401 (its fixtures)
+
 SLOTS, CHUNK = 1024, 16
-
-
-@pytest.fixture(scope="module")
-def mesh1():
-  return sharding.make_mesh(devices=jax.devices()[:1])
-
-
-@pytest.fixture(scope="module")
-def params(mesh1):
-  return init_params(Transformer(CONFIG), mesh1, jax.random.key(0))
 
 
 def sampler(mesh, cache_heads_first=None):
