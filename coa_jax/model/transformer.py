@@ -113,9 +113,8 @@ def _write(cache, new_LxBxTxKxH, rows_B, positions_BxT, heads_first: bool):
 # gives its projections' outputs (LORA_TARGETS) and attention's output ("context"):
 # "full" keeps nothing and reruns the layer; "minimal" keeps every projection's output and
 # reruns attention and the elementwise ops; "minimal_with_context" keeps attention's output too
-# (and the splash kernel's residuals, which carry its name: nothing is rerun but elementwise
-# ops; the dense kernel's scores are rerun); "qkv_context" keeps q, k, v and the context and
-# reruns the rest of the layer; "offload" keeps what "minimal_with_context" does in host memory
+# (the splash kernel names its residuals so as well; the dense kernel's scores are rerun);
+# "qkv_context" keeps q, k, v and the context and reruns the rest of the layer; "offload" keeps what "minimal_with_context" does in host memory
 # (TPU and GPU); "dots" keeps every matmul's output (attention's scores too, unless a kernel
 # computes them).
 _SAVED = LORA_TARGETS + ("context",)

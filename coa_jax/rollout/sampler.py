@@ -35,9 +35,10 @@ its padded token count (in 4x steps); a prefill's prompts start at slot 0 and re
 program is compiled once per window; writes still go to the whole cache, in place. A row that
 is not active may lie past a chunk's window: it reads a cut cache, but what it samples is
 discarded and the one slot it writes (its pending token's, at its length) is written again
-when it resumes (extend). So a window changes no token: the slots past it are masked to exact
-zeros either way, and only the order of the attention's float32 sums may differ (log-probs
-within 5e-7 of the whole cache's in tests/test_decode_window.py).
+when it resumes (extend). The slots past a window are masked to exact zeros either way; only
+the order of the attention's float32 sums may differ, so a token can differ only where two
+were within rounding of each other (tests/test_decode_window.py: the same tokens, log-probs
+within 5e-7 of the whole cache's).
 
 Log-probabilities are those of the distribution each token was drawn from: softmax(logits /
 temperature) restricted to the tokens that top-k and top-p keep and renormalised, i.e.
