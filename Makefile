@@ -13,7 +13,7 @@ export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 # `make lock` re-resolves it from setup.py; upgrading is a deliberate change that re-runs the
 # main job (docs/pipeline.md).
 LOCK := requirements.lock
-EXTRAS := test,tpu,plots,tfds
+EXTRAS := test,tpu,plots,tfds,mcp
 # `make pod-fit` adds gpu-aot (XLA:GPU and cuDNN for ahead-of-time GPU compiles, 2 GB) to the
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot

@@ -31,10 +31,12 @@ setup(
     extras_require={
         # torch must stay pinned: an unpinned torch pulls a multi-GB CUDA build.
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "pyarrow", "torch==2.13.0",
-                 "math-verify>=0.9", "peft>=0.13"],
+                 "math-verify>=0.9", "peft>=0.13", "mcp==2.3.0"],
         "tpu": ["jax[tpu]>=0.10.2"],
         "tfds": ["tensorflow-datasets>=4.9", "array_record", "tensorflow-cpu>=2.20"],
         "plots": ["matplotlib"],
+        # tools_env.mcp_tools: MCP servers' tools as CoA tools (the 2.x client API).
+        "mcp": ["mcp==2.3.0"],
         # Ahead-of-time compiles for NVIDIA GPUs on a machine without one (`make pod-fit`):
         # XLA:GPU as a PJRT plugin, and cuDNN, which JAX asks for before it lowers cuDNN
         # attention. Not for running on GPUs: install jax[cuda12] there (docs/gpus.md).

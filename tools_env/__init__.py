@@ -10,6 +10,8 @@
 - `faulty_http`: a local HTTP service that resets, cuts short or drips its answers (tests and
   benchmarks of the remote tools).
 - `sandbox`: the `code` tool, programs run isolated under resource limits by a bounded pool.
+- `mcp_tools`: the tools of a local MCP server (stdio or streamable HTTP) as CoA tools (the
+  `mcp` extra).
 - `registry`: tag -> tool dispatch, building tools from a config spec, and per-trajectory
   state (repeated-call notices, counters).
 
