@@ -48,7 +48,10 @@ def split_micro_batches(batch: Any, count: int) -> Any:
 def summed_grads(objective: Callable[[Any, Any], tuple[jax.Array, Any]], params: Any,
                  batch: Any, micro_batches: int = 1):
   """Returns (aux, grads) of `objective(params, micro) -> (value, aux)` summed over the
-  micro-batches of `batch` (a scan): exact when value and aux are sums over tokens."""
+  micro-batches of `batch`: exact when value and aux are sums over tokens. The first
+  micro-batch's gradient starts the sum and a scan adds the others', so no pass adds it to
+  zeros; with two micro-batches no loop is left, and XLA casts the weights for both once
+  (docs/benchmarks.md: 87.0 -> 74.5 ms for the 1.5B step on H100, ahead of time)."""
   grad_fn = jax.grad(objective, has_aux=True)
   if micro_batches == 1:
     grads, aux = grad_fn(params, batch)
@@ -59,9 +62,8 @@ def summed_grads(objective: Callable[[Any, Any], tuple[jax.Array, Any]], params:
 
   micro = split_micro_batches(batch, micro_batches)
   first = jax.tree_util.tree_map(lambda x: x[0], micro)
-  zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                 jax.eval_shape(grad_fn, params, first))
-  (grads, aux), _ = jax.lax.scan(accumulate, zeros, micro)
+  rest = jax.tree_util.tree_map(lambda x: x[1:], micro)
+  (grads, aux), _ = jax.lax.scan(accumulate, grad_fn(params, first), rest)
   return aux, grads
 
 
