@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 import time
 import zlib
 from typing import Any
@@ -54,6 +55,18 @@ class ToolFailure(Exception):
   def __init__(self, kind: str, message: str, output: str = "", **metadata: Any):
     super().__init__(message)
     self.kind, self.output, self.metadata = kind, output, metadata
+
+
+def import_object(path: str, where: str) -> Any:
+  """Returns the object at `path` ("package.module:Name" or "package.module.Name"); raises
+  ValueError naming `where` (the config field) when it is not an import path or fails."""
+  module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+  if not module or not name:
+    raise ValueError(f"{where}: {path!r} is not an import path (package.module:Name)")
+  try:
+    return getattr(importlib.import_module(module), name)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f"{where}: cannot import {path!r}: {e}") from None
 
 
 def truncate_middle(text: str, limit: int) -> tuple[str, bool]:

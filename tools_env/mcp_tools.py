@@ -199,6 +199,11 @@ class McpServer:
     self._closed = False
     atexit.register(self.close)
 
+  @property
+  def closed(self) -> bool:
+    """Whether `close` has stopped the server (no call starts it again)."""
+    return self._closed
+
   def __enter__(self) -> McpServer:
     return self
 

@@ -2,9 +2,10 @@
 
 A response is a sequence of steps `<tag>\\ncontent\\n</tag>` separated by newlines. Role agents
 (`think`, `plan`, `reflection`, `suggested_answer`, `double_check`, `answer`) and tool agents
-(`web_search`, `crawl_page`, `wiki_search`, `code`) are written by the model; every tool step
-is followed by exactly one `observation` step written by the environment. An observation is
-opaque: whatever it contains up to its closing tag is text, never tags.
+are written by the model; every tool step is followed by exactly one `observation` step written
+by the environment. An observation is opaque: whatever it contains up to its closing tag is
+text, never tags. The tool tags are the declared tools' (`tools_env.registry.declare`), by
+default the four CoA tools `TOOL_TAGS`; `check_tool_tags` says which names can be tags.
 
 `parse` accepts any string and never raises: it returns the steps it could read plus a list
 of `FormatError`s. `validate` applies the transition rules to a list of steps.
@@ -13,6 +14,7 @@ of `FormatError`s. `validate` applies the transition rules to a list of steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Iterable
 
@@ -33,7 +35,8 @@ MISSING_ANSWER = "missing_answer"
 MALFORMED_TOOL_CALL = "malformed_tool_call"
 EMPTY = "empty"
 
-_TAG_RE = re.compile(r"<(/?)(" + "|".join(ALL_TAGS) + r")>")
+# A tool tag: a lower-case identifier, one token of its own in the tokenizer.
+TOOL_TAG_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _CODE_BLOCK_RE = re.compile(r"```(?:python|py)[^\n]*\n(.*?)```", re.DOTALL)
 
 
@@ -43,6 +46,32 @@ def opening(tag: str) -> str:
 
 def closing(tag: str) -> str:
   return f"</{tag}>"
+
+
+class TagError(ValueError):
+  """A tool tag that cannot be one: malformed, a role's or the observation's, or declared
+  twice."""
+
+
+def check_tool_tags(tool_tags: Iterable[str]) -> tuple[str, ...]:
+  """Returns `tool_tags` as a tuple; raises TagError naming the first that is not a lower-case
+  identifier of at most 32 characters, is a role tag or `observation`, or repeats."""
+  tags = tuple(tool_tags)
+  for i, tag in enumerate(tags):
+    if not isinstance(tag, str) or not TOOL_TAG_RE.fullmatch(tag):
+      raise TagError(f"tool tag {tag!r} is malformed: expected a lower-case identifier "
+                     f"([a-z][a-z0-9_]*, at most 32 characters)")
+    if tag in ROLE_TAGS or tag == OBSERVATION:
+      raise TagError(f"tool tag {tag!r} collides with the role tag <{tag}>")
+    if tag in tags[:i]:
+      raise TagError(f"tool tag {tag!r} is declared twice")
+  return tags
+
+
+@functools.lru_cache(maxsize=None)
+def _tag_re(tool_tags: tuple[str, ...]) -> re.Pattern:
+  tags = ROLE_TAGS + check_tool_tags(tool_tags) + (OBSERVATION,)
+  return re.compile(r"<(/?)(" + "|".join(tags) + r")>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +84,8 @@ class Step:
 
   @property
   def is_tool(self) -> bool:
-    return self.tag in TOOL_TAGS
+    """Whether a tool agent wrote the step: any tag but a role's or the observation's."""
+    return self.tag not in ROLE_TAGS and self.tag != OBSERVATION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +136,10 @@ def _strip_one_newline(text: str) -> str:
   return text
 
 
-def parse(text: str) -> tuple[list[Step], list[FormatError]]:
-  """Returns the steps of a response and its syntax errors; never raises on any string.
+def parse(text: str, tool_tags: tuple[str, ...] = TOOL_TAGS
+          ) -> tuple[list[Step], list[FormatError]]:
+  """Returns the steps of a response and its syntax errors; never raises on any string. The
+  tags are the roles', `tool_tags`' and the observation's: any other `<name>` is text.
 
   Recovery rules: text outside steps is reported (STRAY_TEXT, or TAG_IN_FREE_TEXT for a
   closing tag with no open step) and skipped; a tag opened inside an open step is reported
@@ -117,11 +149,12 @@ def parse(text: str) -> tuple[list[Step], list[FormatError]]:
   """
   if not isinstance(text, str):
     return [], [FormatError(EMPTY, 0, f"expected a string, got {type(text).__name__}")]
+  tag_re = _tag_re(tuple(tool_tags))
   steps: list[Step] = []
   errors: list[FormatError] = []
   pos = 0
   while pos < len(text):
-    match = _TAG_RE.search(text, pos)
+    match = tag_re.search(text, pos)
     gap_end = match.start() if match else len(text)
     if text[pos:gap_end].strip():
       errors.append(FormatError(STRAY_TEXT, pos,
@@ -146,7 +179,7 @@ def parse(text: str) -> tuple[list[Step], list[FormatError]]:
       continue
     pos, closed = start, False
     while True:
-      inner = _TAG_RE.search(text, pos)
+      inner = tag_re.search(text, pos)
       if inner is None:
         break
       if inner.group(1) and inner.group(2) == tag:
@@ -212,7 +245,9 @@ def validate(steps: list[Step], complete: bool = True) -> list[FormatError]:
   return errors
 
 
-def parse_and_validate(text: str, complete: bool = True) -> tuple[list[Step], list[FormatError]]:
-  """Returns parse(text) steps with both its syntax errors and the transition errors."""
-  steps, errors = parse(text)
+def parse_and_validate(text: str, complete: bool = True, tool_tags: tuple[str, ...] = TOOL_TAGS
+                       ) -> tuple[list[Step], list[FormatError]]:
+  """Returns parse(text, tool_tags) steps with both its syntax errors and the transition
+  errors."""
+  steps, errors = parse(text, tool_tags)
   return steps, errors + validate(steps, complete=complete)

@@ -60,10 +60,12 @@ class DropCounter:
                       f"{max_drop_fraction:.1%}: {self.summary()}")
 
 
-def _from_steps_record(record: dict[str, Any]) -> tuple[Trajectory, list]:
+def _from_steps_record(record: dict[str, Any], tool_tags: tuple[str, ...]
+                       ) -> tuple[Trajectory, list]:
+  tags = coa_format.ROLE_TAGS + tuple(tool_tags) + (coa_format.OBSERVATION,)
   steps = []
   for s in record["steps"]:
-    if not isinstance(s, dict) or s.get("tag") not in coa_format.ALL_TAGS:
+    if not isinstance(s, dict) or s.get("tag") not in tags:
       raise ValueError("unknown_tag")
     steps.append(Step(s["tag"], str(s.get("content", ""))))
   trajectory = Trajectory(str(record.get("system", "")), str(record["question"]),
@@ -71,9 +73,9 @@ def _from_steps_record(record: dict[str, Any]) -> tuple[Trajectory, list]:
   return trajectory, coa_format.validate(steps)
 
 
-def _from_text(system: str, question: str, response: str,
-               metadata: dict[str, Any]) -> tuple[Trajectory, list]:
-  steps, errors = coa_format.parse_and_validate(response)
+def _from_text(system: str, question: str, response: str, metadata: dict[str, Any],
+               tool_tags: tuple[str, ...]) -> tuple[Trajectory, list]:
+  steps, errors = coa_format.parse_and_validate(response, True, tool_tags)
   return Trajectory(system, question, tuple(steps), metadata), errors
 
 
@@ -81,7 +83,8 @@ _ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant":
                "system": "system", "observation": "observation", "function_call": "tool"}
 
 
-def _from_turns(record: dict[str, Any], turns: list[dict[str, Any]]) -> tuple[Trajectory, list]:
+def _from_turns(record: dict[str, Any], turns: list[dict[str, Any]],
+                tool_tags: tuple[str, ...]) -> tuple[Trajectory, list]:
   system = str(record.get("system", ""))
   users, assistants = [], []
   for turn in turns:
@@ -97,26 +100,28 @@ def _from_turns(record: dict[str, Any], turns: list[dict[str, Any]]) -> tuple[Tr
       raise ValueError("unsupported_turn")
   if len(users) != 1 or len(assistants) != 1:
     raise ValueError("not_single_turn")
-  return _from_text(system, users[0], assistants[0], {})
+  return _from_text(system, users[0], assistants[0], {}, tool_tags)
 
 
-def trajectory_from_record(record: Any) -> tuple[Trajectory, list]:
-  """Returns (trajectory, format errors) of one record in any supported layout.
+def trajectory_from_record(record: Any, tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> tuple[Trajectory, list]:
+  """Returns (trajectory, format errors) of one record in any supported layout, its tool steps
+  those of the declared `tool_tags`.
 
   Raises ValueError whose message is a drop reason when the record is not of a known layout.
   """
   if not isinstance(record, dict):
     raise ValueError("not_an_object")
   if "steps" in record and "question" in record:
-    return _from_steps_record(record)
+    return _from_steps_record(record, tool_tags)
   if "output" in record and "instruction" in record:
     question = str(record["instruction"])
     if record.get("input"):
       question += "\n" + str(record["input"])
-    return _from_text(str(record.get("system", "")), question, str(record["output"]), {})
+    return _from_text(str(record.get("system", "")), question, str(record["output"]), {},
+                      tool_tags)
   for key in ("conversations", "messages"):
     if isinstance(record.get(key), list):
-      return _from_turns(record, record[key])
+      return _from_turns(record, record[key], tool_tags)
   raise ValueError("unknown_layout")
 
 
@@ -145,7 +150,8 @@ def read_records(path: str) -> Iterator[Any]:
           yield BAD_JSON
 
 
-def valid_trajectories(records: Iterable[Any], counter: DropCounter) -> Iterator[Trajectory]:
+def valid_trajectories(records: Iterable[Any], counter: DropCounter,
+                       tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> Iterator[Trajectory]:
   """Yields the trajectories of records that parse and validate; counts the others by reason
   (BAD_JSON stands for a line that did not parse)."""
   for record in records:
@@ -153,7 +159,7 @@ def valid_trajectories(records: Iterable[Any], counter: DropCounter) -> Iterator
       counter.drop("bad_json")
       continue
     try:
-      trajectory, errors = trajectory_from_record(record)
+      trajectory, errors = trajectory_from_record(record, tool_tags)
     except (ValueError, KeyError, TypeError) as e:
       counter.drop(str(e) if isinstance(e, ValueError) else "missing_field")
       continue
@@ -164,6 +170,8 @@ def valid_trajectories(records: Iterable[Any], counter: DropCounter) -> Iterator
     yield trajectory
 
 
-def read_trajectories(path: str, counter: DropCounter | None = None) -> Iterator[Trajectory]:
+def read_trajectories(path: str, counter: DropCounter | None = None,
+                      tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> Iterator[Trajectory]:
   """Yields the valid trajectories of a file; invalid ones are counted in `counter`."""
-  return valid_trajectories(read_records(path), counter if counter is not None else DropCounter())
+  return valid_trajectories(read_records(path), counter if counter is not None else DropCounter(),
+                            tool_tags)

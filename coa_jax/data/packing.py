@@ -21,7 +21,7 @@ import grain
 import grain.experimental
 import numpy as np
 
-from coa_jax.data import importers
+from coa_jax.data import coa_format, importers
 from coa_jax.data.coa_format import Trajectory
 from coa_jax.data.importers import DataError, DropCounter
 from coa_jax.data.tokenize import DroppedExample, tokenize_trajectory
@@ -42,29 +42,32 @@ class PipelineConfig:
   packing_bins: int = 0  # 0: as many as batch rows
 
 
-def load_source(spec: str, counter: DropCounter) -> list[Trajectory]:
-  """Returns the valid trajectories of a JSON/JSONL file, a parquet file, or `tfds:NAME[:SPLIT]`.
+def load_source(spec: str, counter: DropCounter,
+                tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> list[Trajectory]:
+  """Returns the valid trajectories of a JSON/JSONL file, a parquet file, or `tfds:NAME[:SPLIT]`,
+  their tool steps those of the declared `tool_tags`.
 
   Invalid records are counted in `counter`.
   """
   if spec.startswith("tfds:"):
-    return _from_tfds(spec, counter)
+    return _from_tfds(spec, counter, tool_tags)
   if spec.endswith(".parquet"):
-    return _from_parquet(spec, counter)
-  return list(importers.read_trajectories(spec, counter))
+    return _from_parquet(spec, counter, tool_tags)
+  return list(importers.read_trajectories(spec, counter, tool_tags))
 
 
-def _from_parquet(path: str, counter: DropCounter) -> list[Trajectory]:
+def _from_parquet(path: str, counter: DropCounter, tool_tags: tuple[str, ...]
+                  ) -> list[Trajectory]:
   try:
     import pyarrow.parquet as pq
   except ImportError:
     raise DataError("reading parquet needs pyarrow (pip install pyarrow)") from None
   if not os.path.isfile(path):
     raise DataError(f"data file {path!r} does not exist")
-  return list(importers.valid_trajectories(pq.read_table(path).to_pylist(), counter))
+  return list(importers.valid_trajectories(pq.read_table(path).to_pylist(), counter, tool_tags))
 
 
-def _from_tfds(spec: str, counter: DropCounter) -> list[Trajectory]:
+def _from_tfds(spec: str, counter: DropCounter, tool_tags: tuple[str, ...]) -> list[Trajectory]:
   try:
     import tensorflow_datasets as tfds
   except ImportError:
@@ -76,7 +79,7 @@ def _from_tfds(spec: str, counter: DropCounter) -> list[Trajectory]:
     return {k: v.decode() if isinstance(v, bytes) else v for k, v in dict(record).items()}
 
   return list(importers.valid_trajectories((decode(source[i]) for i in range(len(source))),
-                                           counter))
+                                           counter, tool_tags))
 
 
 def _shifted(example) -> dict[str, np.ndarray]:

@@ -10,6 +10,8 @@ failure scores 0.0 with an "error" in details):
   must all be given.
 - `code_reward`: the last ```python block run on stdin/stdout tests in the code sandbox.
 - `judge_reward`: a verdict from an LLM judge behind an OpenAI-compatible endpoint.
+- a `python` domain: a user's function by import path that sees the whole trajectory
+  (`Trajectory`: answer, every tool call with its result, token counts, the task's data).
 
 `build_rewarder(spec)` maps each task's domain to one of them and turns the result into a
 `Reward`: the `correct` / `incorrect` values (DAPO: +1 / -1), minus a format penalty when the
@@ -28,14 +30,14 @@ import re
 import string
 import threading
 from fractions import Fraction
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from coa_jax.data import coa_format
-from tools_env.base import ToolFailure
+from tools_env.base import ToolFailure, import_object
 from tools_env.remote import ChatClient, HttpLimits
 from tools_env.sandbox import CodeSandbox, SandboxLimits, extract_program, weakest
 
-KINDS = ("math", "qa", "code", "judge")
+KINDS = ("math", "qa", "code", "judge", "python")
 QA_METRICS = ("em", "f1")
 
 Scorer = Callable[[str, Mapping[str, Any]], tuple[float, dict[str, Any]]]
@@ -48,10 +50,14 @@ def _error(exc: BaseException) -> str:
 # --- answers and ground truths -------------------------------------------------------------
 
 
-def final_answer(response_text: str) -> str | None:
+def final_answer(response_text: str, tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS
+                 ) -> str | None:
   """Returns the stripped content of the response's last `answer` step, or None if there is
   none, it is empty, or it is still open (cut off before `</answer>`)."""
-  steps, _ = coa_format.parse(response_text)
+  return _answer_of(coa_format.parse(response_text, tool_tags)[0])
+
+
+def _answer_of(steps: list[coa_format.Step]) -> str | None:
   answers = [step for step in steps if step.tag == "answer"]
   if not answers or not answers[-1].closed:
     return None
@@ -428,10 +434,11 @@ def judge_reward(question: str, answer: str, ground_truth: Any,
 # --- format --------------------------------------------------------------------------------
 
 
-def format_penalty(response_text: str, penalty: float) -> tuple[float, dict[str, Any]]:
+def format_penalty(response_text: str, penalty: float,
+                   tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> tuple[float, dict[str, Any]]:
   """Returns (`penalty` if the response breaks the CoA format, else 0.0; details with the
   error count and kinds)."""
-  _, errors = coa_format.parse_and_validate(response_text, complete=True)
+  _, errors = coa_format.parse_and_validate(response_text, True, tool_tags)
   kinds = sorted({error.kind for error in errors})
   return (penalty if errors else 0.0), {"format_errors": len(errors), "format_kinds": kinds}
 
@@ -449,13 +456,50 @@ class Reward:
 
 
 @dataclasses.dataclass(frozen=True)
+class ToolCall:
+  """One tool call of a response: its tag, its body and the observation that answered it (None
+  when none came: the response ended first)."""
+
+  tag: str
+  body: str
+  result: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+  """What a `python` reward function sees: one whole response to a task.
+
+  `task` is the task's data (`question`, the ground truth under `answer` / `ground_truth`, any
+  other field of its row); `answer` the final answer (None without a closed, non-empty
+  `answer` step); token counts are None where the caller has none (a teacher's trace)."""
+
+  text: str
+  steps: tuple[coa_format.Step, ...]
+  answer: str | None
+  tool_calls: tuple[ToolCall, ...]
+  task: Mapping[str, Any]
+  response_tokens: int | None = None  # sampled and observation tokens after the prompt
+  sampled_tokens: int | None = None  # the model's own
+
+
+def tool_calls_of(steps: list[coa_format.Step]) -> tuple[ToolCall, ...]:
+  """Returns the tool calls of parsed steps, each with the observation right after it."""
+  return tuple(ToolCall(step.tag, step.content,
+                        after.content if (after := steps[i + 1] if i + 1 < len(steps) else None)
+                        and after.tag == coa_format.OBSERVATION else None)
+               for i, step in enumerate(steps) if step.is_tool)
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardSpec:
   """Which scorer judges each domain, and how a verdict becomes a score.
 
   `domains`: {name: {"kind": one of KINDS, **options}}; options: qa `metric` ("em" or "f1");
   math `use_math_verify`; code `limits` (SandboxLimits fields), `isolation`, `workers`; judge
-  `base_url`, `model`, `api_key_env`, `max_tokens`, `http` (HttpLimits fields). `sources`
-  maps a task's `data_source` (e.g. "hotpotqa") to a domain.
+  `base_url`, `model`, `api_key_env`, `max_tokens`, `http` (HttpLimits fields); python
+  `function` (an import path: `function(response: Response, **options)` returns a score in
+  [0, 1], or (score, details)) and `options`. `sources` maps a task's `data_source` (e.g.
+  "hotpotqa") to a domain.
   """
 
   domains: Mapping[str, Mapping[str, Any]]
@@ -522,7 +566,8 @@ def _options(name: str, config: Mapping[str, Any], allowed: tuple[str, ...]) -> 
 
 
 def _build_scorer(name: str, config: Mapping[str, Any], spec: RewardSpec) -> Scorer:
-  """Returns the (answer, task_data) -> (score, details) function of one domain."""
+  """Returns the (answer, task_data) -> (score, details) function of one domain (a `python`
+  domain's: a PythonScorer, called with the whole Response)."""
   kind = config["kind"]
   if kind == "math":
     use_mv = _options(name, config, ("use_math_verify",)).get("use_math_verify", True)
@@ -533,6 +578,14 @@ def _build_scorer(name: str, config: Mapping[str, Any], spec: RewardSpec) -> Sco
       raise ValueError(f"rewards.domains.{name}.metric must be one of {QA_METRICS}, "
                        f"got {metric!r}")
     return lambda answer, task: qa_reward(answer, ground_truth_of(task), metric)
+  if kind == "python":
+    options = _options(name, config, ("function", "options"))
+    if "function" not in options:
+      raise ValueError(f"rewards.domains.{name} (python): `function` (an import path) is missing")
+    function = import_object(str(options["function"]), f"rewards.domains.{name}.function")
+    if not callable(function):
+      raise ValueError(f"rewards.domains.{name}.function: {options['function']!r} is not callable")
+    return PythonScorer(function, dict(options.get("options") or {}))
   try:
     if kind == "code":
       options = _options(name, config, ("limits", "isolation", "workers"))
@@ -557,11 +610,29 @@ class CodeScorer:
     return code_reward(answer, task.get("tests"), self.sandbox)
 
 
-class Rewarder:
-  """Scores a response against its task with the scorer of the task's domain."""
+class PythonScorer:
+  """A `python` domain's scorer: the user's function on the whole Response; a result that is
+  not a number in [0, 1] (or such a number and a dict) is an error."""
 
-  def __init__(self, spec: RewardSpec):
-    self.spec = spec
+  def __init__(self, function: Callable[..., Any], options: Mapping[str, Any]):
+    self.function, self.options = function, options
+
+  def __call__(self, response: Response) -> tuple[float, dict[str, Any]]:
+    result = self.function(response, **self.options)
+    value, details = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1
+        or not isinstance(details, dict)):
+      raise ValueError(f"a python reward must return a score in [0, 1] or (score, dict), got "
+                       f"{result!r:.200}")
+    return float(value), details
+
+
+class Rewarder:
+  """Scores a response against its task with the scorer of the task's domain. `tool_tags`: the
+  declared tools' tags (the response is parsed with them)."""
+
+  def __init__(self, spec: RewardSpec, tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS):
+    self.spec, self.tool_tags = spec, tuple(tool_tags)
     self.scorers = {name: _build_scorer(name, config, spec)
                     for name, config in spec.domains.items()}
 
@@ -581,24 +652,52 @@ class Rewarder:
       return name
     return self.spec.sources.get(name, self.spec.default_domain)
 
-  def __call__(self, response_text: str, task_data: Mapping[str, Any]) -> Reward:
-    """Returns the reward of a response; never raises."""
+  def __call__(self, response_text: str, task_data: Mapping[str, Any],
+               response_tokens: int | None = None, sampled_tokens: int | None = None) -> Reward:
+    """Returns the reward of a response; never raises. Token counts go to `python` domains."""
     spec = self.spec
-    penalty, details = format_penalty(response_text, spec.format_penalty)
+    penalty, details = format_penalty(response_text, spec.format_penalty, self.tool_tags)
     domain = self.domain_of(task_data)
-    answer = final_answer(response_text)
+    scorer = self.scorers[domain]
+    steps, _ = coa_format.parse(response_text, self.tool_tags)
+    answer = _answer_of(steps)
     details.update(domain=domain, answer=answer)
-    if answer is None:
-      value, found = 0.0, {"error": "no final answer (no closed, non-empty <answer> step)"}
-    else:
-      try:
-        value, found = self.scorers[domain](answer, task_data)
-      except Exception as e:  # noqa: BLE001 - a reward never raises
-        value, found = 0.0, {"error": _error(e)}
+    try:
+      if isinstance(scorer, PythonScorer):
+        value, found = scorer(Response(response_text, tuple(steps), answer, tool_calls_of(steps),
+                                       task_data, response_tokens, sampled_tokens))
+      elif answer is None:
+        value, found = 0.0, {"error": "no final answer (no closed, non-empty <answer> step)"}
+      else:
+        value, found = scorer(answer, task_data)
+    except Exception as e:  # noqa: BLE001 - a reward never raises
+      value, found = 0.0, {"error": _error(e)}
     score = spec.incorrect + value * (spec.correct - spec.incorrect) - penalty
     return Reward(score, value >= 1.0, {**details, **found})
 
+  def check(self, tasks: Sequence[Any]) -> None:  # Tasks (coa_jax.data.tasks)
+    """Raises ValueError before the first step when a task names a domain that is not one, or
+    a `python` domain's function raises or returns a bad score on the first task of its domain
+    (scored as an empty response)."""
+    checked = set()
+    for task in tasks:
+      named = task.data.get("domain")
+      if named is not None and named not in self.spec.domains and named not in self.spec.sources:
+        raise ValueError(f"task {task.id}: domain {named!r} is not a rewards domain; domains: "
+                         f"{sorted(self.spec.domains)}")
+      domain = self.domain_of(task.data)
+      scorer = self.scorers[domain]
+      if isinstance(scorer, PythonScorer) and domain not in checked:
+        checked.add(domain)
+        try:
+          scorer(Response("", (), None, (), task.data, 0, 0))
+        except Exception as e:  # noqa: BLE001 - reported as a config error
+          raise ValueError(f"rewards.domains.{domain}: the reward function fails on task "
+                           f"{task.id} (an empty response): {_error(e)}") from None
 
-def build_rewarder(spec: Mapping[str, Any] | RewardSpec) -> Rewarder:
-  """Returns the rewarder a config describes (see `RewardSpec`); raises ValueError."""
-  return Rewarder(spec if isinstance(spec, RewardSpec) else RewardSpec.from_dict(spec))
+
+def build_rewarder(spec: Mapping[str, Any] | RewardSpec,
+                   tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> Rewarder:
+  """Returns the rewarder a config describes (see `RewardSpec`), parsing responses with the
+  declared `tool_tags`; raises ValueError."""
+  return Rewarder(spec if isinstance(spec, RewardSpec) else RewardSpec.from_dict(spec), tool_tags)

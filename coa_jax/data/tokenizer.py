@@ -27,6 +27,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
 from coa_jax.data import coa_format, prompts, sample_data, world
+from coa_jax.model.config import ConfigError
+from tools_env import registry
 
 TAG_TOKENS = tuple(t for tag in coa_format.ALL_TAGS
                    for t in (coa_format.opening(tag), coa_format.closing(tag)))
@@ -41,17 +43,26 @@ class TokenizerError(ValueError):
 class CoATokenizer:
   """Encodes text (special-token parsing off) and names the ids of tags and template tokens.
 
+  `tool_tags`: the declared tools' tags (default: the four CoA tools), which the rollout stops
+  on and the parser reads; the four CoA tools' tags are special tokens whatever is declared, and
+  any other declared tag is added after them.
+
   template: "chatml" (Qwen2.5: `<|im_start|>system ... <|im_end|>` turns, the whole
   trajectory as one assistant message ended by `<|im_end|>`) or "plain" (system, question
   and response separated by blank lines, ended by `<|endoftext|>`).
   """
 
-  def __init__(self, backend: tokenizers.Tokenizer, template: str):
+  def __init__(self, backend: tokenizers.Tokenizer, template: str,
+               tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS):
     if template not in TEMPLATES:
       raise TokenizerError(f"template={template!r}: expected one of {TEMPLATES}")
-    missing = [t for t in TAG_TOKENS if backend.token_to_id(t) is None]
+    self.tool_tags = coa_format.check_tool_tags(tool_tags)
+    # The CoA tags always (their ids stay put whatever is declared), then declared tool tags.
+    tag_tokens = TAG_TOKENS + tuple(t for tag in self.tool_tags if tag not in coa_format.TOOL_TAGS
+                                    for t in (coa_format.opening(tag), coa_format.closing(tag)))
+    missing = [t for t in tag_tokens if backend.token_to_id(t) is None]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t in TAG_TOKENS])
+                                for t in tag_tokens])
     # The tags that the source tokenizer lacked: a base model has never trained their rows.
     self.added_ids = tuple(sorted(backend.token_to_id(t) for t in missing))
     self.backend = backend
@@ -60,7 +71,7 @@ class CoATokenizer:
     self._text.encode_special_tokens = True  # specials in text are plain text
     needed = ("<|im_start|>", "<|im_end|>") if template == "chatml" else ("<|endoftext|>",)
     self._ids = {}
-    for token in TAG_TOKENS + needed:
+    for token in tag_tokens + needed:
       token_id = backend.token_to_id(token)
       if token_id is None:
         raise TokenizerError(f"the tokenizer has no {token!r} token, needed by the "
@@ -103,9 +114,10 @@ class CoATokenizer:
             [start] + self.encode("assistant\n"))
 
 
-def from_hf_folder(folder: str, template: str = "chatml") -> CoATokenizer:
+def from_hf_folder(folder: str, template: str = "chatml",
+                   tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> CoATokenizer:
   """Returns the tokenizer of a local HF folder (tokenizer.json, or any format transformers
-  converts) with the CoA tags added."""
+  converts) with the CoA tags and `tool_tags`' added."""
   path = os.path.join(folder, "tokenizer.json")
   if os.path.isfile(path):
     backend = tokenizers.Tokenizer.from_file(path)
@@ -119,7 +131,7 @@ def from_hf_folder(folder: str, template: str = "chatml") -> CoATokenizer:
     backend = hf.backend_tokenizer
   else:
     raise TokenizerError(f"tokenizer folder {folder!r} does not exist")
-  return CoATokenizer(backend, template)
+  return CoATokenizer(backend, template, tool_tags)
 
 
 def _corpus() -> list[str]:
@@ -151,14 +163,32 @@ def _default_backend_json(vocab_size: int) -> str:
   return backend.to_str()
 
 
-def default_tokenizer(template: str = "plain", vocab_size: int = 1024) -> CoATokenizer:
-  """Returns the project's own byte-level BPE tokenizer (built offline, deterministically)."""
+def default_tokenizer(template: str = "plain", vocab_size: int = 1024,
+                      tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> CoATokenizer:
+  """Returns the project's own byte-level BPE tokenizer (built offline, deterministically): a
+  declared tag beyond the CoA tools' adds its two tokens past `vocab_size`."""
   return CoATokenizer(tokenizers.Tokenizer.from_str(_default_backend_json(vocab_size)),
-                      template)
+                      template, tool_tags)
 
 
 def load_tokenizer(config: Any) -> CoATokenizer:
-  """Returns the tokenizer named by config.tokenizer ('default' or a local HF folder)."""
+  """Returns the tokenizer named by config.tokenizer ('default' or a local HF folder), with
+  the tags of the tools `config.tools` declares (`tools_env.registry.declare`; default: the
+  four CoA tools)."""
+  tool_tags = declared_tags(config.get("tools"))
   if config.tokenizer.path == "default":
-    return default_tokenizer(config.tokenizer.template)
-  return from_hf_folder(config.tokenizer.path, config.tokenizer.template)
+    return default_tokenizer(config.tokenizer.template, tool_tags=tool_tags)
+  return from_hf_folder(config.tokenizer.path, config.tokenizer.template, tool_tags)
+
+
+def declared_tags(tools_spec: Any) -> tuple[str, ...]:
+  """Returns the tool tags a config's `tools` spec declares, in order (None: the four CoA
+  tools); raises ConfigError naming a tag that cannot be one or a tool that cannot be
+  declared."""
+  if tools_spec is None:
+    return coa_format.TOOL_TAGS
+  spec = tools_spec.to_dict() if hasattr(tools_spec, "to_dict") else dict(tools_spec)
+  try:
+    return coa_format.check_tool_tags(tool.tag for tool in registry.declare(spec))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None

@@ -10,8 +10,9 @@ observation). The filter stages run in order, each on what the previous kept, wi
    from (a failed tool call or a rejected double check), and no skipped verification (the
    answer follows a double check).
 
-`run(config)` is the job behind `experiments/distill.py`: build the embedded world, run the
-scripted teacher on its training tasks, filter, and write the trajectory JSONL SFT reads.
+`run(config)` is the job behind `experiments/distill.py`: build the embedded world (or the
+config's `environment`: a user's tasks and tools), run the teacher (the scripted one, or the
+config's `teacher.hook`) on its training tasks, filter, and write the trajectory JSONL SFT reads.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from coa_jax.data import coa_format, rewards
 from coa_jax.data.coa_format import OBSERVATION, Step, Trajectory
+from coa_jax.data.importers import read_records
+from coa_jax.data.tokenizer import declared_tags
 from coa_jax.data.world import World, WorldConfig, load_tools_spec
-from coa_jax.distill.teacher import ScriptedTeacher, TeacherConfig, Trace
+from coa_jax.distill.teacher import TeacherConfig, Trace, build_teacher
 from coa_jax.runtime.cache import write_json, write_jsonl
 from coa_jax.runtime.distributed import say
 from coa_jax.runtime.paths import local
 from tools_env import registry as tools_registry
+from tools_env.base import import_object
 
 STAGES = ("correct", "format", "complexity", "quality")
 DEFAULT_REWARDS = {"domains": {"math": {"kind": "math"}, "qa": {"kind": "qa"}},
@@ -90,7 +94,7 @@ class Distiller:
   """The four filter stages over trajectories; `filter` returns what survives and a report."""
 
   def __init__(self, filters: FilterConfig = FilterConfig(),
-               rewarder: Callable[[str, dict], rewards.Reward] | None = None):
+               rewarder: rewards.Rewarder | None = None):
     self.filters = filters
     self.rewarder = rewarder or rewards.build_rewarder(DEFAULT_REWARDS)
 
@@ -101,7 +105,7 @@ class Distiller:
       reward = self.rewarder(text, trajectory.metadata)
       return None if reward.correct else "wrong_answer"
     if stage == "format":
-      _, errors = coa_format.parse_and_validate(text)
+      _, errors = coa_format.parse_and_validate(text, True, self.rewarder.tool_tags)
       return errors[0].kind if errors else None
     if stage == "complexity":
       calls = sum(s.is_tool for s in trajectory.steps)
@@ -150,7 +154,7 @@ def format_report(report: dict) -> str:
   return "\n".join(lines)
 
 
-def solve(teacher: ScriptedTeacher, tasks: Sequence[dict[str, Any]],
+def solve(teacher: Any, tasks: Sequence[dict[str, Any]],
           workers: int) -> tuple[list[Trace], int]:
   """Returns the teacher's traces of `tasks` (in task order) and the number it failed on."""
   traces, failures, start = [], 0, time.perf_counter()
@@ -168,28 +172,53 @@ def solve(teacher: ScriptedTeacher, tasks: Sequence[dict[str, Any]],
   return traces, failures
 
 
+def environment(config: Any) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]]]:
+  """Writes the tasks and the tool spec of the config's `environment` (`build`: the import path
+  of build(directory, **options) -> {"train", "heldout", "tools": paths}, the task files JSONL
+  of {"id", "question", "metadata": {"answer", ...}}), else of the embedded world, under
+  output_dir/world; returns (the paths, the task records by split)."""
+  directory = os.path.join(config.output_dir, "world")
+  if not config.get("environment"):
+    world = World(WorldConfig(**config.world))
+    paths = world.write(directory)
+    say(f"world: {len(world.by_name)} entities, {len(world.tasks['train'])} train / "
+        f"{len(world.tasks['heldout'])} held-out tasks -> {directory}")
+    return paths, world.tasks
+  build = import_object(config.environment.build, "environment.build")
+  paths = build(directory, **dict(config.environment.get("options") or {}))
+  missing = {"train", "heldout", "tools"} - set(paths)
+  if missing:
+    raise ValueError(f"environment.build {config.environment.build!r} returned no "
+                     f"{sorted(missing)} path(s)")
+  tasks = {split: list(read_records(paths[split])) for split in ("train", "heldout")}
+  say(f"environment {config.environment.build}: {len(tasks['train'])} train / "
+      f"{len(tasks['heldout'])} held-out tasks -> {directory}")
+  return paths, tasks
+
+
 def run(config: Any) -> dict[str, Any]:
-  """Builds the world, runs the teacher on its training tasks, filters, writes the data."""
-  world = World(WorldConfig(**config.world))
+  """Builds the world (or environment), runs the teacher on its training tasks, filters,
+  writes the data."""
   os.makedirs(local(config.output_dir, "output_dir"), exist_ok=True)
-  paths = world.write(os.path.join(config.output_dir, "world"))
-  say(f"world: {len(world.by_name)} entities, {len(world.tasks['train'])} train / "
-      f"{len(world.tasks['heldout'])} held-out tasks -> {os.path.dirname(paths['corpus'])}")
-  tools = tools_registry.build_registry(load_tools_spec(os.path.dirname(paths["tools"])))
+  paths, tasks = environment(config)
+  tools_spec = load_tools_spec(os.path.dirname(paths["tools"]))
+  rewarder = rewards.build_rewarder(config.get("rewards") or DEFAULT_REWARDS,
+                                    declared_tags(tools_spec))
   teacher_config = TeacherConfig(**config.teacher)
-  traces, failures = solve(ScriptedTeacher(tools, teacher_config), world.tasks["train"],
-                           config.workers)
+  with tools_registry.build_registry(tools_spec) as tools:
+    traces, failures = solve(build_teacher(tools, teacher_config), tasks["train"],
+                             config.workers)
+    # The error-free teacher on the held-out tasks: the copy probe's data (coa_jax.copy_probe).
+    clean = dataclasses.replace(teacher_config, vague_query_rate=0.0, misread_rate=0.0,
+                                skip_verify_rate=0.0, mental_math_rate=0.0)
+    heldout, _ = solve(build_teacher(tools, clean), tasks["heldout"], config.workers)
   trajectories = [to_trajectory(trace, config.system_prompt) for trace in traces]
-  kept, report = Distiller(FilterConfig(**config.filters)).filter(trajectories)
+  kept, report = Distiller(FilterConfig(**config.filters), rewarder).filter(trajectories)
   say(format_report(report))
   out = {"traces": os.path.join(config.output_dir, "traces.jsonl"),
          "trajectories": os.path.join(config.output_dir, "trajectories.jsonl"),
          "heldout_trajectories": os.path.join(config.output_dir, "heldout_trajectories.jsonl"),
          "report": os.path.join(config.output_dir, "distill_report.json")}
-  # The error-free teacher on the held-out tasks: the copy probe's data (coa_jax.copy_probe).
-  clean = dataclasses.replace(teacher_config, vague_query_rate=0.0, misread_rate=0.0,
-                              skip_verify_rate=0.0, mental_math_rate=0.0)
-  heldout, _ = solve(ScriptedTeacher(tools, clean), world.tasks["heldout"], config.workers)
   # Each file atomically, the report last: a killed run leaves no half file, and no report.
   write_jsonl(out["heldout_trajectories"],
               (to_trajectory(trace, config.system_prompt).to_json() for trace in heldout))

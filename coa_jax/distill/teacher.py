@@ -26,12 +26,14 @@ import dataclasses
 import json
 import operator
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from coa_jax.data import coa_format
 from coa_jax.data import world as world_lib
-from tools_env.registry import ToolRegistry, TrajectoryTools
+from tools_env.base import import_object
+from tools_env.registry import ToolDecl, ToolRegistry, TrajectoryTools
 from tools_env.remote import ChatClient
 
 _RESULT_RE = re.compile(r"^\d+\. \[(.+?)\]\((\S+?)\)", re.MULTILINE)
@@ -54,6 +56,11 @@ class TeacherConfig:
   # The thinker quotes each fact read off a page. Off, the next step reads the page itself: a
   # tiny model copies a value right after the page more reliably than through a quote.
   quote_facts: bool = True
+  # A user's teacher policy for tasks of their own (`HookTeacher`): the import path of
+  # hook(task, run: TeacherRun, **hook_options), which acts through `run` (the rates above are
+  # its to use). Empty: the scripted teacher of the embedded world.
+  hook: str = ""
+  hook_options: Any = None
 
   def __post_init__(self):
     for name in ("vague_query_rate", "misread_rate", "skip_verify_rate", "mental_math_rate"):
@@ -188,30 +195,53 @@ class ScriptedTeacher:
 
   def run(self, task: dict[str, Any]) -> Trace:
     """Solves one task record ({"id", "question", "metadata"}) with real tool calls."""
-    question = task["question"]
-    index = int(re.sub(r"\D", "", str(task["id"])) or 0)
-    rng = np.random.default_rng([self.config.seed, index, len(question)])
-    run = _Run(self, Trace(str(task["id"]), question, task_data=dict(task.get("metadata", {}))),
-               TrajectoryTools(self.tools, goal=question), rng)
+    run = _Run(_task_run(self.config, self.tools, task))
     run.solve()
     return run.trace
 
 
-class _Run:
-  """The orchestrator of one task: the board, the message routing and the recorded trace."""
+class HookTeacher:
+  """A user's teacher policy (`TeacherConfig.hook`) for tasks of their own: `run(task)` calls
+  hook(task, run, **hook_options) on a fresh TeacherRun and returns its Trace; a hook that
+  gives no answer step fails the task (TeacherError)."""
 
-  def __init__(self, teacher: ScriptedTeacher, trace: Trace, tools: TrajectoryTools, rng):
-    self.config, self.trace, self.tools, self.rng = teacher.config, trace, tools, rng
+  def __init__(self, tools: ToolRegistry, config: TeacherConfig):
+    self.tools, self.config = tools, config
+    self.hook = import_object(config.hook, "teacher.hook")
+    if not callable(self.hook):
+      raise ValueError(f"teacher.hook: {config.hook!r} is not callable")
+
+  def run(self, task: dict[str, Any]) -> Trace:
+    run = _task_run(self.config, self.tools, task)
+    self.hook(task, run, **dict(self.config.hook_options or {}))
+    if run.trace.answer is None:
+      raise TeacherError(f"teacher.hook {self.config.hook!r} gave task {task['id']} no answer")
+    return run.trace
+
+
+def build_teacher(tools: ToolRegistry, config: TeacherConfig) -> ScriptedTeacher | HookTeacher:
+  """Returns the teacher a config names: its hook's, else the embedded world's scripted one."""
+  return HookTeacher(tools, config) if config.hook else ScriptedTeacher(tools, config)
+
+
+class TeacherRun:
+  """The orchestrator of one task: the board, the message routing and the recorded trace. A
+  teacher policy acts through it: `act` records an agent's turn and runs its tool call;
+  `chance(rate)` draws from the task's own generator `rng`; `config` holds the rates."""
+
+  def __init__(self, config: TeacherConfig, trace: Trace, tools: TrajectoryTools, rng):
+    self.config, self.trace, self.tools, self.rng = config, trace, tools, rng
     self.board: list[Message] = [Message("user", "planner", trace.question)]
-    self.pages: dict[str, str] = {}  # entity name -> its crawled page, reused within the task
 
-  def _chance(self, rate: float) -> bool:
+  def chance(self, rate: float) -> bool:
+    """Returns True with probability `rate`."""
     return bool(self.rng.random() < rate)
 
   def act(self, agent: str, step: str, content: str, tool_call: str | None = None,
           inputs: int = 2) -> Activation:
     """Records `agent`'s turn (its last `inputs` board messages in, `content` out) and runs
-    its tool call, if any; the result is posted back to the board."""
+    its tool call, if any, with the tool of the tag `step`; the result is posted back to the
+    board (and is the activation's `tool_result`). An `answer` step sets the trace's answer."""
     out = Message(agent, "orchestrator", content)
     activation = Activation(agent, step, list(self.board[-inputs:]), out, tool_call)
     if tool_call is not None:
@@ -220,7 +250,31 @@ class _Run:
       self.board.append(Message(step, agent, result.observation))
     self.board.append(out)
     self.trace.activations.append(activation)
+    if step == "answer":
+      self.trace.answer = content
     return activation
+
+
+def _task_run(config: TeacherConfig, tools: ToolRegistry, task: dict[str, Any]) -> TeacherRun:
+  """Returns the run of one task record ({"id", "question", "metadata"}), its generator seeded
+  by the teacher's seed and the task."""
+  question = task["question"]
+  index = int(re.sub(r"\D", "", str(task["id"])) or 0)
+  rng = np.random.default_rng([config.seed, index, len(question)])
+  return TeacherRun(config, Trace(str(task["id"]), question,
+                                  task_data=dict(task.get("metadata", {}))),
+                    TrajectoryTools(tools, goal=question), rng)
+
+
+class _Run(TeacherRun):
+  """The scripted teacher's run: the world policy over the orchestrator."""
+
+  def __init__(self, run: TeacherRun):
+    super().__init__(run.config, run.trace, run.tools, run.rng)
+    self.pages: dict[str, str] = {}  # entity name -> its crawled page, reused within the task
+
+  def _chance(self, rate: float) -> bool:
+    return self.chance(rate)
 
   # --- the policy --------------------------------------------------------------------------
 
@@ -344,7 +398,6 @@ class _Run:
         consistent, reason = True, f"The corrected value {answer} matches the page."
       self.act("verifier", "double_check", f"{reason} Score: 4")
     self.act("answerer", "answer", answer)
-    self.trace.answer = answer
 
   def _recover(self) -> str:
     """Returns the answer recomputed from the page text already on the board."""
@@ -385,12 +438,35 @@ CONTROLLER_PROMPT = (
     "evidence supports it; the answerer ends the task.")
 
 
+def chat_agents(declared: Sequence[ToolDecl] | None = None) -> dict[str, tuple[str, str]]:
+  """Returns the chat teacher's agents: the role agents, and one tool agent per declared tool
+  (None: the built-in search, crawl and code agents); a declared tool's agent is prompted
+  with its description and, an MCP tool's, its input schema."""
+  if declared is None:
+    return CHAT_AGENTS
+  agents = {agent: value for agent, value in CHAT_AGENTS.items()
+            if value[0] in coa_format.ROLE_TAGS}
+  builtin = {step: (agent, prompt) for agent, (step, prompt) in CHAT_AGENTS.items()
+             if step not in coa_format.ROLE_TAGS}
+  for tool in declared:
+    schema = (f", a JSON object of this schema: {json.dumps(tool.input_schema)}"
+              if tool.input_schema else "")
+    agent, prompt = builtin.get(tool.tag) or (
+        f"{tool.tag}_agent", f"You are the {tool.tag} agent: {tool.description}. Reply with "
+                             f"only the body of the call{schema}.")
+    agents[agent] = (tool.tag, prompt)
+  return agents
+
+
 class ChatTeacher:
   """The multi-agent system on a chat model: a controller routes the task between role agents
-  (each a role prompt over the shared transcript) until the answerer speaks."""
+  (each a role prompt over the shared transcript) until the answerer speaks. `declared`: the
+  config's tools (`tools_env.registry.declare`), each a tool agent (`chat_agents`)."""
 
-  def __init__(self, tools: ToolRegistry, client: ChatClient, max_activations: int = 24):
+  def __init__(self, tools: ToolRegistry, client: ChatClient, max_activations: int = 24,
+               declared: Sequence[ToolDecl] | None = None):
     self.tools, self.client, self.max_activations = tools, client, max_activations
+    self.agents = chat_agents(declared)
 
   def _ask(self, system: str, transcript: str) -> str:
     return self.client.complete([{"role": "system", "content": system},
@@ -403,14 +479,14 @@ class ChatTeacher:
       return "verifier", "Check the proposed answer."
     if previous == "verifier":
       return "answerer", "Give the final answer."
-    reply = self._ask(CONTROLLER_PROMPT.format(agents=", ".join(CHAT_AGENTS)), transcript)
+    reply = self._ask(CONTROLLER_PROMPT.format(agents=", ".join(self.agents)), transcript)
     found = re.search(r"\{.*\}", reply, re.DOTALL)
     try:
       decision = json.loads(found.group(0)) if found else {}
     except json.JSONDecodeError:
       decision = {}
     agent = decision.get("agent") if isinstance(decision, dict) else None
-    if agent not in CHAT_AGENTS or agent == "verifier":
+    if agent not in self.agents or agent == "verifier":
       return "reflector", f"The controller's reply could not be used: {reply[:200]!r}."
     return agent, str(decision.get("instruction", ""))
 
@@ -422,13 +498,13 @@ class ChatTeacher:
     board = [Message("user", "planner", task["question"])]
     agent, instruction = "planner", "Plan how to answer the question."
     for _ in range(self.max_activations):
-      step, role = CHAT_AGENTS[agent]
+      step, role = self.agents[agent]
       transcript = "\n\n".join(f"[{m.sender}] {m.content}" for m in board)
       inputs = [Message("orchestrator", agent, instruction)]
       content = self._ask(role, f"{transcript}\n\n[orchestrator] {instruction}")
       activation = Activation(agent, step, list(board[-2:]) + inputs,
                               Message(agent, "orchestrator", content))
-      if step in ("web_search", "crawl_page", "code"):
+      if step not in coa_format.ROLE_TAGS:  # a tool agent
         activation.tool_call = content
         result = tools.call(step, content)
         activation.tool_result, activation.tool_ok = result.observation, result.ok

@@ -18,7 +18,7 @@ import jax
 
 from coa_jax.data import World, WorldConfig, coa_format, rewards
 from coa_jax.data.tasks import Task, load_tasks
-from coa_jax.data.tokenizer import load_tokenizer
+from coa_jax.data.tokenizer import declared_tags, load_tokenizer
 from coa_jax.evaluation.scaling import curves, pass_at_k
 from coa_jax.model import ConfigError
 from coa_jax.rollout.tool_loop import check_prompt_lengths
@@ -118,9 +118,10 @@ def format_table(rows: dict[str, dict[str, Any]], k: int) -> str:
 
 
 def sample_from_response(text: str, tokens: int, tool_calls: dict[str, int],
-                         finish_reason: str, reward: rewards.Reward) -> Sample:
+                         finish_reason: str, reward: rewards.Reward,
+                         tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> Sample:
   """Returns the outcome of one response text scored by `reward`."""
-  _, errors = coa_format.parse_and_validate(text)
+  _, errors = coa_format.parse_and_validate(text, True, tool_tags)
   return Sample(reward.correct, reward.details.get("answer"), tokens, dict(tool_calls),
                 len(errors), finish_reason, text)
 
@@ -135,9 +136,10 @@ def evaluate_rollouts(engine: Any, tokenizer: Any, tasks: Sequence[Task],
   for group in engine.run(tasks):
     for record in group:
       text = record.response_text(tokenizer)
-      reward = rewarder(text, record.task_data)
+      reward = rewarder(text, record.task_data, record.response_len, sum(record.loss_mask))
       outcomes.setdefault(record.task_id, []).append(sample_from_response(
-          text, record.response_len, record.tool_calls, record.finish_reason, reward))
+          text, record.response_len, record.tool_calls, record.finish_reason, reward,
+          rewarder.tool_tags))
   return outcomes
 
 
@@ -162,7 +164,8 @@ def evaluate_teacher(teachers: Sequence[Any], tasks: Sequence[Task], system_prom
                               a.tool_result or "" for a in trace.activations)
       calls = collections.Counter(a.step for a in trace.activations if a.tool_call is not None)
       outcomes.setdefault(task.id, []).append(sample_from_response(
-          text, len(tokenizer.encode(traffic)), calls, "answer", rewarder(text, task.data)))
+          text, len(tokenizer.encode(traffic)), calls, "answer", rewarder(text, task.data),
+          rewarder.tool_tags))
   return outcomes
 
 
@@ -174,7 +177,7 @@ def _copy_probe(engine: Any, tokenizer: Any, path: str, max_len: int,
   from coa_jax.data.importers import DropCounter
   from coa_jax.evaluation import copy_probe
 
-  trajectories = packing.load_source(path, DropCounter())
+  trajectories = packing.load_source(path, DropCounter(), tokenizer.tool_tags)
   examples = copy_probe.copy_examples(trajectories, tokenizer, max_len)
   return copy_probe.copy_accuracy(engine.sampler.model, engine.params, examples,
                                   temperature=temperature)
@@ -185,25 +188,29 @@ def run(config: Any) -> dict[str, Any]:
   with k samples per task; prints the table and writes metrics.json (with `sandbox_isolation`
   and `reward_sandbox_isolation`, the weakest isolation the code tool and the code reward ran
   under) and samples.jsonl."""
-  from coa_jax.distill.teacher import ScriptedTeacher, TeacherConfig
+  from coa_jax.distill.teacher import TeacherConfig, build_teacher
   from coa_jax.rollout import job as rollout_job
   from coa_jax.runtime.distributed import say
   from tools_env import registry as tools_registry
   from tools_env import sandbox
 
   paths.local(config.output_dir, "output_dir")
-  tasks, rewarder = distributed.agreed(lambda: (
-      load_tasks(config.tasks, config.max_tasks),
-      rewards.build_rewarder(config.rewards.to_dict())), "loading the tasks and the rewards")
+  def tasks_and_rewarder() -> tuple[list[Task], rewards.Rewarder]:
+    tasks = load_tasks(config.tasks, config.max_tasks)
+    rewarder = rewards.build_rewarder(config.rewards.to_dict(), declared_tags(config.get("tools")))
+    rewarder.check(tasks)
+    return tasks, rewarder
+
+  tasks, rewarder = distributed.agreed(tasks_and_rewarder, "loading the tasks and the rewards")
   k = config.k
   say(f"evaluating {config.system} on {len(tasks)} tasks x {k} samples from {config.tasks}")
   if config.system == "teacher":  # host-side work only, the same on every host: agreed
     def teacher() -> tuple[dict, str]:
-      tools = tools_registry.build_registry(config.tools.to_dict())
-      teachers = [ScriptedTeacher(tools, TeacherConfig(**{**config.teacher, "seed": seed}))
-                  for seed in range(k)]
-      return (evaluate_teacher(teachers, tasks, config.system_prompt, rewarder,
-                               load_tokenizer(config)), sandbox.isolation_of(tools.tools))
+      with tools_registry.build_registry(config.tools.to_dict()) as tools:
+        teachers = [build_teacher(tools, TeacherConfig(**{**config.teacher, "seed": seed}))
+                    for seed in range(k)]
+        return (evaluate_teacher(teachers, tasks, config.system_prompt, rewarder,
+                                 load_tokenizer(config)), sandbox.isolation_of(tools.tools))
 
     outcomes, isolation = distributed.agreed(teacher, "the teacher's evaluation")
   elif config.system == "model":

@@ -180,10 +180,12 @@ class Trainer:
     truth (metadata fields lifted up, as the evaluation reads them) and prompts that fit."""
     tasks = load_tasks(config.tasks, config.max_tasks)
     eval_tasks = load_tasks(config.eval_tasks, config.eval_max_tasks) if config.eval_tasks else []
+    rewarder = build_rewarder(config.rewards.to_dict(), self.tokenizer.tool_tags)
     for some in (tasks, eval_tasks):
       check_prompt_lengths(self.tokenizer, config.system_prompt, some,
                            self.rollout_config.max_prompt_tokens)
-    return tasks, eval_tasks, build_rewarder(config.rewards.to_dict())
+      rewarder.check(some)
+    return tasks, eval_tasks, rewarder
 
   def _meshes(self) -> tuple[Mesh, Mesh]:
     """Returns the mesh the updates run on and this host's decode mesh: here the same
@@ -227,7 +229,9 @@ class Trainer:
     """Returns the group with its rewards (overlong shaping included) and correctness."""
     texts = [record.response_text(self.tokenizer) for record in group]
     data = group[0].task_data
-    rewards = list(self.reward_pool.map(lambda text: self.rewarder(text, data), texts))
+    rewards = list(self.reward_pool.map(
+        lambda text, record: self.rewarder(text, data, record.response_len, sum(record.loss_mask)),
+        texts, group))
     scores = [r.score + self._overlong(record.response_len) for r, record in zip(rewards, group)]
     return ScoredGroup(group[0].task_id, group, scores, [r.correct for r in rewards])
 
@@ -440,6 +444,7 @@ class Trainer:
 
   def close(self) -> None:
     self.reward_pool.shutdown(wait=False, cancel_futures=True)
+    self.engine.tools.close()  # MCP servers stop with the job
 
 
 def over_hosts(means: dict[str, list[float]],

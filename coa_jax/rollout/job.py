@@ -140,7 +140,7 @@ def interactive(config: Any, stdin: TextIO = sys.stdin, stdout: TextIO = sys.std
   shown = [0]
 
   def show(record: RolloutRecord) -> None:
-    steps, _ = coa_format.parse(record.response_text(tokenizer))
+    steps, _ = coa_format.parse(record.response_text(tokenizer), tokenizer.tool_tags)
     closed = [step for step in steps if step.closed]
     for step in closed[shown[0]:]:
       stdout.write(coa_format.render_step(step) + "\n")

@@ -55,8 +55,9 @@ FINISH_REASONS = (ANSWER, EOS, MAX_TURNS, LENGTH, ERROR)
 
 
 def stop_ids(tokenizer: CoATokenizer) -> list[int]:
-  """Returns the token ids that freeze a row: closing tool tags, `</answer>`, the end token."""
-  return ([tokenizer.tag_id(tag, close=True) for tag in coa_format.TOOL_TAGS] +
+  """Returns the token ids that freeze a row: the declared tools' closing tags, `</answer>`, the
+  end token."""
+  return ([tokenizer.tag_id(tag, close=True) for tag in tokenizer.tool_tags] +
           [tokenizer.tag_id("answer", close=True), tokenizer.end_id])
 
 
@@ -186,7 +187,7 @@ class Rollout:
     self.in_flight = 0  # rows holding a sample (decoding, waiting for a tool or done)
     self.chunks = self.tokens_sampled = 0
     self.decode_s = self.tool_wait_s = 0.0
-    self._tool_stop = {tokenizer.tag_id(tag, close=True): tag for tag in coa_format.TOOL_TAGS}
+    self._tool_stop = {tokenizer.tag_id(tag, close=True): tag for tag in tokenizer.tool_tags}
     self._answer_id, self._end_id = tokenizer.tag_id("answer", close=True), tokenizer.end_id
 
   # --- the loop --------------------------------------------------------------------------
@@ -317,7 +318,8 @@ class Rollout:
       return self._finish(row, MAX_TURNS)
     record.turns += 1
     record.tool_calls[tag] = record.tool_calls.get(tag, 0) + 1
-    steps, _ = coa_format.parse(self.tokenizer.decode(record.ids[row.call_start:]))
+    steps, _ = coa_format.parse(self.tokenizer.decode(record.ids[row.call_start:]),
+                               self.tokenizer.tool_tags)
     call = steps[-1] if steps else None
     if call is None or call.tag != tag or not call.closed or not call.content.strip():
       row.future = concurrent.futures.Future()

@@ -28,7 +28,7 @@ def _data(config: Any) -> tuple[Any, list, DropCounter]:
   bound."""
   tokenizer = load_tokenizer(config)
   counter = DropCounter()
-  trajectories = packing.load_source(config.data.path, counter)
+  trajectories = packing.load_source(config.data.path, counter, tokenizer.tool_tags)
   say(f"data {config.data.path}: {counter.summary()}")
   counter.check(config.data.max_drop_fraction)
   return tokenizer, trajectories, counter
