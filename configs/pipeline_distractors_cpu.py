@@ -18,7 +18,7 @@ from configs import pipeline_tiny_cpu
 
 # The main job's config -> this one (also the cells of the scaling-distractors experiment).
 OVERRIDES = {"output_dir": "runs/pipeline_distractors", "world.distractors": 0.5}
-stage_configs = pipeline_tiny_cpu.stage_configs
+stage_configs, quick = pipeline_tiny_cpu.stage_configs, pipeline_tiny_cpu.quick
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -130,6 +130,11 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
       world=config.world, teacher=config.teacher, filters=config.filters,
       system_prompt=config.system_prompt, workers=config.workers,
       output_dir=os.path.join(out, "distill")))
+  # A user's environment (tasks and tools, `distill.environment`) and rewards, when declared:
+  # configs/pipeline_sql_cpu.py.
+  for name in ("environment", "rewards"):
+    if name in config:
+      distill_config[name] = config[name]
 
   sft_config = sft_tiny_cpu.get_config()
   sft_config.seed = seed
@@ -152,6 +157,7 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
   tools = ml_collections.ConfigDict()  # the world's tools, once distillation has written them
   if os.path.exists(os.path.join(world_dir, "tools.json")):
     tools = ml_collections.ConfigDict(load_tools_spec(world_dir))
+    sft_config.tools = tools  # their tags are the tokenizer's
 
   def evaluation(system: str, checkpoint: str, name: str) -> ml_collections.ConfigDict:
     cfg = evaluate_tiny.get_config()
@@ -167,6 +173,8 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
     cfg.sampling, cfg.system_prompt = config.sampling, config.system_prompt
     cfg.tools = tools
     cfg.teacher = config.teacher
+    if "rewards" in config:
+      cfg.rewards = config.rewards
     # The scripted teacher's samples do not depend on the seed: it is evaluated once.
     cfg.output_dir = os.path.join(out if system == "teacher" else run_dir, name)
     return cfg
@@ -183,6 +191,8 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
   dapo_config.rollout = ml_collections.ConfigDict(dict(config.rollout))
   dapo_config.rollout.group_size = config.dapo.group_size
   dapo_config.tools = tools
+  if "rewards" in config:
+    dapo_config.rewards = ml_collections.ConfigDict(config.rewards.to_dict())
   dapo_config.rewards.format_penalty = config.dapo.get("format_penalty", 0.0)
   dapo_config.rl = common.rl(**dict(config.dapo.rl))
   dapo_config.optimizer = common.optimizer(learning_rate=config.dapo.learning_rate,

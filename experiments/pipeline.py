@@ -3,9 +3,12 @@
   python experiments/pipeline.py [--config=configs/pipeline_tiny_cpu.py] [--quick] [--seeds=3]
 
 Writes every stage's outputs under config.output_dir and, at the end, results.json and
-results.png: the teacher system, the AFM after SFT and after DAPO on held-out tasks.
+results.png: the teacher system, the AFM after SFT and after DAPO on held-out tasks. The config
+file's module gives `quick` and `stage_configs` (configs/pipeline_sql_cpu.py: the recipe on a
+user's own tool).
 """
 
+import importlib.util
 import os
 import sys
 
@@ -27,20 +30,30 @@ _SEEDS = flags.DEFINE_integer("seeds", 1, "train and evaluate this many seeds (c
                               "and results.png report mean +- sd")
 
 
+def _recipe() -> object:
+  """Returns the config file's module (its `quick` and `stage_configs`)."""
+  path = config_flags.get_config_filename(flags.FLAGS["config"]).split(":")[0]
+  spec = importlib.util.spec_from_file_location("pipeline_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def main(argv):
   del argv
   distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
+  recipe = _recipe()
   if _QUICK.value:
-    config = pipeline_tiny_cpu.quick(config)
+    config = recipe.quick(config)
   # Both evaluations of a seed, and every seed, compile the same programs: a persistent cache
   # beside the outputs compiles each once (the loaded program is the compiled one, bit for bit);
   # or the one JAX_COMPILATION_CACHE_DIR names (the test suite's, shared by its runs).
   if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir", os.path.join(config.output_dir, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  pipeline.run(config, pipeline_tiny_cpu.stage_configs, seeds=_SEEDS.value)
+  pipeline.run(config, recipe.stage_configs, seeds=_SEEDS.value)
 
 
 if __name__ == "__main__":

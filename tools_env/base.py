@@ -30,6 +30,9 @@ SYNTAX_ERROR = "syntax_error"
 RUNTIME_ERROR = "runtime_error"  # the program exited non-zero or died of a signal
 MEMORY_LIMIT = "memory_limit"
 PROCESS_LIMIT = "process_limit"
+ERROR_KINDS = (BAD_REQUEST, NO_RESULTS, NOT_FOUND, TIMEOUT, TOO_LARGE, HTTP_ERROR, TOOL_ERROR,
+               UNKNOWN_TOOL, REPEATED, BAD_RESPONSE, SYNTAX_ERROR, RUNTIME_ERROR, MEMORY_LIMIT,
+               PROCESS_LIMIT)
 
 TRUNCATION_MARKER = "\n... [{omitted} characters omitted] ...\n"
 

@@ -12,7 +12,8 @@ A call never raises; its failures become error results:
 - a response that is JSON-RPC but not a valid MCP result: BAD_RESPONSE.
 - a line on the server's stdout that is not JSON-RPC at all: the SDK logs it (logger
   `mcp.client.stdio`) and drops it; the call gets its real answer (no error kind).
-- a tool result flagged isError: TOOL_ERROR with the tool's text.
+- a tool result flagged isError: the tool's text, its kind the tools_env kind that the
+  result's `_meta` names under "error_kind" (`ERROR_KIND_META`), else TOOL_ERROR.
 Configuration-time failures (`list_tools`: the server cannot start, exits, times out or
 answers garbage) raise McpError instead.
 
@@ -46,6 +47,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from tools_env.base import (
            BAD_REQUEST,
+           ERROR_KINDS,
            BAD_RESPONSE,
            TIMEOUT,
            TOOL_ERROR,
@@ -59,6 +61,7 @@ from tools_env.base import (
 # loop to report before giving up on it; and how long a server may take to shut down.
 _GRACE_S = 5.0
 _STOP_TIMEOUT_S = 10.0
+ERROR_KIND_META = "error_kind"  # a failed result's `_meta` key naming its tools_env kind
 
 
 class McpError(RuntimeError):
@@ -170,6 +173,13 @@ def result_text(result: mcp.types.CallToolResult) -> str:
   return "\n".join(_block_text(block) for block in result.content)
 
 
+def _error_kind(result: mcp.types.CallToolResult) -> str:
+  """Returns the error kind of a failed tool result: the `error_kind` its `_meta` names (a
+  tools_env kind, so a server can say what failed as a Python tool does), else TOOL_ERROR."""
+  kind = (result.meta or {}).get(ERROR_KIND_META)
+  return kind if isinstance(kind, str) and kind in ERROR_KINDS else TOOL_ERROR
+
+
 class McpServer:
   """A local MCP server: a stdio subprocess (`command`) or a streamable-HTTP `url`.
 
@@ -242,8 +252,8 @@ class McpServer:
                               time.perf_counter() - start)
     elapsed_s = time.perf_counter() - start
     if result.is_error:
-      return error_result(TOOL_ERROR, result_text(result) or f"{name} failed", elapsed_s,
-                          server=self.label)
+      return error_result(_error_kind(result), result_text(result) or f"{name} failed",
+                          elapsed_s, server=self.label)
     return ToolResult(result_text(result), True, None, elapsed_s, metadata={"server": self.label})
 
   def close(self) -> None:

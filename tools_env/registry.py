@@ -160,7 +160,7 @@ def declare(spec: Mapping[str, Mapping]) -> list[ToolDecl]:
     description = tool_spec.get("description")
     if kind == "python":
       cls = _python_class(name, tool_spec)
-      description = description or (cls.__doc__ or "").strip().split("\n")[0]
+      description = description or " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
     declared.append(ToolDecl(name, description or BUILTIN_DESCRIPTIONS[kind]))
   tags = [tool.tag for tool in declared]
   twice = sorted({tag for tag in tags if tags.count(tag) > 1})

@@ -29,5 +29,5 @@ def for_tools(tools_spec: Mapping[str, Mapping], preamble: str = "Solve the ques
   lines = [preamble]
   for tool in declare(tools_spec):
     schema = f" Arguments: {json.dumps(tool.input_schema)}" if tool.input_schema else ""
-    lines.append(f"{tool.tag}: {tool.description}.{schema}")
+    lines.append(f"{tool.tag}: {tool.description.rstrip('.')}.{schema}")
   return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""The worked example of a user's own tool (tools_env/examples/sqlite_shop.py): the tool's
+limits, its teacher and reward, the same runs through MCP and through the Python class, and the
+quick recipe on it (configs/pipeline_sql_cpu.py)."""
+
+import dataclasses
+import json
+import sys
+
+import pytest
+from test_rollout import SYSTEM, ScriptedSampler
+
+from coa_jax import pipeline
+from coa_jax.data import coa_format, rewards
+from coa_jax.data.tasks import Task, load_tasks
+from coa_jax.data.tokenize import step_ids
+from coa_jax.data.tokenizer import default_tokenizer
+from coa_jax.distill.job import to_trajectory
+from coa_jax.distill.teacher import TeacherConfig, build_teacher
+from coa_jax.rollout.tool_loop import Rollout, RolloutConfig, stop_ids
+from configs import common, pipeline_sql_cpu
+from tools_env import registry
+from tools_env.examples import sqlite_shop
+
+SHOP = "tools_env.examples.sqlite_shop"
+
+
+@pytest.fixture(scope="module")
+def shop(tmp_path_factory):
+  """A small shop: its paths and the two declarations of its tool (Python class, MCP server)."""
+  paths = sqlite_shop.build(str(tmp_path_factory.mktemp("shop")), customers=30, train_tasks=12,
+                            heldout_tasks=4)
+  python_spec = json.load(open(paths["tools"]))
+  database = python_spec["sql"]["options"]["database"]
+  mcp_spec = {"shop": {"kind": "mcp", "command": [
+      sys.executable, "-m", "tools_env.examples.sqlite_shop_mcp", database]}}
+  return paths, python_spec, mcp_spec
+
+
+def test_the_sql_tool_reads_only_within_its_limits(shop):
+  tool = sqlite_shop.Sql(shop[1]["sql"]["options"]["database"], max_rows=3, timeout_s=0.2)
+  assert tool("SELECT COUNT(*) FROM orders").observation.isdigit()
+  rows = tool("SELECT * FROM orders").observation.splitlines()
+  assert len(rows) == 4 and rows[-1] == "... (more than 3 rows)"
+  assert tool("SELEC 1").error_kind == "bad_request"
+  refused = tool("DELETE FROM orders")
+  assert refused.error_kind == "bad_request" and "readonly" in refused.observation
+  endless = tool("WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
+                 "SELECT COUNT(*) FROM n")
+  assert endless.error_kind == "timeout" and endless.elapsed_s < 5
+  with pytest.raises(ValueError, match="no database"):
+    sqlite_shop.Sql("/no/such.db")
+
+
+def test_the_teacher_queries_or_answers_from_memory_and_the_reward_reads_the_results(shop):
+  paths, python_spec, _ = shop
+  tasks = [json.loads(line) for line in open(paths["train"])]
+  rewarder = rewards.build_rewarder(pipeline_sql_cpu.get_config().rewards.to_dict(), ("sql",))
+  with registry.build_registry(python_spec) as tools:
+    for rate, queries in ((0.0, 1), (1.0, 0)):
+      teacher = build_teacher(tools, TeacherConfig(hook=f"{SHOP}:teach", mental_math_rate=rate))
+      for task in tasks:
+        trace = teacher.run(task)
+        steps = [a.step for a in trace.activations]
+        assert steps.count("sql") == queries and steps[-3:] == [
+            "suggested_answer", "double_check", "answer"]
+        assert trace.answer == task["metadata"]["ground_truth"]  # right either way
+        reward = rewarder(to_trajectory(trace, SYSTEM).response_text(), task["metadata"])
+        assert reward.correct and reward.details["queries"] == queries
+        assert reward.details["read_off_a_result"] == bool(queries)
+
+
+def _scripted_rollout(tools, tasks):
+  """Rolls out a scripted model on `tasks`: a bad query, then the right one, then its result."""
+  tokenizer = default_tokenizer("plain", tool_tags=("sql",))
+  scripts, expected = {}, {}
+  for task in tasks:
+    _, query = sqlite_shop._queries({"metadata": task.data})
+    bad = step_ids(tokenizer, coa_format.Step("sql", "SELEC 1"), True)
+    good = step_ids(tokenizer, coa_format.Step("sql", query), False)
+    answer = step_ids(tokenizer, coa_format.Step("answer", task.data["ground_truth"]), False)
+    scripts[task.question] = bad + good + answer
+  sampler = ScriptedSampler(scripts, 4, stop_ids=stop_ids(tokenizer))
+  engine = Rollout(sampler, None, tokenizer, tools,
+                   RolloutConfig(max_prompt_tokens=64, max_response_tokens=300), SYSTEM)
+  # The scripted sampler keys its scripts by question: the tasks' ids are their questions.
+  records = [record for group in engine.run([Task(t.question, t.question, t.data)
+                                             for t in tasks]) for record in group]
+  return {r.task_id: dataclasses.asdict(r) for r in records}, tokenizer
+
+
+def test_the_tool_through_mcp_equals_the_tool_as_a_python_class(shop):
+  paths, python_spec, mcp_spec = shop
+  assert registry.declare(mcp_spec)[0].tag == "sql"
+  tasks = load_tasks(paths["heldout"])
+  with registry.build_registry(python_spec) as as_class, \
+       registry.build_registry(mcp_spec) as over_mcp:
+    runs = [_scripted_rollout(tools, tasks) for tools in (as_class, over_mcp)]
+    teacher_config = TeacherConfig(hook=f"{SHOP}:teach", mental_math_rate=0.0)
+    traces = [[build_teacher(tools, teacher_config).run(t).to_json()
+               for t in map(json.loads, open(paths["train"]))] for tools in (as_class, over_mcp)]
+  (by_class, tokenizer), (by_mcp, _) = runs
+  for records in (by_class, by_mcp):  # for each: the bad query's error, then the result
+    for record in records.values():
+      assert record["tool_calls"] == {"sql": 2} and record["tool_errors"] == {"bad_request": 1}
+      assert record["finish_reason"] == "answer"
+  for record in list(by_class.values()) + list(by_mcp.values()):
+    record.pop("decode_s"), record.pop("tool_s")  # wall times
+  assert by_class == by_mcp  # ids, masks, log-probs, versions, calls, errors
+  assert traces[0] == traces[1]  # the teacher's: every message and tool result
+  assert "SQL error" in tokenizer.decode(next(iter(by_mcp.values()))["ids"])
+
+
+def test_the_quick_recipe_on_the_worked_example(tmp_path):
+  config = pipeline_sql_cpu.quick(pipeline_sql_cpu.get_config())
+  config.output_dir = str(tmp_path / "run")
+  config.mesh = common.mesh(data=2, fsdp=2, tensor=2)  # the 8 fake devices
+  results = pipeline.run(config, pipeline_sql_cpu.stage_configs)
+  rows = results["per_seed"][config.seed]
+  assert rows["teacher"]["pass@1"] == 1.0  # the teacher knows the database
+  assert set(rows["teacher"]["tool_calls_by_kind"]) <= {"sql"}
+  trajectories = [json.loads(line) for line in open(tmp_path / "run/distill/trajectories.jsonl")]
+  assert any(step["tag"] == "sql" for t in trajectories for step in t["steps"])
+  assert json.load(open(tmp_path / "run/seed-0/sft/hf_export/config.json"))["vocab_size"] == 1026
+  assert (tmp_path / "run/seed-0/dapo/hf_export/config.json").exists()
+  assert list(results["stage_seconds"])[-1] == "seed 0 eval dapo"
