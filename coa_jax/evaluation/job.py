@@ -229,8 +229,11 @@ def run(config: Any) -> dict[str, Any]:
           config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
           config.sampling.temperature), "the copy probe")
     mine = tasks[jax.process_index()::jax.process_count()]  # each host its share
-    outcomes = distributed.agreed(lambda: evaluate_rollouts(engine, tokenizer, mine, rewarder),
-                                  "evaluation rollouts")
+    try:
+      outcomes = distributed.agreed(
+          lambda: evaluate_rollouts(engine, tokenizer, mine, rewarder), "evaluation rollouts")
+    finally:
+      engine.tools.close()  # MCP servers stop with the job
     outcomes = {task_id: [Sample(**s) for s in samples]
                 for part in distributed.gather_json(
                     {t: [dataclasses.asdict(s) for s in v] for t, v in outcomes.items()})

@@ -92,8 +92,11 @@ def run(config: Any) -> dict[str, Any]:
   # On the host's own devices, writing its own files: agreed, so one host's failure (a tool
   # set-up, a stalled rollout, a full disk) ends every host instead of leaving them in the
   # gathers below.
-  records = distributed.agreed(lambda: _roll_out(engine, tokenizer, mine, config, paths, start),
-                               "rollouts")
+  try:
+    records = distributed.agreed(
+        lambda: _roll_out(engine, tokenizer, mine, config, paths, start), "rollouts")
+  finally:
+    engine.tools.close()  # MCP servers stop with the job
   fields = ("finish_reason", "tool_calls", "tool_errors", "response_len", "turns")
   every = [types.SimpleNamespace(**row) for part in distributed.gather_json(
       [{f: getattr(r, f) for f in fields} for r in records]) for row in part]
