@@ -103,7 +103,8 @@ def _from_turns(record: dict[str, Any], turns: list[dict[str, Any]],
   return _from_text(system, users[0], assistants[0], {}, tool_tags)
 
 
-def trajectory_from_record(record: Any, tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> tuple[Trajectory, list]:
+def trajectory_from_record(record: Any, tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS
+                           ) -> tuple[Trajectory, list]:
   """Returns (trajectory, format errors) of one record in any supported layout, its tool steps
   those of the declared `tool_tags`.
 

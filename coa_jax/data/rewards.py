@@ -11,7 +11,7 @@ failure scores 0.0 with an "error" in details):
 - `code_reward`: the last ```python block run on stdin/stdout tests in the code sandbox.
 - `judge_reward`: a verdict from an LLM judge behind an OpenAI-compatible endpoint.
 - a `python` domain: a user's function by import path that sees the whole trajectory
-  (`Trajectory`: answer, every tool call with its result, token counts, the task's data).
+  (`Response`: answer, every tool call with its result, token counts, the task's data).
 
 `build_rewarder(spec)` maps each task's domain to one of them and turns the result into a
 `Reward`: the `correct` / `incorrect` values (DAPO: +1 / -1), minus a format penalty when the
@@ -435,7 +435,8 @@ def judge_reward(question: str, answer: str, ground_truth: Any,
 
 
 def format_penalty(response_text: str, penalty: float,
-                   tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> tuple[float, dict[str, Any]]:
+                   tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS
+                   ) -> tuple[float, dict[str, Any]]:
   """Returns (`penalty` if the response breaks the CoA format, else 0.0; details with the
   error count and kinds)."""
   _, errors = coa_format.parse_and_validate(response_text, True, tool_tags)
@@ -484,10 +485,13 @@ class Response:
 
 def tool_calls_of(steps: list[coa_format.Step]) -> tuple[ToolCall, ...]:
   """Returns the tool calls of parsed steps, each with the observation right after it."""
-  return tuple(ToolCall(step.tag, step.content,
-                        after.content if (after := steps[i + 1] if i + 1 < len(steps) else None)
-                        and after.tag == coa_format.OBSERVATION else None)
-               for i, step in enumerate(steps) if step.is_tool)
+  calls = []
+  for i, step in enumerate(steps):
+    if step.is_tool:
+      after = steps[i + 1] if i + 1 < len(steps) else None
+      answered = after is not None and after.tag == coa_format.OBSERVATION
+      calls.append(ToolCall(step.tag, step.content, after.content if answered else None))
+  return tuple(calls)
 
 
 @dataclasses.dataclass(frozen=True)
