@@ -195,7 +195,7 @@ class ScriptedTeacher:
 
   def run(self, task: dict[str, Any]) -> Trace:
     """Solves one task record ({"id", "question", "metadata"}) with real tool calls."""
-    run = _Run(_task_run(self.config, self.tools, task))
+    run = _task_run(_Run, self.config, self.tools, task)
     run.solve()
     return run.trace
 
@@ -212,7 +212,7 @@ class HookTeacher:
       raise ValueError(f"teacher.hook: {config.hook!r} is not callable")
 
   def run(self, task: dict[str, Any]) -> Trace:
-    run = _task_run(self.config, self.tools, task)
+    run = _task_run(TeacherRun, self.config, self.tools, task)
     self.hook(task, run, **dict(self.config.hook_options or {}))
     if run.trace.answer is None:
       raise TeacherError(f"teacher.hook {self.config.hook!r} gave task {task['id']} no answer")
@@ -255,26 +255,23 @@ class TeacherRun:
     return activation
 
 
-def _task_run(config: TeacherConfig, tools: ToolRegistry, task: dict[str, Any]) -> TeacherRun:
-  """Returns the run of one task record ({"id", "question", "metadata"}), its generator seeded
-  by the teacher's seed and the task."""
+def _task_run(cls: type, config: TeacherConfig, tools: ToolRegistry,
+              task: dict[str, Any]) -> Any:
+  """Returns the run (a `cls`, a TeacherRun) of one task record ({"id", "question",
+  "metadata"}), its generator seeded by the teacher's seed and the task."""
   question = task["question"]
   index = int(re.sub(r"\D", "", str(task["id"])) or 0)
   rng = np.random.default_rng([config.seed, index, len(question)])
-  return TeacherRun(config, Trace(str(task["id"]), question,
-                                  task_data=dict(task.get("metadata", {}))),
-                    TrajectoryTools(tools, goal=question), rng)
+  return cls(config, Trace(str(task["id"]), question, task_data=dict(task.get("metadata", {}))),
+             TrajectoryTools(tools, goal=question), rng)
 
 
 class _Run(TeacherRun):
   """The scripted teacher's run: the world policy over the orchestrator."""
 
-  def __init__(self, run: TeacherRun):
-    super().__init__(run.config, run.trace, run.tools, run.rng)
+  def __init__(self, *args: Any):
+    super().__init__(*args)
     self.pages: dict[str, str] = {}  # entity name -> its crawled page, reused within the task
-
-  def _chance(self, rate: float) -> bool:
-    return self.chance(rate)
 
   # --- the policy --------------------------------------------------------------------------
 
@@ -283,7 +280,7 @@ class _Run(TeacherRun):
     if "expression" in plan:
       expression = plan["expression"]
       # Drawn only when on, so the other draws (and existing traces) do not depend on it.
-      mental = bool(self.config.mental_math_rate) and self._chance(self.config.mental_math_rate)
+      mental = bool(self.config.mental_math_rate) and self.chance(self.config.mental_math_rate)
       self.act("planner", "plan", f"1. Compute {expression} "
                                   f"{'in my head' if mental else 'with code'}.\n"
                                   f"2. Double-check the result and answer.")
@@ -309,7 +306,7 @@ class _Run(TeacherRun):
       page = self.page_of(name, attr)
       final = position == len(plan["path"]) - 1
       value, sentence = self.read(page, attr,
-                                  misread=final and self._chance(self.config.misread_rate))
+                                  misread=final and self.chance(self.config.misread_rate))
       if self.config.quote_facts:
         self.act("thinker", "think", f"The page says: {sentence}")
       name = value
@@ -327,7 +324,7 @@ class _Run(TeacherRun):
       return self.pages[name]
     asking = f"{world_lib.NOUNS[attr]} of "
     query = exact = asking + name
-    if self._chance(self.config.vague_query_rate):
+    if self.chance(self.config.vague_query_rate):
       query = asking + " ".join(word[:-1] for word in name.split())
       self.trace.mistakes.append("vague_query")
     while True:
@@ -383,7 +380,7 @@ class _Run(TeacherRun):
   def conclude(self, answer: str, check: Callable[[], tuple[bool, str]]) -> None:
     """Suggests the answer, has the verifier double-check it (unless skipped), corrects it
     through the reflector if the check fails, and answers."""
-    if self._chance(self.config.skip_verify_rate):
+    if self.chance(self.config.skip_verify_rate):
       self.trace.mistakes.append("skipped_verification")
       self.act("thinker", "think", f"The answer is {answer}.")
     else:
