@@ -18,7 +18,7 @@ EXTRAS := test,tpu,plots,tfds,mcp
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile device-check clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile device-check view clean
 
 $(STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it the sandbox falls
@@ -27,6 +27,12 @@ $(STAMP): setup.py $(LOCK)
 	  { apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; }; } || \
 	  echo "bubblewrap not installed: the code sandbox will fall back to unshare or resource limits"
+	@# chromium renders the trajectory viewer's pages headless in its tests (CI=true tests fail
+	@# without it).
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } || \
+	  echo "chromium not installed: the trajectory viewer's browser tests will be skipped"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c $(LOCK) -e ".[$(EXTRAS)]"
@@ -126,6 +132,11 @@ profile: $(GPU_AOT_STAMP)
 # ARGS=--fetch_wheels downloads the wheels the GPU machine lacks.
 device-check: $(STAMP)
 	$(BIN)/python experiments/device_check.py $(ARGS)
+
+# The trajectory viewer's page of a run (an evaluation, RL or pipeline folder), written again:
+# make view RUN=runs/pipeline_tiny (prints the path of its trajectories.html).
+view: $(STAMP)
+	$(BIN)/python experiments/view.py --run=$(RUN) $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

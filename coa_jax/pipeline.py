@@ -304,6 +304,11 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
              "stage_seconds": seconds, "wall_s": round(time.perf_counter() - start, 1),
              "plot": plot(summary, k, seeds, os.path.join(config.output_dir, "results.png"))}
   write_json(os.path.join(config.output_dir, "results.json"), results)
+  if jax.process_index() == 0:  # pages to read (a failure is only printed): each seed's RL
+    from coa_jax.evaluation import viewer  # run, then every evaluation side by side
+    for seed in per_seed:
+      viewer.logged(viewer.write_page, stage_configs(config, seed)["dapo"].workdir)
+    viewer.logged(viewer.write_page, config.output_dir, tasks=configs["eval_sft"].tasks)
   say(f"held-out tasks, mean +- sd over {seeds} seed(s):\n{table}")
   groups = {"task family": "pass@1_by_family", "where the answer's page states a near-miss "
             "figure": "pass@1_by_page"}

@@ -3,15 +3,18 @@
   python experiments/dapo.py [--config=configs/dapo_tiny_cpu.py] [--config.rl.eps_high=0.3 ...]
 
 Writes metrics.jsonl and dapo.png (reward, accuracy, response length, entropy, clip
-fractions) to config.workdir, checkpoints to config.checkpoint.directory (a re-run resumes),
-and the final policy as an HF checkpoint to config.export_dir.
+fractions), rollouts.jsonl and trajectories.html (the last step's samples) to config.workdir,
+checkpoints to config.checkpoint.directory (a re-run resumes), and the final policy as an HF
+checkpoint to config.export_dir.
 """
 
 import sys
 
+import jax
 from absl import app, logging
 from ml_collections import config_flags
 
+from coa_jax.evaluation import viewer
 from coa_jax.rl import job as rl_job
 from coa_jax.runtime import cli, distributed, xla_flags
 from configs import dapo_tiny_cpu
@@ -29,6 +32,8 @@ def main(argv):
   distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   rl_job.run(_CONFIG.value)
+  if jax.process_index() == 0:  # the last step's samples as a page (a failure is only printed)
+    viewer.logged(viewer.write_page, _CONFIG.value.workdir)
 
 
 if __name__ == "__main__":

@@ -265,6 +265,9 @@ def run(config: Any) -> dict[str, Any]:
   # process waits for it, as callers read the files on every host, and a failed write ends all.
   distributed.agreed(lambda: jax.process_index() or _write(config.output_dir, metrics, outcomes),
                      f"writing the evaluation to {config.output_dir}")
+  if jax.process_index() == 0:  # the samples as a page to read (a failure is only printed)
+    from coa_jax.evaluation import viewer
+    viewer.logged(viewer.write_page, config.output_dir, tasks=config.tasks)
   return metrics
 
 

@@ -145,6 +145,7 @@ class Trainer:
       self.critic = critic_lib.Critic(critic_config, model_config, actor, self.mesh,
                                       config.optimizer, rl.micro_batches, config.seed)
     self.critic_pretrained = critic_config is None or not critic_config.pretrain_steps
+    self.last_batch = None  # (step, groups, advantages) of the last update, for rollouts.jsonl
     # The KL term's reference policy: a copy of the initial params (the train state's are
     # donated to the updates), or with LoRA the base model on the frozen weights (no copy).
     self.ref_params = None
@@ -307,6 +308,7 @@ class Trainer:
       outcomes = critic_lib.outcomes(records, scores.reshape(-1),
                                      [self._overlong(r.response_len) for r in records],
                                      self.critic.config.truncation)
+    self.last_batch = (step, kept, None if self.critic is not None else advantages)
     drop = [rl.overlong_filter and r.finish_reason == "length" for r in records]
     local_groups = rl.mini_batch_groups // self.hosts  # this host's groups per mini-batch
     rows = local_groups * self.n
