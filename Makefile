@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+MAIN_STAMP := $(VENV)/.installed-main
 GPU_AOT_STAMP := $(VENV)/.installed-gpu-aot
 # JAX picks the accelerator when there is one; on a machine without, say so up front (libtpu,
 # installed for ahead-of-time TPU compiles, would otherwise probe for a TPU at start-up).
@@ -14,27 +15,35 @@ export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 # main job (docs/pipeline.md).
 LOCK := requirements.lock
 EXTRAS := test,tpu,plots,tfds,mcp
+MAIN_EXTRAS := plots
 # `make pod-fit` adds gpu-aot (XLA:GPU and cuDNN for ahead-of-time GPU compiles, 2 GB) to the
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
 .PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile device-check view clean
 
-$(STAMP): setup.py $(LOCK)
+# The main job's install: what `make pipeline` and the other jobs import (plots for their
+# figures), from the same lock; `make test`, the benchmarks and the ahead-of-time compiles add
+# every extra ($(STAMP)).
+$(MAIN_STAMP): setup.py $(LOCK)
 	@# bubblewrap gives the code sandbox its strongest isolation; without it the sandbox falls
 	@# back, with a warning, to `unshare`, then to resource limits only (CI=true tests fail).
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; }; } || \
 	  echo "bubblewrap not installed: the code sandbox will fall back to unshare or resource limits"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c $(LOCK) -e ".[$(MAIN_EXTRAS)]"
+	touch $(MAIN_STAMP)
+
+$(STAMP): $(MAIN_STAMP)
 	@# chromium renders the trajectory viewer's pages headless in its tests (CI=true tests fail
 	@# without it).
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get install -y -qq chromium >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } || \
 	  echo "chromium not installed: the trajectory viewer's browser tests will be skipped"
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c $(LOCK) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
@@ -50,11 +59,11 @@ lock:
 install: $(STAMP)
 
 # Observation-masked SFT of a tiny model on the shipped CoA sample (about a minute).
-demo: $(STAMP)
+demo: $(MAIN_STAMP)
 	$(BIN)/python experiments/sft.py --config=configs/sft_tiny_cpu.py $(ARGS)
 
 # The foundation smoke job: sharded LM training on synthetic data, HF export and reload.
-lm-demo: $(STAMP)
+lm-demo: $(MAIN_STAMP)
 	$(BIN)/python experiments/demo.py $(ARGS)
 
 # One worker per core, a test file at a time per worker (module fixtures are built once), in
@@ -62,35 +71,35 @@ lm-demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 tests $(ARGS)
 
-sft: $(STAMP)
+sft: $(MAIN_STAMP)
 	$(BIN)/python experiments/sft.py $(ARGS)
 
 # Rollouts of the SFT demo's exported model with the embedded tools (run `make demo` first).
-rollout: $(STAMP)
+rollout: $(MAIN_STAMP)
 	$(BIN)/python experiments/rollout.py $(ARGS)
 
 # The main job: the end-to-end recipe on the embedded world (ARGS=--quick: a smoke test).
-pipeline: $(STAMP)
+pipeline: $(MAIN_STAMP)
 	$(BIN)/python experiments/pipeline.py $(ARGS)
 
 # The chaos run (docs/pipeline.md): the quick main job SIGKILLed in every stage, re-launched until
 # it completes, then compared with an uninterrupted quick run (runs/chaos/chaos_report.json).
-chaos: $(STAMP)
+chaos: $(MAIN_STAMP)
 	$(BIN)/python experiments/chaos.py $(ARGS)
 
 # One of the paper's experiments in miniature (configs/experiments.py, docs/experiments.md):
 # make experiment NAME=rl-ceiling [ARGS="--publish"]; needs `make pipeline ARGS="--seeds 3"`.
-experiment: $(STAMP)
+experiment: $(MAIN_STAMP)
 	$(BIN)/python experiments/experiment.py --name=$(NAME) $(ARGS)
 
-distill: $(STAMP)
+distill: $(MAIN_STAMP)
 	$(BIN)/python experiments/distill.py $(ARGS)
 
-evaluate: $(STAMP)
+evaluate: $(MAIN_STAMP)
 	$(BIN)/python experiments/evaluate.py $(ARGS)
 
 # DAPO of the SFT demo's exported model with tools and rewards (run `make demo` first).
-dapo: $(STAMP)
+dapo: $(MAIN_STAMP)
 	$(BIN)/python experiments/dapo.py $(ARGS)
 
 bench-rollout: $(STAMP)
@@ -135,7 +144,7 @@ device-check: $(STAMP)
 
 # The trajectory viewer's page of a run (an evaluation, RL or pipeline folder), written again:
 # make view RUN=runs/pipeline_tiny (prints the path of its trajectories.html).
-view: $(STAMP)
+view: $(MAIN_STAMP)
 	$(BIN)/python experiments/view.py --run=$(RUN) $(ARGS)
 
 clean:

@@ -309,6 +309,7 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
     for seed in per_seed:
       viewer.logged(viewer.write_page, stage_configs(config, seed)["dapo"].workdir)
     viewer.logged(viewer.write_page, config.output_dir, tasks=configs["eval_sft"].tasks)
+    write_results_page(config.output_dir, table, seeds)
   say(f"held-out tasks, mean +- sd over {seeds} seed(s):\n{table}")
   groups = {"task family": "pass@1_by_family", "where the answer's page states a near-miss "
             "figure": "pass@1_by_page"}
@@ -320,6 +321,18 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
   say("stage wall times (s): " + ", ".join(f"{name} {t:.0f}" for name, t in seconds.items()))
   say(f"pipeline done in {results['wall_s']:.0f}s; results in {config.output_dir}")
   return results
+
+
+def write_results_page(output_dir: str, table: str, seeds: int) -> str:
+  """Writes results.md beside results.json: the table, the plot and a link to the page of
+  every trajectory (trajectories.html); returns its path."""
+  path = os.path.join(output_dir, "results.md")
+  with open(path, "w") as f:
+    f.write(f"# Held-out results, mean +- sd over {seeds} seed(s)\n\n{table}\n\n"
+            f"![the table's metrics per system](results.png)\n\n"
+            f"Every held-out trajectory, teacher, SFT and DAPO side by side, with filters: "
+            f"[trajectories.html](trajectories.html) (`make view RUN={output_dir}`).\n")
+  return path
 
 
 def copy_curve(config: Any, stage_configs: StageConfigs, seeds: int,

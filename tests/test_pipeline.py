@@ -39,8 +39,10 @@ def test_quick_pipeline_runs_every_stage(quick_run):
   assert curves["pass@k"][-1] == pytest.approx(rows["sft"][f"pass@{k}"])
   for name in ("distill/trajectories.jsonl", "distill/heldout_trajectories.jsonl",
                "seed-0/sft/hf_export/config.json", "seed-0/dapo/hf_export/config.json",
-               "results.png"):
+               "results.png", "trajectories.html"):
     assert (tmp_path / "run" / name).exists(), name
+  page = (tmp_path / "run" / "results.md").read_text()
+  assert results["table"] in page and "(trajectories.html)" in page and "(results.png)" in page
   saved = json.load(open(tmp_path / "run" / "results.json"))
   assert saved["per_seed"]["0"]["sft"]["tasks"] == config.eval.max_tasks
   assert saved["summary"]["sft"]["pass@1"]["values"] == [rows["sft"]["pass@1"]]
