@@ -49,7 +49,7 @@ from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
 from coa_jax.train.state import TrainState
-from coa_jax.train.step import jit_state_step, run_step, summed_update
+from coa_jax.train.step import jit_state_step, run_step, summed_update, unrolled_layers
 
 TRUNCATIONS = ("terminal", "bootstrap")
 PLOT_KEYS = ("value_loss", "explained_variance", "value_clip_frac")
@@ -218,7 +218,8 @@ def critic_step(model: Transformer, tx: optax.GradientTransformation, state: Tra
     return sums.loss, sums
 
   new_state, sums, metrics = summed_update(objective, tx, state, (batch, weights_BxT),
-                                           micro_batches, schedule)
+                                           micro_batches, schedule,
+                                           unrolled_layers(model))
   flags = {k: metrics.pop(k) for k in ("is_finite", "applied")}  # for `run_step`
   return new_state, {**sums.metrics(), **flags, **{f"critic_{k}": v for k, v in metrics.items()}}
 

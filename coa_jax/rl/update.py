@@ -15,7 +15,7 @@ from coa_jax.losses.dapo import PolicyLossConfig, aggregation_weights, policy_lo
 from coa_jax.runtime import sharding
 from coa_jax.train.batch import PolicyBatch
 from coa_jax.train.state import TrainState
-from coa_jax.train.step import jit_state_step, summed_update
+from coa_jax.train.step import jit_state_step, summed_update, unrolled_layers
 
 
 def policy_logprobs(model: nn.Module, params: Any, batch: PolicyBatch,
@@ -54,7 +54,8 @@ def dapo_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainSt
     return sums.loss, sums
 
   new_state, sums, metrics = summed_update(objective, tx, state, (batch, weights_BxT),
-                                           micro_batches, schedule)
+                                           micro_batches, schedule,
+                                           unrolled_layers(model))
   return new_state, {**sums.metrics(), **metrics}
 
 

@@ -12,6 +12,7 @@ import optax
 from jax.sharding import Mesh
 
 from coa_jax.losses import token_cross_entropy_and_z
+from coa_jax.model.transformer import layer_unroll
 from coa_jax.runtime import sharding
 from coa_jax.train.batch import TokenBatch
 from coa_jax.train.state import TrainState, state_shardings
@@ -46,12 +47,12 @@ def split_micro_batches(batch: Any, count: int) -> Any:
 
 
 def summed_grads(objective: Callable[[Any, Any], tuple[jax.Array, Any]], params: Any,
-                 batch: Any, micro_batches: int = 1):
+                 batch: Any, micro_batches: int = 1, unroll: bool = False):
   """Returns (aux, grads) of `objective(params, micro) -> (value, aux)` summed over the
-  micro-batches of `batch`: exact when value and aux are sums over tokens. The first
-  micro-batch's gradient starts the sum and a scan adds the others', so no pass adds it to
-  zeros; with two micro-batches no loop is left, and XLA casts the weights for both once
-  (docs/benchmarks.md: 87.0 -> 74.5 ms for the 1.5B step on H100, ahead of time)."""
+  micro-batches of `batch` (a scan): exact when value and aux are sums over tokens. With
+  `unroll` (a model whose layers are unrolled: `unrolled_layers`) the scan is unrolled too, so
+  no loop is left and XLA casts the weights once for every micro-batch and drops the add to
+  zeros (docs/benchmarks.md: the 1.5B step in 2 micro-batches on H100, ahead of time)."""
   grad_fn = jax.grad(objective, has_aux=True)
   if micro_batches == 1:
     grads, aux = grad_fn(params, batch)
@@ -62,9 +63,16 @@ def summed_grads(objective: Callable[[Any, Any], tuple[jax.Array, Any]], params:
 
   micro = split_micro_batches(batch, micro_batches)
   first = jax.tree_util.tree_map(lambda x: x[0], micro)
-  rest = jax.tree_util.tree_map(lambda x: x[1:], micro)
-  (grads, aux), _ = jax.lax.scan(accumulate, grad_fn(params, first), rest)
+  zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                 jax.eval_shape(grad_fn, params, first))
+  (grads, aux), _ = jax.lax.scan(accumulate, zeros, micro, unroll=unroll)
   return aux, grads
+
+
+def unrolled_layers(model: nn.Module) -> bool:
+  """Returns whether the model runs its layers unrolled (no layer loop): then its
+  micro-batches are unrolled too (`summed_grads`)."""
+  return layer_unroll(model.config) >= model.config.num_layers
 
 
 def apply_if_finite(tx: optax.GradientTransformation, state: TrainState, grads: Any,
@@ -87,14 +95,14 @@ def apply_if_finite(tx: optax.GradientTransformation, state: TrainState, grads: 
 
 def summed_update(objective: Callable[[Any, Any], tuple[jax.Array, Any]],
                   tx: optax.GradientTransformation, state: TrainState, batch: Any,
-                  micro_batches: int = 1, schedule: optax.Schedule | None = None
-                  ) -> tuple[TrainState, Any, dict[str, jax.Array]]:
+                  micro_batches: int = 1, schedule: optax.Schedule | None = None,
+                  unroll: bool = False) -> tuple[TrainState, Any, dict[str, jax.Array]]:
   """Returns (state, aux, metrics) after one optimizer step on the gradient of
   `objective(params, micro) -> (loss sum, aux)` summed over the micro-batches of `batch`
-  (`summed_grads`; aux.loss is the loss and aux.tokens the trainable tokens), applied only if
-  finite and not empty (`apply_if_finite`); metrics hold grad_norm, is_finite, applied and,
-  with a schedule, the step's lr."""
-  aux, grads = summed_grads(objective, state.params, batch, micro_batches)
+  (`summed_grads`, unrolled with `unroll`; aux.loss is the loss and aux.tokens the trainable
+  tokens), applied only if finite and not empty (`apply_if_finite`); metrics hold grad_norm,
+  is_finite, applied and, with a schedule, the step's lr."""
+  aux, grads = summed_grads(objective, state.params, batch, micro_batches, unroll)
   new_state, metrics = apply_if_finite(tx, state, grads, aux.loss, aux.tokens)
   if schedule is not None:
     metrics["lr"] = schedule(state.step)
@@ -123,7 +131,8 @@ def train_step(model: nn.Module, tx: optax.GradientTransformation, state: TrainS
   if model.config.lora_rank and model.config.lora_dropout:
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     keys = jax.random.key_data(jax.random.split(step_key, batch.input_ids.shape[0]))
-  (ce, z_total), grad_sums = summed_grads(objective, state.params, (batch, keys), micro_batches)
+  (ce, z_total), grad_sums = summed_grads(objective, state.params, (batch, keys), micro_batches,
+                                          unrolled_layers(model))
   count = jnp.maximum(ce.count, 1.0)
   grads = jax.tree_util.tree_map(lambda g: g / count, grad_sums)
   loss = ce.mean()
