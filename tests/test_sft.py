@@ -45,14 +45,14 @@ def _batch(rows=8, seq=16, seed=0):
                        .astype(np.int32))  # very different token counts per row
 
 
-def _initial(mesh):
-  model = Transformer(get_preset("tiny", num_heads=4, num_kv_heads=4))
+def _initial(mesh, **changes):
+  model = Transformer(get_preset("tiny", num_heads=4, num_kv_heads=4, **changes))
   tx = optimizer.make_optimizer(common.optimizer(learning_rate=1e-2, eps=1e-3))
   return model, tx, state_lib.init_state(model, tx, mesh, jax.random.key(0))
 
 
-def _step(mesh, micro_batches, z_loss=0.0):
-  model, tx, state = _initial(mesh)
+def _step(mesh, micro_batches, z_loss=0.0, **changes):
+  model, tx, state = _initial(mesh, **changes)
   step = step_lib.jit_train_step(model, tx, mesh, micro_batches=micro_batches, z_loss=z_loss)
   return step(state, sharding.shard_batch(_batch(), mesh))
 
@@ -69,11 +69,13 @@ def one_device_step(single_device_mesh):
   return state, metrics
 
 
-@pytest.mark.parametrize("micro_batches", [2, 4])
-def test_gradient_accumulation_is_token_exact(micro_batches, single_device_mesh,
+@pytest.mark.parametrize("micro_batches, unrolled", [(2, False), (4, False), (2, True)])
+def test_gradient_accumulation_is_token_exact(micro_batches, unrolled, single_device_mesh,
                                               one_device_step):
-  (state, metrics), (ref_state, ref_metrics) = _step(single_device_mesh, micro_batches), \
-      one_device_step
+  """Unrolled layers (scan_unroll = layers) unroll the micro-batch loop too."""
+  changes = dict(scan_unroll=2) if unrolled else {}
+  (state, metrics), (ref_state, ref_metrics) = _step(single_device_mesh, micro_batches,
+                                                     **changes), one_device_step
   np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
   assert metrics["tokens"] == ref_metrics["tokens"]
   for got, want in zip(jax.tree_util.tree_leaves(state.params),

@@ -12,7 +12,6 @@ import optax
 from jax.sharding import Mesh
 
 from coa_jax.losses import token_cross_entropy_and_z
-from coa_jax.model.transformer import layer_unroll
 from coa_jax.runtime import sharding
 from coa_jax.train.batch import TokenBatch
 from coa_jax.train.state import TrainState, state_shardings
@@ -70,9 +69,10 @@ def summed_grads(objective: Callable[[Any, Any], tuple[jax.Array, Any]], params:
 
 
 def unrolled_layers(model: nn.Module) -> bool:
-  """Returns whether the model runs its layers unrolled (no layer loop): then its
-  micro-batches are unrolled too (`summed_grads`)."""
-  return layer_unroll(model.config) >= model.config.num_layers
+  """Returns whether the model's config unrolls its layers (`scan_unroll`, no layer loop): then
+  its micro-batches are unrolled too (`summed_grads`). (A multi-device CPU program also unrolls
+  its layers, `layer_unroll`, but to avoid a deadlock: its micro-batch loop is kept.)"""
+  return model.config.scan_unroll >= model.config.num_layers
 
 
 def apply_if_finite(tx: optax.GradientTransformation, state: TrainState, grads: Any,
