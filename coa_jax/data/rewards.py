@@ -440,6 +440,11 @@ def format_penalty(response_text: str, penalty: float,
   """Returns (`penalty` if the response breaks the CoA format, else 0.0; details with the
   error count and kinds)."""
   _, errors = coa_format.parse_and_validate(response_text, True, tool_tags)
+  return _penalty(errors, penalty)
+
+
+def _penalty(errors: list[coa_format.FormatError], penalty: float
+             ) -> tuple[float, dict[str, Any]]:
   kinds = sorted({error.kind for error in errors})
   return (penalty if errors else 0.0), {"format_errors": len(errors), "format_kinds": kinds}
 
@@ -660,10 +665,10 @@ class Rewarder:
                response_tokens: int | None = None, sampled_tokens: int | None = None) -> Reward:
     """Returns the reward of a response; never raises. Token counts go to `python` domains."""
     spec = self.spec
-    penalty, details = format_penalty(response_text, spec.format_penalty, self.tool_tags)
+    steps, errors = coa_format.parse_and_validate(response_text, True, self.tool_tags)
+    penalty, details = _penalty(errors, spec.format_penalty)
     domain = self.domain_of(task_data)
     scorer = self.scorers[domain]
-    steps, _ = coa_format.parse(response_text, self.tool_tags)
     answer = _answer_of(steps)
     details.update(domain=domain, answer=answer)
     try:
