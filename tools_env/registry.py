@@ -112,8 +112,11 @@ def _python_class(name: str, spec: Mapping) -> type:
 
 def _mcp_server(name: str, spec: Mapping):
   """Returns the McpServer of an `mcp` spec (not started)."""
-  from tools_env import mcp_tools
-
+  try:
+    from tools_env import mcp_tools
+  except ImportError as e:
+    raise ValueError(f"tools.{name} (mcp): needs the `mcp` extra (pip install "
+                     f"'coa-jax[mcp]'): {e}") from None
   unknown = set(spec) - {"kind", *MCP_OPTIONS}
   if unknown or ("command" in spec) == ("url" in spec):
     raise ValueError(f"tools.{name} (mcp): needs exactly one of `command` and `url`; unknown "
