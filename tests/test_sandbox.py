@@ -2,20 +2,24 @@
 
 import dataclasses
 import errno
+import gc
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 
 import numpy
 import pytest
 
 from tools_env import base, sandbox_boot
+from tools_env.registry import ToolRegistry
 from tools_env import sandbox as sandbox_module
 from tools_env.sandbox import CodeSandbox, IsolationUnavailable, SandboxLimits, extract_program
 
@@ -31,11 +35,28 @@ def unavailable(reason):
   pytest.skip(reason)
 
 
-@pytest.fixture(scope="module", params=["bwrap", "unshare"])
-def sandbox(request):
-  """The sandbox in each namespace mode this machine permits."""
+def pooled(mode, limits=LIMITS, **options):
+  """A sandbox in `mode` that runs programs on its persistent workers (the default)."""
   try:
-    return CodeSandbox(LIMITS, isolation=request.param, workers=8)
+    made = CodeSandbox(limits, isolation=mode, **options)
+  except IsolationUnavailable as e:
+    unavailable(str(e))
+  if not made.persistent:
+    unavailable(f"the persistent workers cannot run in mode {mode!r} here")
+  return made
+
+
+@pytest.fixture(scope="module", params=[("bwrap", True), ("unshare", True), ("bwrap", False)],
+                ids=["bwrap", "unshare", "bwrap-per-run"])
+def sandbox(request):
+  """The sandbox in each namespace mode this machine permits with its persistent workers (the
+  default), and in the bwrap mode with a process started per program (`persistent=False`;
+  test_the_unshare_mode_contains_programs_without_persistent_workers for the other)."""
+  mode, persistent = request.param
+  if persistent:
+    return pooled(mode, workers=8)
+  try:
+    return CodeSandbox(LIMITS, isolation=mode, workers=8, persistent=False)
   except IsolationUnavailable as e:
     unavailable(str(e))
 
@@ -81,7 +102,7 @@ def test_infinite_loop_hits_the_cpu_limit(sandbox):
   # A wall clock far beyond the CPU limit: on a loaded machine the loop gets a fraction of a
   # core, and the 4 s wall clock would stop it before it has used 2 s of CPU.
   patient = CodeSandbox(dataclasses.replace(LIMITS, wall_timeout_s=300),
-                        isolation=sandbox.isolation, workers=1)
+                        isolation=sandbox.isolation, workers=1, persistent=sandbox.persistent)
   result = patient(program("while True:\n  pass"))
   assert result.error_kind == base.TIMEOUT and "CPU time limit of 2 s" in result.observation
 
@@ -103,7 +124,7 @@ def test_fork_bomb_is_contained_and_the_host_stays_responsive(sandbox):
 def limited(sandbox, **limits):
   """A one-worker sandbox in `sandbox`'s mode with some limits changed."""
   return CodeSandbox(dataclasses.replace(LIMITS, **limits), isolation=sandbox.isolation,
-                     workers=1)
+                     workers=1, persistent=sandbox.persistent)
 
 
 def test_forking_past_max_processes_is_a_process_limit(sandbox):
@@ -251,6 +272,192 @@ def test_64_snippets_through_8_workers_keep_their_outputs_apart(sandbox):
     spans.append(tuple(map(float, span.split()[1:])))
   # At no moment were more than 8 programs running.
   assert max(sum(s <= t < e for s, e in spans) for t, _ in spans) <= 8
+
+
+def test_exit_waits_for_threads_and_runs_atexit_and_finalizers(sandbox):
+  # What a fresh interpreter's exit does, a pooled program's does too.
+  source = ("import atexit, sys, threading, time\n"
+            "class Noisy:\n  def __del__(self):\n    print('finalizer')\n"
+            "noisy = Noisy()\natexit.register(print, 'atexit')\n"
+            "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n"
+            "sys.stdout.write('main\\n')\nsys.exit(3)")
+  result = sandbox(program(source))
+  assert result.metadata["returncode"] == 3
+  assert sorted(result.observation.split("Error: the program exited with status 3\n")[1]
+                .splitlines()) == ["atexit", "finalizer", "main", "thread"]
+
+
+# --- the persistent workers ------------------------------------------------------------------
+
+@pytest.fixture(params=["bwrap", "unshare"])
+def one_worker(request):
+  """A pooled sandbox with one worker, so that consecutive programs run on the same one."""
+  made = pooled(request.param, workers=1)
+  yield made
+  made.close()
+
+
+def worker_processes(pool):
+  """Returns the pids of the pool's workers and of every process in them."""
+  return {pid for root in pool._pool.pids() for pid in [root, *sandbox_module._descendants(root)]}
+
+
+def alive(pids):
+  return [pid for pid in pids if os.path.exists(f"/proc/{pid}")
+          and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+
+
+def test_a_program_finds_nothing_the_previous_one_left(one_worker):
+  token = uuid.uuid4().hex
+  first = one_worker(program(
+      f"import builtins, json, os, random, subprocess, sys, xml.dom.minidom\n"
+      f"open('state', 'w').write('1')\n"
+      f"for path in ['/tmp/state', '/dev/shm/state', '../state', '/home/state']:\n"
+      f"  try:\n    open(path, 'w').write('1')\n  except OSError:\n    pass\n"
+      f"os.environ['COA_LEFT'] = '1'\nos.putenv('COA_PUT', '1')\nos.umask(0)\n"
+      f"json.left = builtins.left = sys.left = 1\nsys.path.append('/left')\n"
+      f"sys.setrecursionlimit(123)\nsys.stdout.reconfigure(errors='strict')\n"
+      f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)  # {token}'],"
+      f" start_new_session=True)\n"
+      f"print(random.random(), os.getcwd())"))
+  workers = worker_processes(one_worker)
+  second = one_worker(program(
+      f"import builtins, json, os, random, sys\n"
+      f"print(random.random())\n"
+      f"print([p for p in ['state', '/tmp/state', '/dev/shm/state', '../state', '/home/state']"
+      f" if os.path.exists(p)], os.listdir('..') == [os.path.basename(os.getcwd())])\n"
+      f"print(sorted(k for k in os.environ if k.startswith('COA')), os.umask(0o22))\n"
+      f"print(hasattr(json, 'left'), hasattr(builtins, 'left'), hasattr(sys, 'left'),"
+      f" '/left' in sys.path, sys.getrecursionlimit(), sys.stdout.errors)\n"
+      f"print('xml.dom.minidom' in sys.modules)\n"
+      f"print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+      f"print([p for p in os.listdir('/proc') if p.isdigit() and "
+      f"b'{token}' in open(f'/proc/{{p}}/cmdline', 'rb').read()])"))
+  assert len(one_worker._pool.pids()) == 1 and worker_processes(one_worker) & workers
+  host_umask = os.umask(0)
+  os.umask(host_umask)
+  random_first, workdir = first.observation.split()
+  random_second, *lines = second.observation.splitlines()
+  assert random_second != random_first  # the random module is seeded afresh
+  assert lines == ["[] True", f"[] {host_umask}",
+                   "False False False False 1000 surrogateescape", "False", "[1, 2]", "[]"]
+  assert not processes_with(token) and not os.path.exists(workdir)
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "unshare"])
+def test_programs_run_on_the_workers_from_many_threads(mode):
+  small = pooled(mode, workers=3)
+  outputs = {}
+
+  def call(i):
+    outputs[i] = [small(program(f"print({i}, {j})")).observation for j in range(3)]
+
+  threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert outputs == {i: [f"{i} {j}\n" for j in range(3)] for i in range(6)}
+  assert 1 <= len(small._pool.pids()) <= 3
+  small.close()
+
+
+def test_a_worker_that_dies_or_hangs_is_replaced(one_worker):
+  ok = program("print('ok')")
+  assert one_worker(ok).ok
+  # Killed while idle: the next program gets a new worker.
+  first = worker_processes(one_worker)
+  for pid in first:
+    os.kill(pid, signal.SIGKILL)
+  assert one_worker(ok).observation == "ok\n"
+  # Killed while it runs a program: that program's result is an error, not an exception.
+  second = worker_processes(one_worker)
+  assert not second & first
+  killer = threading.Timer(1.0, lambda: [os.kill(pid, signal.SIGKILL) for pid in second])
+  killer.start()
+  result = one_worker(program("import time\ntime.sleep(3)"))
+  killer.join()
+  assert result.error_kind == base.TOOL_ERROR and result.elapsed_s < 3
+  assert "the sandbox worker failed while running the program" in result.observation
+  assert one_worker(ok).observation == "ok\n"
+  # Stopped (it hangs): the run times out at the wall clock and the worker is replaced.
+  impatient = pooled(one_worker.isolation, dataclasses.replace(LIMITS, wall_timeout_s=1),
+                     workers=1)
+  assert impatient(ok).ok
+  hanging = worker_processes(impatient)
+  for pid in hanging:
+    os.kill(pid, signal.SIGSTOP)
+  result = impatient(ok)
+  assert result.error_kind == base.TIMEOUT and not alive(hanging)
+  assert impatient(ok).observation == "ok\n"
+  impatient.close()
+
+
+def test_close_collection_and_exit_leave_no_process(one_worker):
+  assert one_worker(program("print(1)")).ok
+  pids, roots = worker_processes(one_worker), [w.root for w in one_worker._pool._all]
+  one_worker.close()
+  assert pids and not alive(pids) and not any(os.path.exists(root) for root in roots)
+  assert one_worker(program("print(2)")).observation == "2\n"  # new workers after close
+  pids = worker_processes(one_worker)
+  registry = ToolRegistry({"code": base.Delayed(one_worker, 0.0, 0.0)})
+  registry.close()  # closes the tools that keep processes, inside a Delayed too
+  assert pids and not alive(pids)
+  assert registry.call("code", program("print(2)")).observation == "2\n"
+  pids = worker_processes(one_worker)
+  collected = pooled(one_worker.isolation, workers=1)
+  collected(program("print(3)"))
+  more = worker_processes(collected)
+  del collected
+  gc.collect()
+  assert more and not alive(more) and alive(pids)
+  # At interpreter exit, without close().
+  script = ("import sys\nfrom tools_env.sandbox import CodeSandbox\n"
+            f"sandbox = CodeSandbox(isolation={one_worker.isolation!r}, workers=2)\n"
+            "sandbox.map(['```python\\nprint(1)\\n```'] * 2)\n"
+            "print(sorted(w.root for w in sandbox._pool._all))")
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+  roots = eval(done.stdout)  # noqa: S307 - a printed list
+  assert len(roots) == 2 and not any(processes_with(root) or os.path.exists(root)
+                                      for root in roots)
+
+
+def test_without_persistent_workers_each_program_starts_a_process(caplog, monkeypatch):
+  assert not CodeSandbox(LIMITS, persistent=False).persistent
+  monkeypatch.setattr(sandbox_module, "_WARNED", set())
+  monkeypatch.setitem(sandbox_module._POOL_PROBED, ("bwrap", sys.executable), "no mounts")
+  try:
+    with caplog.at_level(logging.WARNING, logger="tools_env.sandbox"):
+      fallback = CodeSandbox(LIMITS, isolation="bwrap")
+  except IsolationUnavailable as e:
+    unavailable(str(e))
+  assert not fallback.persistent and fallback(program("print(4)")).observation == "4\n"
+  assert warnings_in(caplog) == ["code sandbox: no persistent workers in isolation 'bwrap' (no "
+                                 "mounts); each program starts a process of its own"]
+
+
+def test_the_unshare_mode_contains_programs_without_persistent_workers(tmp_path):
+  try:
+    single = CodeSandbox(dataclasses.replace(LIMITS, max_processes=4), isolation="unshare",
+                         workers=2, persistent=False)
+  except IsolationUnavailable as e:
+    unavailable(str(e))
+  os.chmod(tmp_path, 0o777)
+  token = uuid.uuid4().hex
+  contained, forks, outlives = single.map([
+      program(f"import os, socket\nprint(sorted(k for k in os.environ if 'SECRET' in k))\n"
+              f"for path in ['{tmp_path}/out', '/etc/out']:\n  try:\n"
+              f"    open(path, 'w')\n    print('written')\n  except OSError:\n    pass\n"
+              f"try:\n  socket.create_connection(('8.8.8.8', 53), timeout=2)\n"
+              f"except OSError:\n  print('offline')"),
+      program("import os, time\nfor _ in range(8):\n  if os.fork() == 0:\n    time.sleep(60)\n"
+              "    os._exit(0)"),
+      program(f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(600)  # {token}'], start_new_session=True)\nprint('parent done')")])
+  assert not single.persistent and contained.observation == "[]\noffline\n"
+  assert forks.error_kind == base.PROCESS_LIMIT
+  assert outlives.observation == "parent done\n" and not processes_with(token)
 
 
 def rlimit_python():

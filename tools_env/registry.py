@@ -42,15 +42,21 @@ class ToolDecl:
 
 class ToolRegistry:
   """Maps tool tags to tool instances; safe to call from many threads. `close` stops the
-  processes of its MCP servers (`servers`)."""
+  processes of its MCP servers (`servers`) and of its tools that have some (the code
+  sandbox's workers)."""
 
   def __init__(self, tools: Mapping[str, Tool], servers: tuple = ()):
     self.tools, self.servers = dict(tools), tuple(servers)
 
   def close(self) -> None:
-    """Stops every MCP server this registry started (idempotent)."""
+    """Stops every MCP server this registry started, and the processes its tools keep (the
+    code sandbox's workers, which a later call starts anew); idempotent."""
     for server in self.servers:
       server.close()
+    for tool in self.tools.values():
+      close = getattr(getattr(tool, "inner", tool), "close", None)  # inside a base.Delayed
+      if callable(close):
+        close()
 
   def __enter__(self) -> "ToolRegistry":
     return self

@@ -32,6 +32,53 @@ and (when the host is root) every process of its dedicated uid are killed.
 
 `CodeSandbox` is also the worker pool: at most `workers` programs run at once however many
 threads call it, and `map(bodies)` runs a list of calls through the pool.
+
+Persistent workers (the default; `persistent=False` starts a process per program, as above).
+Each of the `workers` slots holds a worker: the mode's sandbox (the same bwrap or unshare
+command, or none for "rlimit") started once, running `sandbox_boot.serve`, an interpreter that
+has imported the standard modules of `PRELOAD` and numpy (where the interpreter has it) and
+then forks a process per program. The worker never runs a program's code nor reads its code,
+input or output: the host writes them to the program's working directory and hands the
+worker two descriptors (its stdin file and the write end of its output pipe). Per program:
+
+- In the namespace modes the worker forks the program's init, pid 1 of a new pid namespace,
+  which enters new mount, network, ipc and uts namespaces, replaces every writable directory
+  the sandbox has (bwrap: /tmp, /dev/shm and the hidden home directories; the worker's own
+  directory, which holds the working directories) with an empty tmpfs, binds the program's
+  fresh working directory (and the interpreter's exposed paths) back in, mounts its own /proc,
+  remounts every other writable mount read-only (bwrap: /dev included) and brings up a loopback
+  of its own (bwrap). It then forks the program, which takes the environment, limits and (as
+  root) the run's uid as a single run does, sets no_new_privs and drops every capability. When
+  the program ends, its init exits with its status, and the kernel kills every process left in
+  its pid namespace; as root the host also kills every process of the run's uid.
+- In the rlimit mode the worker forks the program directly, in a new session; when it ends its
+  process group is killed, and as root every process of its uid.
+
+Why a program cannot affect the next one: it runs in a copy of the worker's memory made by
+fork, and the worker runs no program code: what a program starts from is the worker's state
+after its start-up plus its loop's bookkeeping (the last request: a path, a uid, limits), so
+modules, globals, sys settings, the environment (set afresh for each program) and the
+standard streams (made anew on the program's descriptors) are never a previous program's; the
+random module reseeds after each fork. In the namespace modes nothing it wrote
+outside its working directory (deleted afterwards) outlives its mount namespace, no process
+outlives its pid namespace, and no socket, IPC object or hostname its network, ipc and uts
+namespaces. It cannot reach the worker: as root it runs under another uid, without root in
+another pid namespace, without any capability, and the worker is not dumpable (no ptrace, no
+/proc/<pid>/mem). A worker that dies, or a run that times out or prints too much, is killed
+(with every process in it) and replaced by a new one on the next call: a dead worker's program
+gets a `tool_error` result, or another worker if it died before taking it. Workers stop on
+`close()`, when the sandbox is garbage collected and at interpreter exit, and exit by
+themselves when the host goes away (their control socket closes).
+
+Differences a program can see: the preloaded modules are already in sys.modules (and, numpy
+among them, count against RLIMIT_AS: ~85 MB of a 2 GiB default); str hashes are the same in
+every program of a worker (one hash seed per worker); interpreter exit runs the program's
+threads, atexit functions and garbage collection but does not tear down the modules
+(`sandbox_boot.exit_program`). The rlimit mode keeps no more than its single-run guarantees:
+what a program writes where its uid may (/tmp, as root; anywhere its user may, without) is
+seen by later programs, and without root a process that leaves its process group survives.
+When the pool's own self-test fails on a machine, the sandbox warns once and starts a process
+per program instead, in the same isolation mode.
 """
 
 from __future__ import annotations
@@ -40,19 +87,23 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import os
 import re
+import select
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import Any, Iterator, Mapping, Sequence
+import weakref
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from tools_env import sandbox_boot
 from tools_env.base import (
@@ -80,6 +131,10 @@ _STDIN_BLOCK_RE = re.compile(r"```(?:sh|bash|stdin|text)[ \t]*\n(.*?)```", re.DO
 # extension among them, and numpy where the interpreter has it, as real programs use them.
 _SELF_TEST = "import decimal, statistics\nassert statistics.median([decimal.Decimal(42)]) == 42\n"
 _SELF_TEST_NUMPY = "import numpy\nassert numpy.prod([6, 7]) == 42\n"
+# What pool workers import once, for every program (numpy too where the interpreter has it).
+PRELOAD = ("bisect", "collections", "decimal", "fractions", "functools", "heapq", "itertools",
+           "json", "math", "random", "re", "statistics", "string", "typing")
+_WORKER_START_S = 60.0  # a worker that is not ready by then is killed
 
 
 class IsolationUnavailable(ValueError):
@@ -175,6 +230,7 @@ class _UidPool:
 
 _UIDS = _UidPool()
 _PROBED: dict[tuple[str, str], str | None] = {}  # (mode, python) -> why unusable, or None
+_POOL_PROBED: dict[tuple[str, str], str | None] = {}  # the same, for the worker pool
 _PROBE_LOCK = threading.Lock()
 _WARNED: set[str] = set()  # each warning is given once per process
 
@@ -288,13 +344,330 @@ def _hidden_and_exposed(needed: list[str]) -> tuple[list[str], list[str]]:
   return hidden, exposed
 
 
+def _environment(workdir: str) -> dict[str, str]:
+  """Returns a program's whole environment."""
+  return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
+          "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
+          "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+# Capabilities a pool worker keeps inside bubblewrap as root (as a single run's boot does, it
+# drops them for good when it switches to the run's uid): uid/gid switches, namespaces and
+# mounts, and the loopback of each program's network namespace.
+_WORKER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SYS_ADMIN", "CAP_NET_ADMIN")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launcher:
+  """What starts the sandboxed interpreter, a single run or a pool worker: the interpreter,
+  its module path, the home directories hidden and the paths in them exposed."""
+
+  python: str
+  module_path: tuple[str, ...]
+  hidden: tuple[str, ...]
+  exposed: tuple[str, ...]
+
+  def command(self, mode: str, workdir: str, spec: dict[str, Any], worker: bool = False
+              ) -> list[str]:
+    """Returns the argv that runs the boot script with `spec` (plus the mode's keys) in
+    `workdir` under `mode`: a single run, or with `worker` a pool worker (`workdir` is then
+    its root: the programs' working directories are made in it)."""
+    root = os.geteuid() == 0
+    spec = {"workdir": workdir, "uid": None, "read_only": False, "init": False,
+            "path": list(self.module_path), **spec}
+    if mode == "bwrap":
+      if root:  # no user namespace: the boot drops to the run's uid, which root cannot be
+        prefix = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
+        if worker:
+          prefix += ["--cap-drop", "ALL"]
+        for cap in _WORKER_CAPS if worker else _WORKER_CAPS[:2]:
+          prefix += ["--cap-add", cap]
+      else:
+        prefix = ["bwrap", "--unshare-all", "--uid", "65534", "--gid", "65534"]
+        if worker:  # in its user namespace: over the namespaces it makes for each program
+          prefix += ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
+      # A worker outlives the host thread that started it, whose exit --die-with-parent
+      # would take for its parent's; it exits when the host closes its control socket.
+      prefix += [] if worker else ["--die-with-parent"]
+      prefix += ["--new-session", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                 "--tmpfs", "/tmp"]
+      for path in self.hidden:
+        prefix += ["--tmpfs", path]
+      for path in self.exposed:
+        # bwrap would create them traversable by root only
+        for parent in _parents_below(path, (*self.hidden, "/tmp")):
+          prefix += ["--perms", "0755", "--dir", parent]
+        prefix += ["--ro-bind", path, path]
+      prefix += ["--bind", workdir, workdir, "--chdir", workdir, "--clearenv"]
+      for key, value in _environment(workdir).items():
+        prefix += ["--setenv", key, value]
+      prefix.append("--")
+    elif mode == "unshare":
+      prefix = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--ipc",
+                "--uts", "--mount-proc"]
+      if not root:
+        prefix += ["--user", "--map-root-user"]
+      prefix.append("--")
+      spec.update(read_only=True, init=not worker, hide=list(self.hidden),
+                  expose=list(self.exposed))
+    else:
+      prefix = []
+    return prefix + [self.python, "-I", "-S", "-X", "utf8", _BOOT, json.dumps(spec)]
+
+
+class _WorkerDead(Exception):
+  """The worker died before it could take the program: another worker may run it."""
+
+
+def _descendants(pid: int) -> list[int]:
+  """Returns the pids of the live descendants of `pid` (from /proc, as this host sees them)."""
+  children: dict[int, list[int]] = {}
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/stat", "rb") as f:
+          parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+      except (OSError, IndexError, ValueError):
+        continue
+      children.setdefault(parent, []).append(int(entry))
+  found, queue = [], list(children.get(pid, []))
+  while queue:
+    child = queue.pop()
+    found.append(child)
+    queue += children.get(child, [])
+  return found
+
+
+class _Worker:
+  """One persistent sandboxed interpreter of the pool (`sandbox_boot.serve`), its control
+  socket and its root directory, where each program gets a fresh working directory. Used by
+  one thread at a time."""
+
+  def __init__(self, launcher: _Launcher, mode: str, workdir_root: str | None,
+               preload: Sequence[str], start_timeout_s: float):
+    self.mode = mode
+    self.root = os.path.realpath(tempfile.mkdtemp(prefix="coa_sandbox_pool_", dir=workdir_root))
+    # As root, programs run under other uids and must traverse it to their own directory.
+    os.chmod(self.root, 0o711 if os.geteuid() == 0 else 0o700)
+    self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    self.log = tempfile.TemporaryFile()  # the worker's own stderr, for a failed start
+    self.dead = False
+    if mode == "bwrap":
+      hidden = (*launcher.hidden, "/tmp", "/dev/shm")
+      fresh = ["/tmp", *launcher.hidden, "/dev/shm"]
+    else:
+      hidden, fresh = (), []
+    if mode != "rlimit" and not any(self.root.startswith(h + "/") for h in hidden):
+      fresh.append(self.root)
+    serve = {"control_fd": theirs.fileno(), "namespaces": mode != "rlimit",
+             "preload": list(preload), "fresh": fresh,
+             "expose": list(launcher.exposed) if mode == "bwrap" else [],
+             "proc_read_only": list(sandbox_boot._PROC_READ_ONLY) if mode == "bwrap" else [],
+             "loopback": mode == "bwrap", "root": self.root,
+             "seal": mode == "bwrap" and os.geteuid() == 0,
+             "runner": mode == "bwrap" and os.geteuid() != 0,
+             # unshare's own process shares the user namespace of the worker (not root)
+             "nproc_extra": 1 if mode == "unshare" else 0}
+    argv = launcher.command(mode, self.root, {"serve": serve}, worker=True)
+    try:
+      self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=self.log, env=_environment(self.root), cwd=self.root,
+                                   pass_fds=(theirs.fileno(),), start_new_session=True)
+    except OSError as e:
+      theirs.close()
+      self.kill()
+      raise ToolFailure(TOOL_ERROR, f"the sandbox worker could not start: {e}") from None
+    theirs.close()
+    reply = self._receive(start_timeout_s)
+    if not reply or not reply.get("ready"):
+      self.kill()
+      reason = (reply or {}).get("error") or self._log_tail() or "no reply"
+      raise ToolFailure(TOOL_ERROR, f"the sandbox worker could not start: {reason}")
+    self.pid = reply["pid"]  # as its own pid namespace numbers it
+
+  def _receive(self, timeout_s: float) -> dict[str, Any] | None:
+    """Returns the worker's next message, or None if it closed the socket or said nothing
+    within `timeout_s`."""
+    ready = select.select([self.control], [], [], timeout_s)[0]
+    try:
+      message = self.control.recv(1 << 16) if ready else b""
+    except OSError:
+      message = b""
+    return json.loads(message) if message else None
+
+  def _log_tail(self) -> str:
+    self.log.seek(0)
+    lines = self.log.read().decode("utf-8", errors="replace").strip().splitlines()
+    return lines[-1] if lines else ""
+
+  def alive(self) -> bool:
+    return not self.dead and self.proc.poll() is None
+
+  def run(self, request: dict[str, Any], stdin_path: str, limits: SandboxLimits,
+          uid: int | None) -> tuple[_Run, bool]:
+    """Runs one program; returns its _Run and whether this worker may run another. Raises
+    _WorkerDead if the worker was gone before it took the program."""
+    if not self.alive():
+      raise _WorkerDead()
+    read_end, write_end = os.pipe()
+    try:
+      with open(stdin_path, "rb") as stdin_file:
+        socket.send_fds(self.control, [json.dumps(request).encode()],
+                        [stdin_file.fileno(), write_end])
+    except OSError:
+      os.close(read_end)
+      raise _WorkerDead() from None
+    finally:
+      os.close(write_end)
+    try:
+      return self._collect(read_end, limits, uid)
+    finally:
+      os.close(read_end)
+
+  def _collect(self, fd: int, limits: SandboxLimits, uid: int | None) -> tuple[_Run, bool]:
+    """Reads the program's output until the worker reports its end; on timeout, excess
+    output or the worker's death, kills the worker."""
+    deadline = time.monotonic() + limits.wall_timeout_s
+    chunks, size, stopped, status, error, drain_until = [], 0, None, None, None, None
+    started = False  # the worker said it forked the program
+    with selectors.DefaultSelector() as selector:
+      selector.register(fd, selectors.EVENT_READ)
+      selector.register(self.control, selectors.EVENT_READ)
+      while stopped is None:
+        now = time.monotonic()
+        if drain_until is not None:
+          if now > drain_until or fd not in selector.get_map():
+            break
+        elif now > deadline:
+          stopped = "timeout"
+          break
+        for key, _ in selector.select(timeout=0.05):
+          if key.fd == fd:
+            data = os.read(fd, 1 << 16)
+            if not data:
+              selector.unregister(fd)
+              continue
+            chunks.append(data)
+            size += len(data)
+            if size > limits.max_capture_bytes:
+              stopped = "too_large"
+              break
+            continue
+          try:
+            message = self.control.recv(1 << 16)
+          except OSError:
+            message = b""
+          if not message and not started:
+            self.kill()  # before it took the program: the caller may try another worker
+            raise _WorkerDead()
+          reply = json.loads(message) if message else {"error": "the sandbox worker died"}
+          started = started or "pid" in reply
+          if "status" in reply or "error" in reply:
+            status, error = reply.get("status"), reply.get("error")
+            selector.unregister(self.control)
+            # The program is over (in namespace modes with every process it started); what
+            # is left holding the pipe (the rlimit mode's escapees) is killed now.
+            if uid is not None and self.mode == "rlimit":
+              _kill_uid(uid)
+            drain_until = now + 1.0
+    output = b"".join(chunks)[:limits.max_capture_bytes]
+    if stopped is not None or status is None:
+      self.kill()
+      if uid is not None:
+        _kill_uid(uid)
+      if stopped is None:
+        worker_error = (error or "the sandbox worker died").encode()
+        return _Run(output + (b"\n" if output else b"") + worker_error,
+                    128 + signal.SIGKILL, "worker_died"), False
+      return _Run(output, 128 + signal.SIGKILL, stopped), False
+    return _Run(output, status, None), True
+
+  def kill(self) -> None:
+    """Kills the worker and everything in it (idempotent)."""
+    self.dead = True
+    proc = getattr(self, "proc", None)
+    if proc is not None and proc.poll() is None:
+      # Everything under the command this host started: the worker's init (bwrap's, or the
+      # worker itself under unshare), whose pid namespace dies with it, or (rlimit) the
+      # worker's program. The command then reaps it and exits, or the worker (rlimit) exits
+      # as its control socket closes; else it is killed too.
+      for pid in _descendants(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+          os.kill(pid, signal.SIGKILL)
+      self.control.close()
+      with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(proc.pid, signal.SIGCONT)  # were it stopped
+      try:
+        proc.wait(timeout=2)
+      except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+          os.killpg(proc.pid, signal.SIGKILL)
+    if proc is not None:
+      proc.wait()
+    self.control.close()
+    self.log.close()
+    shutil.rmtree(self.root, ignore_errors=True)
+
+
+class _WorkerPool:
+  """The idle workers of a sandbox and every worker it started; thread-safe. Holds no
+  reference to the sandbox, so that the sandbox's finalizer can close it."""
+
+  def __init__(self, start: Callable[[], _Worker]):
+    self._start, self._lock = start, threading.Lock()
+    self._owner = os.getpid()  # a forked copy of this process must not stop its workers
+    self._idle: list[_Worker] = []
+    self._all: set[_Worker] = set()
+
+  def take(self) -> _Worker:
+    """Returns an idle live worker, or starts one (raises ToolFailure if it cannot)."""
+    with self._lock:
+      while self._idle:
+        worker = self._idle.pop()
+        if worker.alive():
+          return worker
+        self._all.discard(worker)
+        worker.kill()
+    worker = self._start()
+    with self._lock:
+      self._all.add(worker)
+    return worker
+
+  def give(self, worker: _Worker, reusable: bool) -> None:
+    """Takes back a worker after a run; kills it unless `reusable`."""
+    with self._lock:
+      if reusable and worker in self._all and worker.alive():
+        self._idle.append(worker)
+        return
+      self._all.discard(worker)
+    worker.kill()
+
+  def close(self) -> None:
+    """Kills every worker, idle or running a program (whose run then ends in an error)."""
+    with self._lock:
+      workers, self._idle, self._all = list(self._all), [], set()
+    if os.getpid() == self._owner:
+      for worker in workers:
+        worker.kill()
+
+  def pids(self) -> list[int]:
+    """Returns the host pids of the workers' outermost processes (for tests)."""
+    with self._lock:
+      return [worker.proc.pid for worker in self._all]
+
+
 class CodeSandbox(Tool):
-  """Runs `code` calls in isolated processes, at most `workers` at a time."""
+  """Runs `code` calls in isolated processes, at most `workers` at a time: by default in a pool
+  of persistent workers that fork each program afresh (`persistent=False`: a process started
+  for each program). `preload`: the modules the workers import once (default: `PRELOAD`, and
+  numpy where the interpreter has it). `close()` stops the workers; so do the sandbox's
+  garbage collection and the interpreter's exit."""
 
   name = "code"
 
   def __init__(self, limits: SandboxLimits | None = None, isolation: str = "auto",
-               workers: int = 4, python: str = sys.executable, workdir_root: str | None = None):
+               workers: int = 4, python: str = sys.executable, workdir_root: str | None = None,
+               persistent: bool = True, preload: Sequence[str] | None = None):
     self.limits = limits or SandboxLimits()
     super().__init__(self.limits.max_output_chars)
     if workers < 1:
@@ -307,7 +680,24 @@ class CodeSandbox(Tool):
     self.needed = _needed_paths(python, prefixes + self.module_path)
     self.hidden, self.exposed = _hidden_and_exposed(self.needed)
     self.self_test = _SELF_TEST + (_SELF_TEST_NUMPY if numpy else "") + "print(6 * 7)\n"
+    self._launcher = _Launcher(python, tuple(self.module_path), tuple(self.hidden),
+                               tuple(self.exposed))
     self.isolation = self._choose_isolation(isolation)
+    self.preload = tuple(PRELOAD + (("numpy",) if numpy else ()) if preload is None else preload)
+    self._pool = _WorkerPool(functools.partial(_Worker, self._launcher, self.isolation,
+                                               workdir_root, self.preload, _WORKER_START_S))
+    weakref.finalize(self, self._pool.close)  # on garbage collection or at exit
+    self.persistent = persistent and self._pool_usable()
+
+  def close(self) -> None:
+    """Stops the pool's workers (idempotent); a later call starts new ones."""
+    self._pool.close()
+
+  def __enter__(self) -> "CodeSandbox":
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
 
   # --- isolation -----------------------------------------------------------------------
 
@@ -378,49 +768,41 @@ class CodeSandbox(Tool):
     return None
 
   def _environment(self, workdir: str) -> dict[str, str]:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
-            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return _environment(workdir)
 
   def _command(self, mode: str, workdir: str, uid: int | None) -> list[str]:
     """Returns the argv that runs main.py in `workdir` under `mode`."""
-    root = os.geteuid() == 0
     rlimits = self.limits.rlimits()
-    spec = {"workdir": workdir, "rlimits": rlimits, "uid": None, "read_only": False,
-            "init": False, "path": self.module_path}
-    if mode == "bwrap":
-      if root:  # no user namespace: the boot drops to the run's uid, which root cannot be
-        prefix = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-                  "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-        spec["uid"] = uid
-      else:
-        prefix = ["bwrap", "--unshare-all", "--uid", "65534", "--gid", "65534"]
-      prefix += ["--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev",
-                 "--proc", "/proc", "--tmpfs", "/tmp"]
-      for path in self.hidden:
-        prefix += ["--tmpfs", path]
-      for path in self.exposed:
-        # bwrap would create them traversable by root only
-        for parent in _parents_below(path, (*self.hidden, "/tmp")):
-          prefix += ["--perms", "0755", "--dir", parent]
-        prefix += ["--ro-bind", path, path]
-      prefix += ["--bind", workdir, workdir, "--chdir", workdir, "--clearenv"]
-      for key, value in self._environment(workdir).items():
-        prefix += ["--setenv", key, value]
-      prefix.append("--")
-    elif mode == "unshare":
-      prefix = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--ipc",
-                "--uts", "--mount-proc"]
-      if not root:
-        prefix += ["--user", "--map-root-user"]
-      prefix.append("--")
-      spec.update(read_only=True, init=True, uid=uid, hide=self.hidden, expose=self.exposed)
-    else:
-      prefix = []
-      spec["uid"] = uid
-      if not root:  # RLIMIT_NPROC counts every process of this user, the host's included
-        rlimits["RLIMIT_NPROC"] += _user_task_count(os.getuid())
-    return prefix + [self.python, "-I", "-S", "-X", "utf8", _BOOT, json.dumps(spec)]
+    if mode == "rlimit" and os.geteuid() != 0:
+      # RLIMIT_NPROC counts every process of this user, the host's included.
+      rlimits["RLIMIT_NPROC"] += _user_task_count(os.getuid())
+    return self._launcher.command(mode, workdir, {"rlimits": rlimits, "uid": uid})
+
+  def _pool_usable(self) -> bool:
+    """Returns whether the worker pool runs programs here: the self-test, run through a
+    worker, passes (probed once per process, mode and python; a passing probe's worker is
+    this sandbox's first). If not, warns once: programs then start a process each, in the
+    same isolation mode."""
+    key = (self.isolation, self.python)
+    with _PROBE_LOCK:
+      if key not in _POOL_PROBED:
+        try:
+          run = self._execute_pooled(self.self_test, None)
+        except ToolFailure as e:
+          _POOL_PROBED[key] = str(e)
+        else:
+          if run.returncode == 0 and run.stopped is None and run.output.strip() == b"42":
+            _POOL_PROBED[key] = None
+          else:
+            lines = run.output.decode("utf-8", errors="replace").strip().splitlines()
+            _POOL_PROBED[key] = (f"its self-test through a worker failed with status "
+                                 f"{run.returncode}: {lines[-1] if lines else 'no output'}")
+      reason = _POOL_PROBED[key]
+    if reason is not None:
+      self._pool.close()
+      _warn_once(f"code sandbox: no persistent workers in isolation {self.isolation!r} "
+                 f"({reason}); each program starts a process of its own")
+    return reason is None
 
   # --- running -------------------------------------------------------------------------
 
@@ -451,6 +833,49 @@ class CodeSandbox(Tool):
         return _Run(output, 128 - code if code < 0 else code, stopped)
     finally:
       shutil.rmtree(workdir, ignore_errors=True)
+
+  def _execute_pooled(self, source: str, stdin: str | None) -> _Run:
+    """Runs `source` on a pool worker (another one if the worker turns out dead before it
+    takes the program)."""
+    for attempt in range(2):
+      worker, reusable = self._pool.take(), False
+      try:
+        run, reusable = self._run_on(worker, source, stdin)
+        return run
+      except _WorkerDead:
+        if attempt:
+          raise ToolFailure(TOOL_ERROR, "the sandbox workers die before taking programs") \
+              from None
+      finally:
+        self._pool.give(worker, reusable)
+    raise AssertionError("unreachable")
+
+  def _run_on(self, worker: _Worker, source: str, stdin: str | None) -> tuple[_Run, bool]:
+    """Runs `source` on `worker` in a fresh working directory under a leased uid (as root);
+    kills everything the run started. Returns the run and whether the worker is reusable."""
+    lease = _UIDS.lease() if os.geteuid() == 0 else contextlib.nullcontext()
+    with lease as uid:
+      workdir = tempfile.mkdtemp(prefix="run_", dir=worker.root)
+      try:
+        for name, text in (("main.py", source), ("stdin.txt", stdin or "")):
+          with open(os.path.join(workdir, name), "w", encoding="utf-8",
+                    errors="surrogateescape") as f:
+            f.write(text)
+        if uid is not None:
+          os.chmod(workdir, 0o700)
+          for path in (workdir, os.path.join(workdir, "main.py")):
+            os.chown(path, uid, uid)
+        rlimits = self.limits.rlimits()
+        if self.isolation == "rlimit" and uid is None:
+          # RLIMIT_NPROC counts every process of this user, the host's included.
+          rlimits["RLIMIT_NPROC"] += _user_task_count(os.getuid())
+        request = {"workdir": workdir, "rlimits": rlimits, "uid": uid,
+                   "env": _environment(workdir)}
+        return worker.run(request, os.path.join(workdir, "stdin.txt"), self.limits, uid)
+      finally:
+        if uid is not None:
+          _kill_uid(uid)
+        shutil.rmtree(workdir, ignore_errors=True)
 
   def _kill(self, proc: subprocess.Popen, uid: int | None) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -497,6 +922,9 @@ class CodeSandbox(Tool):
     if run.stopped == "timeout":
       return ToolFailure(TIMEOUT, f"timed out after {limits.wall_timeout_s:g} s (wall clock)",
                          output)
+    if run.stopped == "worker_died":
+      return ToolFailure(TOOL_ERROR, "the sandbox worker failed while running the program",
+                         output)
     if run.stopped == "too_large":
       return ToolFailure(TOO_LARGE, f"the program printed more than {limits.max_capture_bytes} "
                                     f"bytes and was stopped", output)
@@ -526,7 +954,10 @@ class CodeSandbox(Tool):
       raise ToolFailure(BAD_REQUEST, f"program of {len(source)} characters; at most "
                                      f"{self.limits.max_code_chars}")
     with self._slots:
-      run = self._execute(source, stdin, self.isolation)
+      if self.persistent:
+        run = self._execute_pooled(source, stdin)
+      else:
+        run = self._execute(source, stdin, self.isolation)
     failure = self._failure(run)
     if failure is not None:
       failure.metadata.update(returncode=run.returncode, isolation=self.isolation)

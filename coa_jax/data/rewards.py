@@ -597,7 +597,7 @@ def _build_scorer(name: str, config: Mapping[str, Any], spec: RewardSpec) -> Sco
     return PythonScorer(function, dict(options.get("options") or {}))
   try:
     if kind == "code":
-      options = _options(name, config, ("limits", "isolation", "workers"))
+      options = _options(name, config, ("limits", "isolation", "workers", "persistent"))
       return CodeScorer(CodeSandbox(SandboxLimits(**dict(options.pop("limits", {}))), **options))
     options = _options(name, config, ("base_url", "model", "api_key_env", "max_tokens", "http"))
     if "http" in options:
