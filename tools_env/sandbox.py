@@ -35,50 +35,63 @@ threads call it, and `map(bodies)` runs a list of calls through the pool.
 
 Persistent workers (the default; `persistent=False` starts a process per program, as above).
 Each of the `workers` slots holds a worker: the mode's sandbox (the same bwrap or unshare
-command, or none for "rlimit") started once, running `sandbox_boot.serve`, an interpreter that
-has imported the standard modules of `PRELOAD` and numpy (where the interpreter has it) and
-then forks a process per program. The worker never runs a program's code nor reads its code,
-input or output: the host writes them to the program's working directory and hands the
-worker two descriptors (its stdin file and the write end of its output pipe). Per program:
+command, or none for "rlimit") started once, running `sandbox_worker.serve`, an interpreter that
+has imported the standard modules of `PRELOAD` and numpy (where the interpreter has it). The
+worker never runs a program's code, nor reads its code, input or output: the host writes them
+to a fresh working directory in the worker's own directory and hands the worker two
+descriptors (the stdin file and the write end of the output pipe). For each program the worker
+forks a process that takes them as fds 0-2, closes every other descriptor, makes new
+sys.stdin/stdout/stderr on them and sets the program's environment, then, as a single run
+does, applies the limits and (as root) drops to the run's uid, and sets no_new_privs and drops
+every capability before running main.py. In the namespace modes:
 
-- In the namespace modes the worker forks the program's init, pid 1 of a new pid namespace,
-  which enters new mount, network, ipc and uts namespaces, replaces every writable directory
-  the sandbox has (bwrap: /tmp, /dev/shm and the hidden home directories; the worker's own
-  directory, which holds the working directories) with an empty tmpfs, binds the program's
-  fresh working directory (and the interpreter's exposed paths) back in, mounts its own /proc,
-  remounts every other writable mount read-only (bwrap: /dev included) and brings up a loopback
-  of its own (bwrap). It then forks the program, which takes the environment, limits and (as
-  root) the run's uid as a single run does, sets no_new_privs and drops every capability. When
-  the program ends, its init exits with its status, and the kernel kills every process left in
-  its pid namespace; as root the host also kills every process of the run's uid.
-- In the rlimit mode the worker forks the program directly, in a new session; when it ends its
-  process group is killed, and as root every process of its uid.
+- as root, the fork enters new network (under bwrap with a loopback of its own), ipc and uts
+  namespaces and a new session. It shares the worker's mounts, which the worker made
+  read-only at its start (bwrap: /dev and its tmpfs too), all but the worker's directory,
+  which is root's and holds nothing else while the program runs. When the program ends, the
+  host kills every process of the run's uid (the worker its process group) before the worker
+  takes another program.
+- without root (the run's uid is the worker's), the fork is pid 1 of a new pid namespace, the
+  program's init: it enters new mount, network, ipc and uts namespaces, replaces every
+  directory the worker's user may write (bwrap: /tmp, /dev/shm, the hidden home directories;
+  the worker's directory) with an empty tmpfs, binds the program's working directory and the
+  interpreter's exposed paths back in, mounts a /proc of its own, remounts every other writable
+  mount read-only, brings up a loopback (bwrap) and forks the program. When the program ends
+  its init exits, and the kernel kills every process left in its pid namespace before that
+  exit is reported.
+
+In the rlimit mode the fork runs the program in a new session; when it ends its process group
+is killed, and as root every process of its uid.
 
 Why a program cannot affect the next one: it runs in a copy of the worker's memory made by
 fork, and the worker runs no program code: what a program starts from is the worker's state
 after its start-up plus its loop's bookkeeping (the last request: a path, a uid, limits), so
 modules, globals, sys settings, the environment (set afresh for each program) and the
 standard streams (made anew on the program's descriptors) are never a previous program's; the
-random module reseeds after each fork. In the namespace modes nothing it wrote
-outside its working directory (deleted afterwards) outlives its mount namespace, no process
-outlives its pid namespace, and no socket, IPC object or hostname its network, ipc and uts
-namespaces. It cannot reach the worker: as root it runs under another uid, without root in
-another pid namespace, without any capability, and the worker is not dumpable (no ptrace, no
-/proc/<pid>/mem). A worker that dies, or a run that times out or prints too much, is killed
-(with every process in it) and replaced by a new one on the next call: a dead worker's program
-gets a `tool_error` result, or another worker if it died before taking it. Workers stop on
-`close()`, when the sandbox is garbage collected and at interpreter exit, and exit by
-themselves when the host goes away (their control socket closes).
+random module reseeds after each fork. In the namespace modes nothing it wrote outside its
+working directory (deleted afterwards) outlives it (as root it can write nowhere else; without
+root only in tmpfs of its own mount namespace), no process it started outlives it (as root
+every process of its uid is killed; without root its pid namespace dies), nor any socket, IPC
+object or hostname (its own network, ipc and uts namespaces). It cannot reach the worker: it
+runs under another uid (as root) or in another pid namespace, with no capability, and the
+worker is not dumpable (no ptrace, no /proc/<pid>/mem). A worker that dies, or a run that
+times out or prints too much, is killed with everything in it and replaced by a new one on the
+next call: a dead worker's program gets a `tool_error` result, or another worker if it died
+before taking it. Workers stop on `close()`, when the sandbox is garbage collected and at
+interpreter exit, and exit by themselves when the host goes away (their control socket
+closes).
 
 Differences a program can see: the preloaded modules are already in sys.modules (and, numpy
 among them, count against RLIMIT_AS: ~85 MB of a 2 GiB default); str hashes are the same in
 every program of a worker (one hash seed per worker); interpreter exit runs the program's
 threads, atexit functions and garbage collection but does not tear down the modules
-(`sandbox_boot.exit_program`). The rlimit mode keeps no more than its single-run guarantees:
-what a program writes where its uid may (/tmp, as root; anywhere its user may, without) is
-seen by later programs, and without root a process that leaves its process group survives.
-When the pool's own self-test fails on a machine, the sandbox warns once and starts a process
-per program instead, in the same isolation mode.
+(`sandbox_worker.exit_program`); as root, /proc shows the worker's processes beside the
+program's, and the program's pid and parent's are the worker's numbering. The rlimit mode
+keeps no more than its single-run guarantees: what a program writes where its uid may (/tmp,
+as root; anywhere its user may, without) is seen by later programs, and without root a
+process that leaves its process group survives. When the pool's own self-test fails on a
+machine, the sandbox warns once and starts a process per program instead, in the same
+isolation mode.
 """
 
 from __future__ import annotations
@@ -125,6 +138,9 @@ log = logging.getLogger(__name__)
 ISOLATION_MODES = ("bwrap", "unshare", "rlimit")
 HIDDEN_DIRS = ("/root", "/home")  # replaced by empty directories in the namespace modes
 _BOOT = os.path.abspath(sandbox_boot.__file__)
+_WORKER = os.path.join(os.path.dirname(_BOOT), "sandbox_worker.py")  # a pool's worker
+# What bubblewrap makes read-only in the /proc it mounts (so does a program's init in a worker).
+_PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus")
 _PYTHON_BLOCK_RE = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL)
 _STDIN_BLOCK_RE = re.compile(r"```(?:sh|bash|stdin|text)[ \t]*\n(.*?)```", re.DOTALL)
 # The self-test: imports the boot script has not made (so they run as the sandboxed user), a C
@@ -412,7 +428,8 @@ class _Launcher:
                   expose=list(self.exposed))
     else:
       prefix = []
-    return prefix + [self.python, "-I", "-S", "-X", "utf8", _BOOT, json.dumps(spec)]
+    return prefix + [self.python, "-I", "-S", "-X", "utf8", _WORKER if worker else _BOOT,
+                     json.dumps(spec)]
 
 
 class _WorkerDead(Exception):
@@ -439,30 +456,32 @@ def _descendants(pid: int) -> list[int]:
 
 
 class _Worker:
-  """One persistent sandboxed interpreter of the pool (`sandbox_boot.serve`), its control
+  """One persistent sandboxed interpreter of the pool (`sandbox_worker.serve`), its control
   socket and its root directory, where each program gets a fresh working directory. Used by
   one thread at a time."""
 
   def __init__(self, launcher: _Launcher, mode: str, workdir_root: str | None,
                preload: Sequence[str], start_timeout_s: float):
     self.mode = mode
+    # Without root, each program's processes are found by their own pid namespace; as root by
+    # their uid, leased for the run.
+    self.pid_namespace = mode != "rlimit" and os.geteuid() != 0
     self.root = os.path.realpath(tempfile.mkdtemp(prefix="coa_sandbox_pool_", dir=workdir_root))
-    # As root, programs run under other uids and must traverse it to their own directory.
-    os.chmod(self.root, 0o711 if os.geteuid() == 0 else 0o700)
+    # As root, programs run under other uids, and reach their directory through it (which
+    # holds nothing else while they run); they cannot write in it.
+    os.chmod(self.root, 0o755 if os.geteuid() == 0 else 0o700)
     self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     self.log = tempfile.TemporaryFile()  # the worker's own stderr, for a failed start
     self.dead = False
-    if mode == "bwrap":
-      hidden = (*launcher.hidden, "/tmp", "/dev/shm")
-      fresh = ["/tmp", *launcher.hidden, "/dev/shm"]
-    else:
-      hidden, fresh = (), []
-    if mode != "rlimit" and not any(self.root.startswith(h + "/") for h in hidden):
+    # Without root, what each program's init replaces with empty tmpfs (see sandbox_worker).
+    fresh = ["/tmp", *launcher.hidden, "/dev/shm"] if mode == "bwrap" else []
+    if mode != "rlimit" and not any(self.root.startswith(path + "/") for path in fresh):
       fresh.append(self.root)
     serve = {"control_fd": theirs.fileno(), "namespaces": mode != "rlimit",
+             "pid_namespace": self.pid_namespace,
              "preload": list(preload), "fresh": fresh,
              "expose": list(launcher.exposed) if mode == "bwrap" else [],
-             "proc_read_only": list(sandbox_boot._PROC_READ_ONLY) if mode == "bwrap" else [],
+             "proc_read_only": list(_PROC_READ_ONLY) if mode == "bwrap" else [],
              "loopback": mode == "bwrap", "root": self.root,
              "seal": mode == "bwrap" and os.geteuid() == 0,
              "runner": mode == "bwrap" and os.geteuid() != 0,
@@ -483,7 +502,6 @@ class _Worker:
       self.kill()
       reason = (reply or {}).get("error") or self._log_tail() or "no reply"
       raise ToolFailure(TOOL_ERROR, f"the sandbox worker could not start: {reason}")
-    self.pid = reply["pid"]  # as its own pid namespace numbers it
 
   def _receive(self, timeout_s: float) -> dict[str, Any] | None:
     """Returns the worker's next message, or None if it closed the socket or said nothing
@@ -565,9 +583,9 @@ class _Worker:
           if "status" in reply or "error" in reply:
             status, error = reply.get("status"), reply.get("error")
             selector.unregister(self.control)
-            # The program is over (in namespace modes with every process it started); what
-            # is left holding the pipe (the rlimit mode's escapees) is killed now.
-            if uid is not None and self.mode == "rlimit":
+            # The program is over; what it left (as root, every process of its uid; in its
+            # own pid namespace nothing is left) is killed now, before the next program.
+            if uid is not None and not self.pid_namespace:
               _kill_uid(uid)
             drain_until = now + 1.0
     output = b"".join(chunks)[:limits.max_capture_bytes]
@@ -854,6 +872,7 @@ class CodeSandbox(Tool):
     """Runs `source` on `worker` in a fresh working directory under a leased uid (as root);
     kills everything the run started. Returns the run and whether the worker is reusable."""
     lease = _UIDS.lease() if os.geteuid() == 0 else contextlib.nullcontext()
+    reusable = False
     with lease as uid:
       workdir = tempfile.mkdtemp(prefix="run_", dir=worker.root)
       try:
@@ -871,9 +890,14 @@ class CodeSandbox(Tool):
           rlimits["RLIMIT_NPROC"] += _user_task_count(os.getuid())
         request = {"workdir": workdir, "rlimits": rlimits, "uid": uid,
                    "env": _environment(workdir)}
-        return worker.run(request, os.path.join(workdir, "stdin.txt"), self.limits, uid)
+        run, reusable = worker.run(request, os.path.join(workdir, "stdin.txt"), self.limits,
+                                   uid)
+        return run, reusable
       finally:
-        if uid is not None:
+        # A run that ended cleanly left no process: its init's exit took its pid namespace
+        # (the rlimit mode swept the uid on the status). Else, the uid is swept here (and in
+        # any case when it is next leased).
+        if uid is not None and not reusable:
           _kill_uid(uid)
         shutil.rmtree(workdir, ignore_errors=True)
 
