@@ -19,8 +19,8 @@ import numpy
 import pytest
 
 from tools_env import base, sandbox_boot
-from tools_env.registry import ToolRegistry
 from tools_env import sandbox as sandbox_module
+from tools_env.registry import ToolRegistry
 from tools_env.sandbox import CodeSandbox, IsolationUnavailable, SandboxLimits, extract_program
 
 LIMITS = SandboxLimits(wall_timeout_s=4, cpu_time_s=2, max_processes=32, max_capture_bytes=2**16,
