@@ -3,7 +3,7 @@ on the CPU (make bench, make bench-rollout). configs/bench_model_gpu.py is the G
 
 import ml_collections
 
-from configs import common
+from configs import common, pipeline_tiny_cpu
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -12,8 +12,11 @@ def get_config() -> ml_collections.ConfigDict:
   qwen2_100m = dict(vocab_size=32_000, hidden_size=768, intermediate_size=2048, num_layers=12,
                     num_heads=12, num_kv_heads=4, max_position_embeddings=4096,
                     attention_impl="blockwise")
+  # The main job's model (configs/pipeline_tiny_cpu.py) with its tokenizer's 1,024 ids.
+  main_job = dict(pipeline_tiny_cpu.get_config().model, vocab_size=1024)
   config.models = {
       "tiny": common.model("tiny", attention_impl="blockwise", attention_block=32),
+      "main_job": common.model(**main_job),
       "qwen2_100m": common.model("tiny", **qwen2_100m),
       # LoRA rank 16 on every projection; HF's side is PEFT's LoRA.
       "qwen2_100m_lora": common.model("tiny", **qwen2_100m, lora_rank=16, lora_alpha=32.0,
@@ -22,7 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.batch_size = 8
   config.seq_len = 512
   config.warmup_steps = 2
-  config.steps = {"tiny": 20, "qwen2_100m": 4, "qwen2_100m_lora": 4}
+  config.steps = {"tiny": 20, "main_job": 10, "qwen2_100m": 4, "qwen2_100m_lora": 4}
   config.optimizer = common.optimizer(learning_rate=1e-4, schedule="constant")
   # Decoding (experiments/bench_rollout.py): greedy, for each batch size a prompt, then rounds
   # of new tokens with an observation appended between rounds (a tool's answer).
