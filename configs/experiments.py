@@ -9,6 +9,16 @@ from coa_jax.experiments import Experiment, filters
 from configs import pipeline_distractors_cpu
 
 _SELECTION = {"selection.max_tasks": 1000, "selection.k": 4}
+# The main job's model (3 layers x 128, 0.46M parameters) and two larger ones of its shape
+# family (heads of 16, which the tiny preset fixes; MLP twice the width): 1.28M (2.8x) and
+# 3.28M (7.1x). Each trains the main job's 1,700 SFT steps of the same batches (equal tokens)
+# with the same schedule, then its DAPO stage.
+MODEL_SIZES = {
+    "4x192": dict(num_layers=4, hidden_size=192, intermediate_size=384, num_heads=6,
+                  num_kv_heads=6),
+    "6x256": dict(num_layers=6, hidden_size=256, intermediate_size=512, num_heads=8,
+                  num_kv_heads=8),
+}
 
 EXPERIMENTS = {e.name: e for e in [
     Experiment(
@@ -47,6 +57,12 @@ EXPERIMENTS = {e.name: e for e in [
                              "lora-r8-lr3x": {"options.rank": 8, "options.lr_scale": 3.0}},
         options={"from_step": 900, "lr_scale": 1.0},
         about="LoRA (rank 8) against full fine-tuning for the main job's last 800 SFT steps"),
+    Experiment(
+        "model-size", "recipe",
+        {"3x128": {"options.main_job": True},
+         **{name: {f"model.{k}": v for k, v in size.items()}
+            for name, size in MODEL_SIZES.items()}},
+        about="the main job's recipe at 3 model sizes, equal SFT tokens"),
     Experiment(
         "dapo-lr", "rl", {f"lr-{lr:g}": {"dapo.learning_rate": lr} for lr in (2e-5, 5e-5, 1e-4)},
         options={"every": 8}, about="DAPO's learning rate, 16 updates"),

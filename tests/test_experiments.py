@@ -282,3 +282,68 @@ def test_results_keep_the_cells_in_their_order(tmp_path):
                {"fake": FakeKind()})
   assert list(report["summary"]) == ["zeta", "alpha"]
   assert report["table"].splitlines()[0] == "| zeta | [1.0] |"
+
+
+def _recipe_rows(sft: float, dapo: float) -> dict:
+  metrics = lambda p: {"pass@1": p, "copy_exact": p, "tokens_per_task": 120.0, "avg@3": p}
+  return {"teacher": {"pass@1": 0.997, "tokens_per_task": 245.0}, "sft": metrics(sft),
+          "dapo": metrics(dapo)}
+
+
+def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
+    tmp_path, monkeypatch):
+  from coa_jax.experiments import recipe
+
+  config = with_overrides(pipeline_tiny_cpu.get_config(), {"output_dir": str(tmp_path / "main")})
+  with pytest.raises(ConfigError, match="has no seed 1: run the main job first"):
+    recipe.run_cell(config, pipeline_tiny_cpu.stage_configs, 1, {"main_job": True})
+  (tmp_path / "main").mkdir()
+  (tmp_path / "main" / "results.json").write_text(json.dumps(
+      {"per_seed": {"1": _recipe_rows(0.85, 0.92)}}))
+  main = recipe.run_cell(config, pipeline_tiny_cpu.stage_configs, 1, {"main_job": True})
+  assert main["params"] == 460_224 and main["dapo"]["pass@1"] == 0.92
+  assert set(main["sft"]) == set(recipe.METRICS)  # avg@3 is not carried
+
+  calls = []
+
+  def fake_run(cfg, stage_configs, seeds):
+    calls.append((cfg.output_dir, cfg.seed, seeds, cfg.model.num_layers))
+    return {"per_seed": {cfg.seed: _recipe_rows(0.9, 0.95)}}
+
+  monkeypatch.setattr(recipe.pipeline, "run", fake_run)
+  bigger = with_overrides(config, {"model.num_layers": 6, "model.hidden_size": 256})
+  results = {seed: recipe.run_cell(bigger, pipeline_tiny_cpu.stage_configs, seed, {})
+             for seed in (0, 1)}
+  (folder, _, _, layers), (folder_1, seed_1, seeds, _) = calls
+  assert folder == folder_1 and folder.startswith(str(tmp_path / "main" / "experiments" / "runs"
+                                                      / "recipe-"))  # seeds share the folder
+  assert (seed_1, seeds, layers) == (1, 1, 6) and results[0]["params"] > 3 * main["params"]
+  summary = recipe.summarize({"3x128": {"1": main}, "6x256": results})
+  assert summary["6x256"]["dapo"]["pass@1"] == {"values": [0.95, 0.95], "mean": 0.95, "sd": 0.0}
+  assert recipe.table(summary).splitlines()[2:] == [
+      "| 3x128 | 0.46M | 0.850 +- 0.000 | 0.920 +- 0.000 | 0.850 +- 0.000 | 0.920 +- 0.000 | "
+      "120 +- 0 | 0.997 +- 0.000 |",
+      f"| 6x256 | {results[0]['params'] / 1e6:.2f}M | 0.900 +- 0.000 | 0.950 +- 0.000 | "
+      "0.900 +- 0.000 | 0.950 +- 0.000 | 120 +- 0 | 0.997 +- 0.000 |"]
+  report = {"name": "model-size", "about": "sizes", "seeds": [0, 1], "summary": summary}
+  assert recipe.plot(report, str(tmp_path / "sizes.png")) and (tmp_path / "sizes.png").exists()
+
+
+def test_model_sizes_grow_to_about_8x_the_main_jobs_parameters_and_fit_a_cpu_run():
+  from coa_jax.model import build_config
+  from coa_jax.perf import flops
+
+  base = pipeline_tiny_cpu.get_config()
+  sizes = {}
+  for name, overrides in EXPERIMENTS["model-size"].cells.items():
+    cfg = with_overrides(base, {k: v for k, v in overrides.items() if not k.startswith("options.")})
+    sizes[name] = build_config(pipeline_tiny_cpu.stage_configs(cfg, 0)["sft"].model)
+    assert cfg.sft.steps == base.sft.steps and cfg.sft.batch_size == base.sft.batch_size
+  params = {name: model.num_params() for name, model in sizes.items()}
+  assert params["3x128"] < params["4x192"] < params["6x256"] <= 8 * params["3x128"]
+  assert params["6x256"] >= 6 * params["3x128"]
+  # The budget: the largest SFT run's model FLOPs stay within 12x the main job's (a few hours
+  # of this 2-core machine for 3 seeds), and its AdamW state within 100 MB.
+  step = {n: flops.train_flops(m, base.sft.batch_size, base.sft.seq_len) for n, m in sizes.items()}
+  assert step["6x256"] <= 12 * step["3x128"]
+  assert 16 * params["6x256"] < 100e6

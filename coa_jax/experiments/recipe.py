@@ -1,0 +1,103 @@
+"""The "recipe" experiment kind: the main job's whole recipe (distil, SFT, DAPO, evaluate) run
+on a cell's config, for comparisons that change what every stage trains, such as the model's
+size. A cell and seed runs `pipeline.run` for that seed in a folder named after the cell's
+config (`runner.shared_dir`; the seeds of a cell share its distillation), or, with options
+"main_job", reads the main job's results (`make pipeline` first). Every stage resumes where it
+stopped, so a run cut short continues at the next launch.
+
+A result holds the model's parameter count and, after SFT and after DAPO, the held-out
+pass@1, the copy probe and the tokens per task, with the teacher system's pass@1 and tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import ml_collections
+
+from coa_jax import pipeline
+from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
+                                        shared_dir)
+from coa_jax.model import ConfigError, build_config
+from coa_jax.runtime.cache import exists
+
+SYSTEMS = ("sft", "dapo")
+METRICS = ("pass@1", "copy_exact", "tokens_per_task")
+
+
+def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
+             options: Mapping[str, Any]) -> dict[str, Any]:
+  """Returns one seed's held-out metrics of the recipe on `config`."""
+  if options.get("main_job"):
+    rows = _main_job_rows(config.output_dir, seed)
+  else:
+    cfg = ml_collections.ConfigDict(config.to_dict())
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "seed")}
+    cfg.seed, cfg.output_dir = seed, shared_dir(config, "recipe", settings)
+    rows = pipeline.run(cfg, stage_configs, seeds=1)["per_seed"][seed]
+  model = build_config(stage_configs(config, seed)["sft"].model)
+  return {"params": model.num_params(),
+          "teacher": {m: rows["teacher"][m] for m in ("pass@1", "tokens_per_task")},
+          **{system: {m: rows[system][m] for m in METRICS} for system in SYSTEMS}}
+
+
+def _main_job_rows(output_dir: str, seed: int) -> dict[str, Any]:
+  """Returns the main job's metrics of `seed` from its results.json."""
+  path = os.path.join(output_dir, "results.json")
+  per_seed = json.load(open(path))["per_seed"] if exists(path) else {}
+  if str(seed) not in per_seed:
+    raise ConfigError(f"{path} has no seed {seed}: run the main job first (make pipeline "
+                      f"ARGS=\"--seeds 3\")")
+  return per_seed[str(seed)]
+
+
+def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+  """Returns, per cell, its parameter count and the mean +- sd over seeds of every metric."""
+  summary = {}
+  for name, by_seed in results.items():
+    runs = list(by_seed.values())
+    summary[name] = {"params": runs[0]["params"]}
+    for system in ("teacher",) + SYSTEMS:
+      summary[name][system] = {m: mean_sd([r[system][m] for r in runs])
+                               for m in runs[0][system]}
+  return summary
+
+
+def table(summary: Mapping[str, Any]) -> str:
+  """Returns the markdown table: per cell, parameters, then pass@1, copy probe and tokens per
+  task after SFT and after DAPO (mean +- sd over seeds), and the teacher's pass@1."""
+  lines = ["| model | params | SFT pass@1 | DAPO pass@1 | SFT copy probe | DAPO copy probe | "
+           "tokens per task (DAPO) | teacher pass@1 |", "|---|---|---|---|---|---|---|---|"]
+  for name, row in summary.items():
+    sft, dapo = row["sft"], row["dapo"]
+    lines.append(f"| {name} | {row['params'] / 1e6:.2f}M | {cell(sft['pass@1'])} | "
+                 f"{cell(dapo['pass@1'])} | {cell(sft['copy_exact'])} | "
+                 f"{cell(dapo['copy_exact'])} | {cell(dapo['tokens_per_task'], 0)} | "
+                 f"{cell(row['teacher']['pass@1'])} |")
+  return "\n".join(lines)
+
+
+def plot(report: Mapping[str, Any], path: str) -> str | None:
+  """Writes held-out pass@1 after SFT and after DAPO against parameters (mean +- sd over
+  seeds) with the teacher's line; returns the path, or None without matplotlib."""
+  figure = new_figure(1, (7, 4.5))
+  if figure is None:
+    return None
+  plt, fig, ax = figure
+  rows = sorted(report["summary"].items(), key=lambda item: item[1]["params"])
+  params = [row["params"] for _, row in rows]
+  for system, label in (("sft", "AFM after SFT"), ("dapo", "AFM after DAPO")):
+    ax.errorbar(params, [row[system]["pass@1"]["mean"] for _, row in rows],
+                yerr=[row[system]["pass@1"]["sd"] for _, row in rows], marker="o", capsize=3,
+                label=label)
+  ax.axhline(rows[0][1]["teacher"]["pass@1"]["mean"], color="gray", linestyle="--",
+             label="teacher system")
+  for name, row in rows:
+    ax.annotate(name, (row["params"], row["dapo"]["pass@1"]["mean"]), fontsize=7,
+                xytext=(4, 4), textcoords="offset points")
+  ax.set(xscale="log", xlabel="parameters", ylabel="held-out pass@1")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return save_figure(plt, fig, report, path)
