@@ -315,7 +315,7 @@ def test_a_program_finds_nothing_the_previous_one_left(one_worker):
       f"for path in ['/tmp/state', '/dev/shm/state', '../state', '/home/state']:\n"
       f"  try:\n    open(path, 'w').write('1')\n  except OSError:\n    pass\n"
       f"os.environ['COA_LEFT'] = '1'\nos.putenv('COA_PUT', '1')\nos.umask(0)\n"
-      f"json.left = builtins.left = sys.left = 1\nsys.path.append('/left')\n"
+      f"json.left = builtins.left = sys.left = 1\nsys.path += ['/left']\n"
       f"sys.setrecursionlimit(123)\nsys.stdout.reconfigure(errors='strict')\n"
       f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)  # {token}'],"
       f" start_new_session=True)\n"
@@ -415,7 +415,8 @@ def test_close_collection_and_exit_leave_no_process(one_worker):
   # At interpreter exit, without close().
   script = ("import sys\nfrom tools_env.sandbox import CodeSandbox\n"
             f"sandbox = CodeSandbox(isolation={one_worker.isolation!r}, workers=2)\n"
-            "sandbox.map(['```python\\nprint(1)\\n```'] * 2)\n"
+            # two programs at once (each a while), so that both workers start
+            "sandbox.map(['```python\\nimport time\\ntime.sleep(0.5)\\n```'] * 2)\n"
             "print(sorted(w.root for w in sandbox._pool._all))")
   done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         check=True, cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -44,20 +44,21 @@ namespaces; the host kills and replaces a worker whenever a run does not end cle
 """
 
 import ctypes
+import importlib.util
 import json
 import os
 import resource
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sandbox_boot import (  # noqa: E402 - next to this file, which runs as a script
-    _KEPT_FLAGS, _MS_BIND, _MS_NODEV, _MS_NOEXEC, _MS_NOSUID, _MS_RDONLY, _MS_REC, _MS_REMOUNT,
-    SETUP_FAILED, _exit_status, _flush_and_exit, _mount, _mount_tmpfs, _mounts, _under,
-    apply_limits, make_read_only, run_program)
-
-del sys.path[0]
+# sandbox_boot, next to this file, which runs as a script (`-I`: its folder is not on sys.path).
+_spec = importlib.util.spec_from_file_location(
+    "sandbox_boot", os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py"))
+boot = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(boot)
 
 _MS_PRIVATE = 1 << 18
+_READ_ONLY_REMOUNT = (boot._MS_REMOUNT | boot._MS_BIND | boot._MS_RDONLY | boot._MS_NOSUID
+                      | boot._MS_NODEV)
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
 _CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
@@ -102,11 +103,11 @@ def exit_program(status):
           pass
   except BaseException:  # noqa: BLE001 - e.g. a KeyboardInterrupt in a thread's join
     pass
-  _flush_and_exit(status)
+  boot._flush_and_exit(status)
 
 
 def apply_hardening(uid, orphan_signal):
-  """Steps a pooled program takes after `apply_limits`: no privilege gained by exec (setuid
+  """Steps a pooled program takes after `boot.apply_limits`: no privilege gained by exec (setuid
   binaries, file capabilities), no capability left (the worker's, which as root `setuid`
   already cleared), a dumpable process when it kept its user as a fresh one would be, and,
   with `orphan_signal`, death with the worker that forked it."""
@@ -142,26 +143,25 @@ def isolate_program(libc, workdir, fresh, expose, proc_read_only, root):
   on `root` (the worker's, which holds workdir) read-only, mounts a /proc for the new pid
   namespace (with bubblewrap's read-only parts when `proc_read_only`) and remounts every other
   writable mount read-only. Raises OSError on any failure."""
-  _mount(libc, None, "/", _MS_REC | _MS_PRIVATE)  # nothing done here reaches the worker
+  boot._mount(libc, None, "/", boot._MS_REC | _MS_PRIVATE)  # nothing here reaches the worker
   roots = [os.fsencode(p) for p in fresh]
-  kept = [p for p in (*expose, workdir) if _under(os.fsencode(p), roots)]
+  kept = [p for p in (*expose, workdir) if boot._under(os.fsencode(p), roots)]
   keep = {path: os.open(path, os.O_PATH) for path in kept}
   for path in fresh:
-    _mount_tmpfs(libc, path)
+    boot._mount_tmpfs(libc, path)
   for path, fd in keep.items():
     _make_dirs(path)
-    _mount(libc, f"/proc/self/fd/{fd}".encode(), path, _MS_BIND | _MS_REC)
+    boot._mount(libc, f"/proc/self/fd/{fd}".encode(), path, boot._MS_BIND | boot._MS_REC)
     os.close(fd)
   if root in fresh:
-    _mount(libc, None, root, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-  _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
-         "mount /proc")
+    boot._mount(libc, None, root, _READ_ONLY_REMOUNT)
+  _check(libc.mount(b"proc", b"/proc", b"proc",
+                    boot._MS_NOSUID | boot._MS_NODEV | boot._MS_NOEXEC, None), "mount /proc")
   for name in proc_read_only:
     path = f"/proc/{name}"
     if os.path.exists(path):
-      _mount(libc, path.encode(), path, _MS_BIND | _MS_REC)
-      _mount(libc, None, path, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
-             | _MS_NOEXEC)
+      boot._mount(libc, path.encode(), path, boot._MS_BIND | boot._MS_REC)
+      boot._mount(libc, None, path, _READ_ONLY_REMOUNT | boot._MS_NOEXEC)
   seal_mounts(libc, {os.fsencode(workdir), *roots}, roots, expose)
 
 
@@ -169,15 +169,15 @@ def seal_mounts(libc, writable, hidden=(), expose=()):
   """Remounts read-only every writable mount but the `writable` ones (mount points), /proc and
   /dev/pts (pseudo-terminals) and those below, and the mounts under the `hidden` mount points
   (no path reaches them) except the `expose` paths."""
-  top = {target: options for _, target, options in _mounts()}  # the last mount at a path wins
+  top = {target: options for _, target, options in boot._mounts()}  # the last mount at a path wins
   exposed = [os.fsencode(p) for p in expose]
   for target, options in top.items():
-    if (b"ro" in options or target in writable or _under(target, [b"/proc", b"/dev/pts"])
-        or (_under(target, hidden) and not _under(target, exposed))):
+    if (b"ro" in options or target in writable or boot._under(target, [b"/proc", b"/dev/pts"])
+        or (boot._under(target, hidden) and not boot._under(target, exposed))):
       continue
-    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
-    flags |= sum(bit for name, bit in _KEPT_FLAGS.items() if name in options)
-    _mount(libc, None, target, flags)
+    flags = boot._MS_REMOUNT | boot._MS_BIND | boot._MS_RDONLY
+    flags |= sum(bit for name, bit in boot._KEPT_FLAGS.items() if name in options)
+    boot._mount(libc, None, target, flags)
 
 
 def _loopback_up():
@@ -229,14 +229,14 @@ def _start_program(libc, config, request, stdin_fd, out_fd, lifeline):
                ctypes.c_ulong(0), ctypes.c_ulong(0))
     import select
     if select.select([lifeline], [], [], 0)[0]:
-      os._exit(SETUP_FAILED)  # the worker died before the line above took effect
+      os._exit(boot.SETUP_FAILED)  # the worker died before the line above took effect
     os.dup2(stdin_fd, 0)
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     _fresh_stdio()
   except BaseException:  # noqa: BLE001 - nothing may return into the worker's loop
-    os._exit(SETUP_FAILED)
+    os._exit(boot.SETUP_FAILED)
   try:
     if own_init:  # pid 1 of the program's pid namespace: sets up the rest, then forks it
       _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS),
@@ -248,7 +248,7 @@ def _start_program(libc, config, request, stdin_fd, out_fd, lifeline):
       child = os.fork()
       if child:
         _, status = os.waitpid(child, 0)
-        _flush_and_exit(_exit_status(status))
+        boot._flush_and_exit(boot._exit_status(status))
     else:
       os.setsid()  # the program's process group, killed when it ends
       if namespaces:  # as root: the run's uid is killed whole; the worker's mounts read-only
@@ -259,7 +259,7 @@ def _start_program(libc, config, request, stdin_fd, out_fd, lifeline):
     os.environ.update(request["env"])
   except Exception as e:  # noqa: BLE001 - reported as the program's output
     print(f"sandbox setup failed: {e}", file=sys.stderr)
-    _flush_and_exit(SETUP_FAILED)
+    boot._flush_and_exit(boot.SETUP_FAILED)
   return {"workdir": request["workdir"], "rlimits": request["rlimits"], "uid": request["uid"],
           "path": config["path"],
           "orphan_signal": 0 if own_init else int(signal.SIGKILL)}
@@ -291,15 +291,15 @@ def _fork_init(libc, pid_namespace, own_pid_ns):
     _check(libc.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
     child = os.fork()
   except BaseException:  # noqa: BLE001 - nothing may return into the worker's loop
-    os._exit(SETUP_FAILED)
+    os._exit(boot.SETUP_FAILED)
   if child == 0:
     return 0
   try:
     os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # its init has them
     _, status = os.waitpid(child, 0)
-    os._exit(_exit_status(status))
+    os._exit(boot._exit_status(status))
   finally:
-    os._exit(SETUP_FAILED)
+    os._exit(boot.SETUP_FAILED)
 
 
 def _reap_children():
@@ -334,7 +334,7 @@ def _await(pid, control, rlimit_mode):
         os._exit(0)
       done, status = os.waitpid(pid, os.WNOHANG)
       if done:
-        return _exit_status(status)
+        return boot._exit_status(status)
   finally:
     if pidfd is not None:
       os.close(pidfd)
@@ -355,7 +355,7 @@ def serve(spec):
   libc = _libc()
   try:
     if spec.get("read_only"):
-      make_read_only(spec["workdir"], spec.get("hide", ()), spec.get("expose", ()))
+      boot.make_read_only(spec["workdir"], spec.get("hide", ()), spec.get("expose", ()))
     elif config.get("seal"):
       # bwrap as root: its /dev and scratch tmpfs read-only here once (each program gets
       # fresh ones), so that the check in each program's namespace finds nothing left to do
@@ -364,7 +364,7 @@ def serve(spec):
     os.chdir(spec["workdir"])
   except OSError as e:
     control.send(json.dumps({"error": f"sandbox setup failed: {e}"}).encode())
-    os._exit(SETUP_FAILED)
+    os._exit(boot.SETUP_FAILED)
   sys.path[:] = spec["path"]
   for name in config.get("preload", ()):
     try:
@@ -409,7 +409,7 @@ def serve(spec):
         return _start_program(libc, config, request, stdin_fd, out_fd, lifeline)
     except Exception as e:  # noqa: BLE001 - reported, and the host replaces this worker
       control.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
-      os._exit(SETUP_FAILED)
+      os._exit(boot.SETUP_FAILED)
     for fd in fds:
       os.close(fd)
     control.send(json.dumps({"pid": pid}).encode())
@@ -428,13 +428,13 @@ def main():
   workdir = spec["workdir"]
   try:
     # The worker's rights do not reach the run uid's working directory: chdir after the drop.
-    apply_limits(spec["rlimits"], spec["uid"])
+    boot.apply_limits(spec["rlimits"], spec["uid"])
     os.chdir(workdir)
     apply_hardening(spec["uid"], spec["orphan_signal"])
   except OSError as e:
     print(f"sandbox setup failed: {e}", file=sys.stderr)
-    _flush_and_exit(SETUP_FAILED)
-  exit_program(run_program(os.path.join(workdir, "main.py"), spec["path"]))
+    boot._flush_and_exit(boot.SETUP_FAILED)
+  exit_program(boot.run_program(os.path.join(workdir, "main.py"), spec["path"]))
 
 
 if __name__ == "__main__":
