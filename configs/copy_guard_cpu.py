@@ -7,7 +7,7 @@ that the model never saw and cannot compute: a model that does not copy from the
 scores 0 on the copy probe. Rows of 128 tokens end each 150-token trajectory inside its
 double-check step; every copied answer lies within the row.
 
-  python experiments/copy_curve.py --config=configs/copy_guard_cpu.py   (about a minute and a half)
+  python experiments/copy_curve.py --config=configs/copy_guard_cpu.py   (about a minute)
 """
 
 import ml_collections
@@ -19,8 +19,8 @@ def get_config() -> ml_collections.ConfigDict:
   config = pipeline_tiny_cpu.get_config()
   config.output_dir = "runs/copy_guard"
   config.system_prompt = "Solve with tools."
-  # 1,000 tasks distil in 23 s (2,000 took 61 s): the code tool starts a sandboxed process
-  # per call.
+  # 1,000 tasks distil in 4 s on the code sandbox's persistent workers (23 s with a sandboxed
+  # process started per call).
   config.world.update(families=(("arithmetic", 1.0),), train_tasks=1000, heldout_tasks=60)
   config.teacher.mental_math_rate = 0.0  # every answer is the number the code printed
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
