@@ -16,7 +16,7 @@ export JAX_PLATFORMS ?= $(if $(ACCELERATOR),,cpu)
 # (docs/benchmarks.md). Installed like bubblewrap; where it is missing, jobs run as before.
 # (Read when a recipe runs, after the install, so a first `make pipeline` has it too.)
 TCMALLOC = $(firstword $(wildcard /usr/lib/*/libtcmalloc_minimal.so.4))
-PY = LD_PRELOAD=$(TCMALLOC) $(BIN)/python
+PY = $(if $(TCMALLOC),LD_PRELOAD=$(TCMALLOC) )$(BIN)/python
 
 # Every package the install brings, at the exact versions the README's results were measured with.
 # `make lock` re-resolves it from setup.py; upgrading is a deliberate change that re-runs the

@@ -46,7 +46,10 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
 def _main_job_rows(output_dir: str, seed: int) -> dict[str, Any]:
   """Returns the main job's metrics of `seed` from its results.json."""
   path = os.path.join(output_dir, "results.json")
-  per_seed = json.load(open(path))["per_seed"] if exists(path) else {}
+  per_seed = {}
+  if exists(path):
+    with open(path) as f:
+      per_seed = json.load(f)["per_seed"]
   if str(seed) not in per_seed:
     raise ConfigError(f"{path} has no seed {seed}: run the main job first (make pipeline "
                       f"ARGS=\"--seeds 3\")")
