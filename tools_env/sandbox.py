@@ -360,6 +360,18 @@ def _hidden_and_exposed(needed: list[str]) -> tuple[list[str], list[str]]:
   return hidden, exposed
 
 
+def _write_program(workdir: str, source: str, stdin: str | None, uid: int | None) -> None:
+  """Writes a run's main.py and stdin.txt into `workdir`; with a leased `uid` (as root), the
+  folder and the program become that uid's, the folder closed to others."""
+  for name, text in (("main.py", source), ("stdin.txt", stdin or "")):
+    with open(os.path.join(workdir, name), "w", encoding="utf-8", errors="surrogateescape") as f:
+      f.write(text)
+  if uid is not None:
+    os.chmod(workdir, 0o700)
+    for path in (workdir, os.path.join(workdir, "main.py")):
+      os.chown(path, uid, uid)
+
+
 def _environment(workdir: str) -> dict[str, str]:
   """Returns a program's whole environment."""
   return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
@@ -830,14 +842,7 @@ class CodeSandbox(Tool):
     lease = _UIDS.lease() if os.geteuid() == 0 else contextlib.nullcontext()
     try:
       with lease as uid:
-        for name, text in (("main.py", source), ("stdin.txt", stdin or "")):
-          with open(os.path.join(workdir, name), "w", encoding="utf-8",
-                    errors="surrogateescape") as f:
-            f.write(text)
-        if uid is not None:
-          os.chmod(workdir, 0o700)
-          for path in (workdir, os.path.join(workdir, "main.py")):
-            os.chown(path, uid, uid)
+        _write_program(workdir, source, stdin, uid)
         with open(os.path.join(workdir, "stdin.txt"), "rb") as stdin_file:
           proc = subprocess.Popen(self._command(mode, workdir, uid), stdin=stdin_file,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -876,14 +881,7 @@ class CodeSandbox(Tool):
     with lease as uid:
       workdir = tempfile.mkdtemp(prefix="run_", dir=worker.root)
       try:
-        for name, text in (("main.py", source), ("stdin.txt", stdin or "")):
-          with open(os.path.join(workdir, name), "w", encoding="utf-8",
-                    errors="surrogateescape") as f:
-            f.write(text)
-        if uid is not None:
-          os.chmod(workdir, 0o700)
-          for path in (workdir, os.path.join(workdir, "main.py")):
-            os.chown(path, uid, uid)
+        _write_program(workdir, source, stdin, uid)
         rlimits = self.limits.rlimits()
         if self.isolation == "rlimit" and uid is None:
           # RLIMIT_NPROC counts every process of this user, the host's included.
