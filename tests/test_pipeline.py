@@ -4,6 +4,7 @@ results over seeds (mean and sample standard deviation)."""
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -55,11 +56,45 @@ def test_quick_pipeline_runs_every_stage(quick_run):
   assert again["stage_seconds"] == results["stage_seconds"]  # the times they took when they ran
 
 
+# The packages of the extras that `make pipeline`'s lean install leaves out (setup.py: test, tpu,
+# tfds, mcp; array_record stays, grain requires it), hidden from a process as if not installed.
+NOT_IN_THE_LEAN_INSTALL = ("pytest", "xdist", "hypothesis", "pyarrow", "torch", "math_verify",
+                           "peft", "mcp", "libtpu", "tensorflow", "tensorflow_datasets")
+HIDE_PACKAGES = f"""import sys
+HIDDEN = {NOT_IN_THE_LEAN_INSTALL!r}
+
+
+class Hide:
+  def __init__(self, finder):
+    self.finder = finder
+
+  def find_spec(self, name, path=None, target=None):
+    if name.partition(".")[0] in HIDDEN or not hasattr(self.finder, "find_spec"):
+      return None
+    return self.finder.find_spec(name, path, target)
+
+  def __getattr__(self, name):
+    return getattr(self.finder, name)
+
+
+sys.meta_path[:] = [Hide(finder) for finder in sys.meta_path]
+"""
+
+
 def test_quick_pipeline_killed_in_three_stages_ends_with_the_uninterrupted_results(quick_run):
   """The main job as a process, SIGKILLed while distillation writes its data, while SFT exports
   and while the SFT model is evaluated, each time launched again: it completes with quick_run's
-  results and byte-equal SFT and DAPO exports (`make chaos` kills it in every stage)."""
+  results and byte-equal SFT and DAPO exports (`make chaos` kills it in every stage). Its
+  processes cannot import the test, TPU, TFDS or MCP extras (a sitecustomize hides them): the
+  main job runs from the lean install."""
   tmp_path, config, _ = quick_run
+  hide = tmp_path / "lean"
+  hide.mkdir()
+  (hide / "sitecustomize.py").write_text(HIDE_PACKAGES)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      filter(None, [str(hide), os.environ.get("PYTHONPATH")])))
+  hidden = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True)
+  assert hidden.returncode != 0  # the sitecustomize took effect
   points = (chaos.Point("distill", line="teacher: ", max_delay_s=0.2),
             chaos.Point("seed 0 sft", file="seed-0/sft/hf_export", max_delay_s=0.005),
             chaos.Point("seed 0 eval sft", line="== seed 0 eval sft", max_delay_s=1.0))
@@ -67,7 +102,7 @@ def test_quick_pipeline_killed_in_three_stages_ends_with_the_uninterrupted_resul
              f"--config.output_dir={tmp_path / 'chaos'}", "--config.mesh.data=2",
              "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]  # quick_run's mesh
   report = chaos.run(command, str(tmp_path / "chaos_quick"), None, config.output_dir, points,
-                     0, chaos.EXPORTS, ROOT, dict(os.environ), str(tmp_path / "chaos.json"))
+                     0, chaos.EXPORTS, ROOT, env, str(tmp_path / "chaos.json"))
   assert [k.get("exit") for k in report["kills"]] == [-signal.SIGKILL] * 3, report["kills"]
   assert report["launches"] == 4
   assert report["comparison"]["equal"], report["comparison"]
