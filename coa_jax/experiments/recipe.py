@@ -2,8 +2,9 @@
 on a cell's config, for comparisons that change what every stage trains, such as the model's
 size. A cell and seed runs `pipeline.run` for that seed in a folder named after the cell's
 config (`runner.shared_dir`; the seeds of a cell share its distillation), or, with options
-"main_job", reads the main job's results (`make pipeline` first). Every stage resumes where it
-stopped, so a run cut short continues at the next launch.
+"main_job", reads the main job's results (`make pipeline` first). A run cut short reuses, at the
+next launch, every stage that finished (`pipeline.run`); a stage cut short runs again (the
+pipeline's SFT keeps a checkpoint only at its end).
 
 A result holds the model's parameter count and, after SFT and after DAPO, the held-out
 pass@1, the copy probe and the tokens per task, with the teacher system's pass@1 and tokens.
