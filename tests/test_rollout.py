@@ -74,7 +74,9 @@ class ScriptedSampler:
     self.max_busy = max(self.max_busy, len(self.rows))
     return state
 
-  def decode_chunk(self, params, state, key):
+  def decode_chunk(self, params, state, key, rows=None):
+    # The rollout names the active rows, so that the sampler may decode them alone.
+    np.testing.assert_array_equal(rows, np.flatnonzero(state.active_B))
     tokens = np.zeros((self.batch_size, self.chunk), np.int32)
     logprobs = np.zeros((self.batch_size, self.chunk), np.float32)
     counts = np.zeros(self.batch_size, np.int32)
@@ -323,9 +325,9 @@ class RecordingSampler(ScriptedSampler):
       self.task_seeds[TOKENIZER.decode(prompt).split("\n\n")[1]] = list(s)
     return super().prefill_groups(params, state, groups, budgets, seeds)
 
-  def decode_chunk(self, params, state, key):
+  def decode_chunk(self, params, state, key, rows=None):
     self.decoded_with.append(params)
-    return super().decode_chunk(params, state, key)
+    return super().decode_chunk(params, state, key, rows)
 
 
 def _recording_rollout(scripts, batch_size=1, config=CONFIG):

@@ -244,6 +244,52 @@ def test_sharded_decoding_gives_the_same_tokens_as_one_device(mesh1, params, cac
   assert state.cache.k.addressable_shards[0].data.shape == shard
 
 
+@pytest.mark.parametrize("devices, cache_heads_first", [(1, False), (1, True), (8, True)])
+def test_decoding_only_the_active_rows_equals_decoding_the_whole_batch(mesh1, params, devices,
+                                                                      cache_heads_first):
+  """6 of 16 rows active: the sampler decodes a batch of 8 (the bucket, at most half of 16)
+  and writes it back; every row samples, records and caches what the whole batch gives it,
+  across an extend and a second chunk. On 8 devices the rows split over data (4) and kv
+  heads over tensor (2)."""
+  mesh = mesh1 if devices == 1 else sharding.make_mesh(sharding.MeshConfig(data=4, tensor=2))
+  weights = jax.device_put(params, param_shardings(Transformer(CONFIG), mesh))
+  s = sampler(mesh, SamplingConfig(temperature=1.0), batch_size=16, chunk=5,
+              cache_heads_first=cache_heads_first)
+
+  def episode(active_rows: bool):
+    state = s.prefill_groups(weights, s.init_state(), [([0, 1], PROMPTS[0]), ([6, 7], PROMPTS[1]),
+                                                       ([12, 13], PROMPTS[0][:3])], [40] * 3)
+    chunks = []
+    for i, appends in enumerate([{1: [100, 101], 12: [102]}, {}]):
+      rows = np.flatnonzero(np.asarray(state.active_B)) if active_rows else None
+      state, chunk = s.decode_chunk(weights, state, jax.random.key(i), rows=rows)
+      chunks.append(jax.tree.map(np.asarray, chunk))
+      if appends:
+        state = s.extend_rows(weights, state, appends)
+    return chunks, jax.tree.map(np.asarray, state)
+
+  state = s.prefill_groups(weights, s.init_state(), [([0, 1, 2, 3, 4, 5], PROMPTS[0])], [40])
+  assert s._compact_rows(state, [0, 1, 2, 3, 4, 5]).tolist() == [0, 1, 2, 3, 4, 5, 16, 16]
+  assert s._compact_rows(state, list(range(9))) is None  # a bucket of 16: the whole batch
+  (whole, whole_state), (alone, alone_state) = episode(False), episode(True)
+  rows = [0, 1, 6, 7, 12, 13]
+  for a, b in zip(whole, alone):
+    np.testing.assert_array_equal(a.counts_B, b.counts_B)
+    assert a.counts_B[rows].min() > 0 and not b.counts_B[[2, 3, 4, 5, 8, 15]].any()
+    np.testing.assert_array_equal(a.tokens_BxK, b.tokens_BxK)
+    np.testing.assert_allclose(a.logprobs_BxK, b.logprobs_BxK, atol=1e-6)
+  for name in ("pending_B", "active_B", "budget_B", "seed_B"):
+    np.testing.assert_array_equal(getattr(whole_state, name), getattr(alone_state, name))
+  np.testing.assert_array_equal(whole_state.cache.lengths_B, alone_state.cache.lengths_B)
+  for row in rows:  # the filled slots; an inactive row of the whole batch also wrote one more
+    filled = (slice(None), row) + (slice(None),) * cache_heads_first + (
+        slice(int(whole_state.cache.lengths_B[row])),)
+    np.testing.assert_allclose(whole_state.cache.k[filled], alone_state.cache.k[filled],
+                               atol=1e-6)
+    np.testing.assert_allclose(whole_state.cache.v[filled], alone_state.cache.v[filled],
+                               atol=1e-6)
+
+
 def test_the_cache_puts_kv_heads_first_on_cpu_only_without_query_groups(mesh1):
   assert not sampler(mesh1).cache_heads_first  # the tiny preset: 2 query heads per kv head
   ungrouped = build_config({"preset": "tiny", "num_kv_heads": 4})

@@ -278,7 +278,7 @@ class Rollout:
   def _decode(self, state, rows, active, pool, key):
     """Decodes one chunk; routes every row that stopped to its finish or its tool call."""
     start = time.perf_counter()
-    state, chunk = self.sampler.decode_chunk(self.params, state, key)
+    state, chunk = self.sampler.decode_chunk(self.params, state, key, rows=np.flatnonzero(active))
     tokens, logprobs, counts, still = map(np.asarray, (chunk.tokens_BxK, chunk.logprobs_BxK,
                                                       chunk.counts_B, state.active_B))
     elapsed = time.perf_counter() - start
