@@ -6,6 +6,7 @@ latency rollouts hide.
   python experiments/bench_rollout.py --host_overhead_only  # part 3 only (make bench-sampler)
   python experiments/bench_rollout.py --config=configs/bench_model_gpu.py --skip_tools \
       --skip_host_overhead --batches=16  # part 1 at one batch size (experiments/device_check.py)
+  python experiments/bench_rollout.py --evaluation_only  # part 4 only, after `make pipeline`
 
 1. Greedy decoding of the config's models (`config.decode`): random prompts, then rounds of
    new tokens with an observation appended between rounds, prefill and extends included.
@@ -27,6 +28,11 @@ latency rollouts hide.
 3. The sampler's host overhead on the tiny model (the rollout tests' preset), batch 16: the
    decode step alone in a tight loop against `Sampler.decode_chunk` driven as the rollout loop
    drives it, and the rollout loop itself (`coa_jax.perf.host_overhead`).
+4. (`--evaluation_only`) The main job's held-out evaluation rollouts (seed 0's SFT model from
+   `make pipeline`, 200 tasks x 3 samples in one batch of 600 rows, the world's tools): the
+   rollout loop naming its active rows, which the sampler then decodes alone when they fill
+   at most half the batch, against decoding the whole batch at every chunk; alternated
+   rounds, compiled first, and whether the two give the same samples.
 """
 
 import dataclasses
@@ -64,6 +70,10 @@ _BATCHES = flags.DEFINE_multi_integer("batches", [], "decode batch sizes (defaul
 _REPEATS = flags.DEFINE_integer("repeats", 15, "timed runs of each loop in part 3")
 _CHUNK = flags.DEFINE_integer("chunk", 32, "decode steps per device call in part 3")
 _OUTPUT = flags.DEFINE_string("output", "", "figures (JSON); default: next to the config's")
+_EVALUATION = flags.DEFINE_bool("evaluation_only", False, "run part 4 (the main job's "
+                                "evaluation rollouts, active rows alone vs the whole batch) only")
+_PIPELINE = flags.DEFINE_string("pipeline_dir", "runs/pipeline_tiny",
+                                "the main job's output folder, for part 4")
 _CACHE = flags.DEFINE_integer("cache_size", 0, "KV cache slots of part 1's decodes, both sides "
                               "(default: the bucket that fits the work; a rollout's cache is "
                               "sized for its longest sample)")
@@ -231,11 +241,57 @@ def _print_host_overhead(result):
         flush=True)
 
 
+def bench_evaluation(pipeline_dir: str, rounds: int = 2):
+  """Part 4: the main job's evaluation rollouts, active rows decoded alone vs the whole batch."""
+  from coa_jax.evaluation.job import evaluate_rollouts
+  from coa_jax.data import rewards
+  from coa_jax.data.tokenizer import declared_tags
+  from configs import pipeline_tiny_cpu
+
+  main_job = pipeline_tiny_cpu.get_config()
+  main_job.output_dir = pipeline_dir
+  config = pipeline_tiny_cpu.stage_configs(main_job, 0)["eval_sft"]
+  if not os.path.exists(os.path.join(config.model.checkpoint, "config.json")):
+    raise SystemExit(f"no SFT model in {config.model.checkpoint}: run `make pipeline` first "
+                     f"(or pass --pipeline_dir)")
+  config.rollout.group_size = config.k
+  tasks = load_tasks(config.tasks, config.max_tasks)
+  rewarder = rewards.build_rewarder(config.rewards.to_dict(), declared_tags(config.tools))
+  engine, tokenizer = rollout_job.build(config)
+  seconds = {"active_rows": [], "whole_batch": []}
+  samples = {}
+  try:
+    for i in range(rounds + 1):  # round 0 compiles both
+      for mode in seconds:
+        engine.decode_active_rows = mode == "active_rows"
+        engine.key = jax.random.key(config.seed)  # every run samples alike
+        start = time.perf_counter()
+        samples[mode] = evaluate_rollouts(engine, tokenizer, tasks, rewarder)
+        if i:
+          seconds[mode].append(round(time.perf_counter() - start, 2))
+        print(f"round {i} {mode}: {time.perf_counter() - start:.1f} s", flush=True)
+  finally:
+    engine.tools.close()
+  same = samples["active_rows"] == samples["whole_batch"]  # every sample's text and outcome
+  best = {mode: min(times) for mode, times in seconds.items()}
+  result = dict(tasks=len(tasks), rows=config.batch_size, seconds=seconds, best_s=best,
+                speedup=round(best["whole_batch"] / best["active_rows"], 3),
+                same_samples=same)
+  print(f"evaluation rollouts ({len(tasks)} tasks x {config.k}, {config.batch_size} rows): "
+        f"active rows alone {best['active_rows']:.1f} s, whole batch "
+        f"{best['whole_batch']:.1f} s: {result['speedup']:.2f}x; same samples: {same}",
+        flush=True)
+  return result
+
+
 def main(argv):
   del argv
   bench.share_gpu_with_torch()
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
+  if _EVALUATION.value:
+    return _write(dict(evaluation=bench_evaluation(_PIPELINE.value)),
+                  _OUTPUT.value or config.output.replace(".json", "_evaluation.json"))
   if _HOST_ONLY.value:
     return _write(dict(host_overhead=bench_host_overhead()),
                   _OUTPUT.value or config.output.replace(".json", "_host_overhead.json"))

@@ -132,6 +132,13 @@ def test_a_read_that_fails_for_another_reason_is_raised_and_moves_nothing(
   assert _files(tmp_path) == before
 
 
+def test_an_empty_directory_is_an_error_not_the_working_directory(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match="checkpoint.directory is empty"):
+    Checkpointer("")
+  assert not list(tmp_path.iterdir())
+
+
 def test_a_gs_directory_reaches_orbax_as_a_url(monkeypatch):
   seen = []
   monkeypatch.setattr(ocp, "CheckpointManager", lambda directory, **kwargs: seen.append(directory))

@@ -184,6 +184,8 @@ class Rollout:
     self.listener: Callable[[RolloutRecord], None] | None = None  # sees every record update
     self.before_chunk: Callable[[], None] | None = None  # may swap params and version
     self.version = 0  # the policy version of `params`, tagged on every token appended
+    # Name the active rows to the sampler, which then may decode them alone (Sampler docs).
+    self.decode_active_rows = True
     self.in_flight = 0  # rows holding a sample (decoding, waiting for a tool or done)
     self.chunks = self.tokens_sampled = 0
     self.decode_s = self.tool_wait_s = 0.0
@@ -278,7 +280,8 @@ class Rollout:
   def _decode(self, state, rows, active, pool, key):
     """Decodes one chunk; routes every row that stopped to its finish or its tool call."""
     start = time.perf_counter()
-    state, chunk = self.sampler.decode_chunk(self.params, state, key, rows=np.flatnonzero(active))
+    named = np.flatnonzero(active) if self.decode_active_rows else None
+    state, chunk = self.sampler.decode_chunk(self.params, state, key, rows=named)
     tokens, logprobs, counts, still = map(np.asarray, (chunk.tokens_BxK, chunk.logprobs_BxK,
                                                       chunk.counts_B, state.active_B))
     elapsed = time.perf_counter() - start

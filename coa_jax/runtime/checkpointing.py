@@ -84,6 +84,9 @@ class Checkpointer:
 
   def __init__(self, directory: str, max_to_keep: int = 3, async_save: bool = True,
                start_over_if_all_damaged: bool = False):
+    if not str(directory).strip():  # would resolve to the working directory
+      raise ValueError("checkpoint.directory is empty: name a folder (or a gs:// URL), or set "
+                       "checkpoint to None for a run without checkpoints")
     self.directory = paths.resolve(directory)
     self.start_over_if_all_damaged = start_over_if_all_damaged
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
