@@ -2,7 +2,9 @@
 fake sampler, and the experiment kinds' summaries and tables on hand-made results."""
 
 import json
+import os
 import types
+from pathlib import Path
 
 import ml_collections
 import pytest
@@ -180,8 +182,8 @@ def test_rl_curves_summary_and_table():
               for k, s in zip((0, 12, 24), scores)}
     return {"points": points, "training": []}
 
-  summary = rl_curves.summarize({"dapo": {"0": result([0.8, 0.9, 0.94]),
-                                          "1": result([0.8, 0.92, 0.96])}})
+  pages = {"0": result([0.8, 0.9, 0.94]), "1": result([0.8, 0.92, 0.96])}
+  summary = rl_curves.summarize({"dapo": pages})
   row = summary["dapo"][24]
   assert row["pass@1"]["mean"] == pytest.approx(0.95)
   assert row["pass@1"]["sd"] == pytest.approx(0.02 ** 0.5 * 0.1)
@@ -190,6 +192,57 @@ def test_rl_curves_summary_and_table():
   assert lines[0].startswith("| cell | pass@1 after 0 | pass@1 after 12 | pass@1 after 24 |")
   assert lines[2].startswith("| dapo | 0.800 +- 0.000 | 0.910 +- 0.014 | 0.950 +- 0.014 |")
   assert lines[-1] == "| dapo: lookup | 0.800 +- 0.000 | 0.910 +- 0.014 | 0.950 +- 0.014 |"
+  assert "near-miss" not in rl_curves.table(summary)  # a world without them
+  for seed, first in (("0", 0.0), ("1", 0.1)):  # on a world with near-miss figures
+    for k, point in pages[seed]["points"].items():
+      point["pass@1_by_page"] = {"none": 1.0, "before": first + int(k) / 100}
+  lines = rl_curves.table(rl_curves.summarize({"dapo": pages})).splitlines()
+  assert lines[-2:] == [
+      "| dapo: near-miss none | 1.000 +- 0.000 | 1.000 +- 0.000 | 1.000 +- 0.000 |",
+      "| dapo: near-miss before | 0.050 +- 0.071 | 0.170 +- 0.071 | 0.290 +- 0.071 |"]
+
+
+def test_rl_cells_sample_rollouts_at_their_temperature_and_evaluate_at_the_main_jobs(
+    tmp_path, monkeypatch):
+  """options "temperature" reaches the RL stage's sampler config (a fake stage records it)
+  and no evaluation's; on a world with near-miss figures each point has its per-page split."""
+  config = with_overrides(pipeline_tiny_cpu.get_config(),
+                          {"output_dir": str(tmp_path), "dapo.rl.steps": 2})
+  stages = pipeline_tiny_cpu.stage_configs(config, 0)
+  for path in (stages["eval_sft"].output_dir, stages["dapo"].model.checkpoint,
+               os.path.dirname(stages["dapo"].tasks)):
+    os.makedirs(path, exist_ok=True)
+  metrics = {c: 0.5 for c in rl_curves.COLUMNS}
+  (Path(stages["eval_sft"].output_dir) / "metrics.json").write_text(json.dumps(metrics))
+  Path(stages["dapo"].tasks).write_text("")
+  seen = []
+
+  def fake_rl(cfg):
+    seen.append(("rl", cfg.sampling.temperature))
+    os.makedirs(cfg.export_dir)
+    Path(cfg.export_dir, "config.json").write_text("{}")
+
+  def fake_evaluation(cfg):
+    seen.append(("eval", cfg.sampling.temperature))
+    os.makedirs(cfg.output_dir)
+    Path(cfg.output_dir, "metrics.json").write_text(json.dumps(metrics))
+
+  monkeypatch.setattr(rl_curves.rl, "run", fake_rl)
+  monkeypatch.setattr(rl_curves.evaluation, "run", fake_evaluation)
+  pages = []
+  monkeypatch.setattr(rl_curves.evaluation, "pass_at_1_by_page",
+                      lambda world, tasks, where: pages.append(where) or {"before": 0.25})
+  result = rl_curves.run_cell(config, pipeline_tiny_cpu.stage_configs, 0,
+                              {"every": 1, "temperature": 1.0})
+  assert seen == [("rl", 1.0), ("eval", 0.6), ("rl", 1.0), ("eval", 0.6)]
+  assert not pages and "pass@1_by_page" not in result["points"][1]  # no near-miss figures
+  near_miss = with_overrides(config, {"world.distractors": 0.5})
+  result = rl_curves.run_cell(near_miss, pipeline_tiny_cpu.stage_configs, 0,
+                              {"every": 1, "temperature": 1.0})  # the runs on disk are reused
+  assert len(seen) == 4 and len(pages) == 3
+  assert result["points"][2]["pass@1_by_page"] == {"before": 0.25}
+  with pytest.raises(ConfigError, match="temperature=0"):
+    rl_curves.run_cell(config, pipeline_tiny_cpu.stage_configs, 0, {"temperature": 0})
 
 
 def test_scaling_summary_and_table():

@@ -290,6 +290,28 @@ def test_decoding_only_the_active_rows_equals_decoding_the_whole_batch(mesh1, pa
                                atol=1e-6)
 
 
+def test_rows_decoded_alone_keep_the_slot_their_last_step_writes_past_the_window(mesh1, params):
+  """A row at length 124 reads a window of 128 slots in a chunk of 5 and writes slots 124-128;
+  the next chunk must see slot 128, which lies past the window the first one read."""
+  s = Sampler(CONFIG, mesh1, batch_size=16, cache_size=256, chunk=5, stop_ids=(),
+              sampling=SamplingConfig(temperature=1.0))
+  prompt = [(7 * i) % 50 + 5 for i in range(125)]  # 124 slots in the cache, 1 pending
+
+  def chunks(active_rows: bool):
+    state = s.prefill_groups(params, s.init_state(), [([0, 1], prompt)], [200])
+    assert s.decode_window(state) == 128
+    out = []
+    for i in range(2):
+      rows = np.flatnonzero(np.asarray(state.active_B)) if active_rows else None
+      state, chunk = s.decode_chunk(params, state, jax.random.key(i), rows=rows)
+      out.append(jax.tree.map(np.asarray, chunk))
+    return out
+
+  for whole, alone in zip(chunks(False), chunks(True)):
+    np.testing.assert_array_equal(whole.tokens_BxK, alone.tokens_BxK)
+    np.testing.assert_allclose(whole.logprobs_BxK, alone.logprobs_BxK, atol=1e-6)
+
+
 def test_the_cache_puts_kv_heads_first_on_cpu_only_without_query_groups(mesh1):
   assert not sampler(mesh1).cache_heads_first  # the tiny preset: 2 query heads per kv head
   ungrouped = build_config({"preset": "tiny", "num_kv_heads": 4})

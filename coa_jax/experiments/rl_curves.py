@@ -10,6 +10,11 @@ resuming from its checkpoint. Resuming is exact (the learning rate is constant),
 its settings without the number of updates (`runner.shared_dir`), and a shorter or longer
 experiment reuses every segment and evaluation on disk. After each segment the exported policy
 is evaluated like the main job's models (every held-out task, config.eval.k samples).
+
+Option "temperature" sets the RL stage's rollout temperature alone (its updates' log-probs
+follow it: they are the tempered policy's), leaving the evaluations' sampling as it is. On a
+world with near-miss figures each point also gives pass@1 by where the answer's page states
+one (`evaluation.pass_at_1_by_page`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from coa_jax.runtime.distributed import say
 STAGES = {"dapo": "DAPO", "ppo": "PPO (critic, GAE)"}
 COLUMNS = ("pass@1", "tokens_per_task", "tool_calls_per_task", "format_error_rate")
 TRAINING = ("reward", "accuracy", "explained_variance", "value_loss")
+# pass@1 split by task family, and on a world with near-miss figures by where the answer's page
+# states one ("before" or "after" the entity's own sentence, or "none"); the table's prefix.
+GROUPS = {"pass@1_by_family": "", "pass@1_by_page": "near-miss "}
 
 
 def _read(path: str) -> dict[str, Any]:
@@ -103,6 +111,10 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
     raise ConfigError(f"{sft_metrics} is missing: run the main job first (make pipeline "
                       f"ARGS=\"--seeds 3\")")
   train = ml_collections.ConfigDict(stages[stage].to_dict())
+  if "temperature" in options:  # the rollouts' alone; the held-out evaluations keep theirs
+    if not float(options["temperature"]) > 0:
+      raise ConfigError(f"rl experiment: temperature={options['temperature']!r}: expected > 0")
+    train.sampling.temperature = float(options["temperature"])
   total = train.rl.steps
   if total % every:
     raise ConfigError(f"{stage} runs {total} updates: not a multiple of every={every}")
@@ -110,17 +122,23 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
   folder = os.path.join(shared_dir(config, stage, _settings(train, stages["eval_sft"], every)),
                         f"seed-{seed}")
   points = {0: _read(sft_metrics)}
+  evaluated = {0: os.path.dirname(sft_metrics)}
   for steps in range(every, total + 1, every):
     points[steps] = _point(train, stages["eval_sft"], steps, every, folder)
+    evaluated[steps] = os.path.join(folder, f"eval-{steps}")
     say(f"seed {seed} {stage} after {steps} updates: pass@1 {points[steps]['pass@1']:.3f}")
-  keep = (*COLUMNS, "pass@1_by_family")
+  if config.world.get("distractors"):  # pass@1 by where the answer's page has a near miss
+    for steps, where in evaluated.items():
+      points[steps]["pass@1_by_page"] = evaluation.pass_at_1_by_page(
+          config.world, stages["eval_sft"].tasks, where)
+  keep = (*COLUMNS, *GROUPS)
   return {"points": {k: {c: p[c] for c in keep if c in p} for k, p in points.items()},
           "training": _training_rows(folder, total), "selection": selection, "run": folder}
 
 
 def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
   """Returns, per cell and number of updates, the mean +- sd over seeds of each column and of
-  each task family's pass@1."""
+  each task family's pass@1 (and, on a world with near-miss figures, of each page kind's)."""
   summary = {}
   for name, by_seed in results.items():
     runs = list(by_seed.values())
@@ -129,9 +147,12 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     for k in updates:
       points = [r["points"][str(k)] for r in runs]
       row = {c: mean_sd([p[c] for p in points]) for c in COLUMNS}
-      families = points[0].get("pass@1_by_family", {})
-      row["by_family"] = {f: mean_sd([p["pass@1_by_family"][f] for p in points])
-                          for f in families}
+      for group in GROUPS:  # the parts every seed has (a result of older code lacks pages)
+        parts = [p.get(group, {}) for p in points]
+        common = [part for part in parts[0] if all(part in other for other in parts)]
+        if common:
+          row[group.replace("pass@1_", "")] = {
+              part: mean_sd([other[part] for other in parts]) for part in common}
       summary[name][k] = row
   return summary
 
@@ -139,7 +160,7 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 def table(summary: Mapping[str, Any]) -> str:
   """Returns the markdown tables: held-out pass@1 (mean +- sd over seeds) after each number of
   updates, then the last point's tokens, tool calls and format errors per task; below it, each
-  task family's pass@1 after each number of updates."""
+  task family's (then each near-miss page kind's) pass@1 after each number of updates."""
   updates = sorted({int(k) for rows in summary.values() for k in rows})
   head = ["cell"] + [f"pass@1 after {k}" for k in updates] + [
       c.replace("_", " ") for c in COLUMNS[1:]]
@@ -152,10 +173,12 @@ def table(summary: Mapping[str, Any]) -> str:
     lines.append("| " + " | ".join(
         [name] + [cell(rows[k]["pass@1"]) if k in rows else "-" for k in updates] +
         [cell(last[c], 1 if c == "tokens_per_task" else 3) for c in COLUMNS[1:]]) + " |")
-    for family in last["by_family"]:
-      families.append("| " + " | ".join(
-          [f"{name}: {family}"] + [cell(rows[k]["by_family"][family]) if k in rows else "-"
-                                   for k in updates]) + " |")
+    for group, prefix in GROUPS.items():
+      key = group.replace("pass@1_", "")
+      for part in last.get(key, {}):
+        families.append("| " + " | ".join(
+            [f"{name}: {prefix}{part}"] + [cell(rows[k][key][part]) if key in rows[k] else "-"
+                                           for k in updates]) + " |")
   return "\n".join(lines + families)
 
 
@@ -175,7 +198,7 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
     sd = np.array([rows[k]["pass@1"]["sd"] for k in updates])
     line, = axes[0].plot(updates, mean, marker="o", label=name)
     axes[0].fill_between(updates, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
-    for style, family in zip(styles, rows[int(updates[0])]["by_family"]):
+    for style, family in zip(styles, rows[int(updates[0])].get("by_family", {})):
       axes[1].plot(updates, [rows[k]["by_family"][family]["mean"] for k in updates],
                    linestyle=style, color=line.get_color(), label=f"{name}: {family}")
     runs = [[r.get("reward", np.nan) for r in result["training"]]

@@ -32,7 +32,8 @@ power-of-two bucket (at least `MIN_WINDOW`, at most S) of the longest active row
 K - 1, one past the last slot a row's K-th step attends to (`window_for`, `decode_window`: the
 host fetches the rows' lengths). An extend reads the window of its rows' longest length plus
 its padded token count (in 4x steps); a prefill's prompts start at slot 0 and read one (masked) slot. Each
-program is compiled once per window; writes still go to the whole cache, in place. A row that
+program is compiled once per window; writes still go to the whole cache, in place (or to the
+gathered rows, below, which are written back). A row that
 is not active may lie past a chunk's window: it reads a cut cache, but what it samples is
 discarded and the one slot it writes (its pending token's, at its length) is written again
 when it resumes (extend). The slots past a window are masked to exact zeros either way; only
@@ -44,8 +45,11 @@ A batch empties as its samples finish or stop for a tool call, and a decode step
 same for every row, active or not. A caller that names the active rows (the rollout loop does)
 has them decoded alone when their bucket is at most half the batch: the rows and the window's
 slots are gathered into a smaller state, decoded, and written back (`_decode_rows`). Each row
-computes what it would in the whole batch (the main job's evaluation samples are byte-identical
-with and without; its 600-row rollouts took 1.5x less time, docs/benchmarks.md).
+attends to the same slots with the same weights as in the whole batch; only a matmul kernel
+chosen for the smaller batch could round differently (on the CPU: the same tokens and log-probs
+within 1e-6 in tests/test_sampler.py, and the main job's evaluation samples byte-identical with
+and without, 1.57x faster; docs/benchmarks.md). The caller must name every active row: one left
+out is not decoded, and stays active.
 
 Log-probabilities are those of the distribution each token was drawn from: softmax(logits /
 temperature) restricted to the tokens that top-k and top-p keep and renormalised, i.e.
@@ -404,13 +408,16 @@ class Sampler:
 
   def _decode_rows(self, params, state: DecodeState, rows_R, key, window: int):
     """`_decode_chunk` of the rows rows_R alone (indices >= B pad): a state of those rows and
-    the window's slots is gathered, decoded and written back. Rows not active in `state` (and
+    the window's slots (and the one after, which the last step writes) is gathered, decoded and
+    written back. Rows not active in `state` (and
     the padding) are left as they were; the Chunk has B rows, zeros in the others."""
     b = state.pending_B.shape[0]
     take = lambda a, axis=0: jnp.take(a, rows_R, axis=axis, mode="clip")
     cache = state.cache
     heads = (slice(None),) * cache.heads_first
-    window_slots = lambda a: take(a[(slice(None), slice(None), *heads, slice(window))], 1)
+    # The window covers what the rows read; the K-th step also writes one slot past it.
+    slots = min(window + 1, self.cache_size)
+    window_slots = lambda a: take(a[(slice(None), slice(None), *heads, slice(slots))], 1)
     part = DecodeState(cache.replace(k=window_slots(cache.k), v=window_slots(cache.v),
                                      lengths_B=take(cache.lengths_B)),
                        take(state.pending_B), take(state.active_B) & (rows_R < b),
@@ -420,7 +427,7 @@ class Sampler:
     part, chunk = self._decode_chunk(params, part, key, window)
     put = lambda a, p: a.at[back_R].set(p, mode="drop")
     k = self.chunk
-    return (state.replace(cache=_scatter_rows(cache, back_R, part.cache, window),
+    return (state.replace(cache=_scatter_rows(cache, back_R, part.cache, slots),
                           pending_B=put(state.pending_B, part.pending_B),
                           active_B=put(state.active_B, part.active_B)),
             Chunk(put(jnp.zeros((b, k), jnp.int32), chunk.tokens_BxK),
@@ -505,6 +512,6 @@ class Sampler:
     return self.extend(params, state, rows, tokens, counts, window=min(window, self.cache_size))
 
   def compilations(self) -> int:
-    """Returns how many programs the three jitted steps have compiled so far (the decode chunk
-    once per window)."""
+    """Returns how many programs the jitted steps have compiled so far (a decode chunk once per
+    window, and once per row bucket and window when it decodes some rows alone)."""
     return sum(f._cache_size() for f in self._jits)
