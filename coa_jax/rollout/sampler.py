@@ -409,8 +409,8 @@ class Sampler:
   def _decode_rows(self, params, state: DecodeState, rows_R, key, window: int):
     """`_decode_chunk` of the rows rows_R alone (indices >= B pad): a state of those rows and
     the window's slots (and the one after, which the last step writes) is gathered, decoded and
-    written back. Rows not active in `state` (and
-    the padding) are left as they were; the Chunk has B rows, zeros in the others."""
+    written back. Rows not active in `state` (and the padding) are left as they were; the Chunk
+    has B rows, zeros in the others."""
     b = state.pending_B.shape[0]
     take = lambda a, axis=0: jnp.take(a, rows_R, axis=axis, mode="clip")
     cache = state.cache
