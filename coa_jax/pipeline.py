@@ -60,6 +60,10 @@ def _read_json(path: str) -> Any:
     return json.load(f)
 
 
+class StageStopped(RuntimeError):
+  """A stage returned without its output: it was stopped (a signal) and resumes on a rerun."""
+
+
 class StageTimes:
   """The wall time of each finished stage, kept in a JSON file beside the stages' outputs (so
   a stage reused from an earlier invocation still reports the time it took when it ran), and
@@ -79,6 +83,12 @@ class StageTimes:
     self.seconds.pop(name, None)
     start = time.perf_counter()
     job()
+    # A training stage stopped by a signal (SIGTERM, Ctrl-C) saves a checkpoint and returns:
+    # the run ends here rather than go on to stages that need this one's output.
+    if not _on_process_0(lambda: exists(done), f"checking {done}"):
+      raise StageStopped(f"the {name} stage stopped before it finished (no {done}; a training "
+                         f"stage stopped by a signal has saved a checkpoint): run the same "
+                         f"command again to resume it")
     self.seconds[name] = round(time.perf_counter() - start, 1)
     # a killed run leaves the last complete file; process 0 writes it, every host waits
     distributed.agreed(lambda: jax.process_index() or write_json(self.path, self.seconds),

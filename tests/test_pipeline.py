@@ -125,6 +125,19 @@ def test_a_stage_whose_job_was_cut_short_runs_again(tmp_path):
   assert runs == ["again"]
 
 
+def test_a_stage_stopped_by_a_signal_ends_the_run_saying_to_rerun(tmp_path):
+  """A training stage stopped by SIGTERM saves a checkpoint and returns without its export:
+  the pipeline stops there (not in the next stage, which would find no model) and the stage
+  runs again on the rerun."""
+  path, export = str(tmp_path / "stage_seconds.json"), tmp_path / "hf_export"
+  with pytest.raises(pipeline.StageStopped, match="seed 0 sft stage stopped before it "
+                     "finished .* run the same command again to resume it"):
+    pipeline.StageTimes(path).run("seed 0 sft", str(export), lambda: None)
+  runs = []
+  pipeline.StageTimes(path).run("seed 0 sft", str(export), lambda: runs.append(export.mkdir()))
+  assert len(runs) == 1 and "seed 0 sft" in pipeline.StageTimes(path).seconds
+
+
 def test_experiments_run_on_the_main_job_outputs(quick_run):
   """Each experiment kind on the quick main job: RL curves with query selection on, the filter
   ablation reusing the main job's SFT where its data are the main job's, test-time scaling,
