@@ -61,11 +61,16 @@ def _settings(train: ml_collections.ConfigDict, evaluate: ml_collections.ConfigD
   return {"stage": stage, "eval": held_out, "every": every}
 
 
+def _eval_dir(folder: str, steps: int) -> str:
+  """Returns where the export after `steps` updates of a run in `folder` is evaluated."""
+  return os.path.join(folder, f"eval-{steps}")
+
+
 def _point(train: ml_collections.ConfigDict, evaluate: ml_collections.ConfigDict, steps: int,
            every: int, folder: str) -> dict[str, Any]:
   """Returns the held-out metrics after `steps` updates, training the segment that ends there
   and evaluating its export unless they are on disk."""
-  done = os.path.join(folder, f"eval-{steps}", "metrics.json")
+  done = os.path.join(_eval_dir(folder, steps), "metrics.json")
   if exists(done):
     return _read(done)
   export = os.path.join(folder, f"export-{steps}")
@@ -125,7 +130,7 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
   evaluated = {0: os.path.dirname(sft_metrics)}
   for steps in range(every, total + 1, every):
     points[steps] = _point(train, stages["eval_sft"], steps, every, folder)
-    evaluated[steps] = os.path.join(folder, f"eval-{steps}")
+    evaluated[steps] = _eval_dir(folder, steps)
     say(f"seed {seed} {stage} after {steps} updates: pass@1 {points[steps]['pass@1']:.3f}")
   if config.world.get("distractors"):  # pass@1 by where the answer's page has a near miss
     for steps, where in evaluated.items():
