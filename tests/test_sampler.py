@@ -34,10 +34,10 @@ def full_logits(params):
 
 
 def sampler(mesh, sampling=GREEDY, batch_size=4, chunk=6, stop_ids=(), cache_heads_first=None,
-            extend_tokens=2048):
+            extend_tokens=2048, rows_alone_from=64):
   return Sampler(CONFIG, mesh, batch_size=batch_size, cache_size=64, chunk=chunk,
                  stop_ids=stop_ids, sampling=sampling, cache_heads_first=cache_heads_first,
-                 extend_tokens=extend_tokens)
+                 extend_tokens=extend_tokens, rows_alone_from=rows_alone_from)
 
 
 def run_episode(s, params, key=0):
@@ -231,6 +231,14 @@ def test_no_recompilation_after_warm_up(mesh1, params):
   assert s.compilations() == warm
 
 
+def test_extends_of_up_to_8_rows_share_one_program(mesh1, params):
+  s = sampler(mesh1, batch_size=16)
+  state = s.prefill_groups(params, s.init_state(), [(list(range(8)), [1] * 10)], [40])
+  for rows in ([3], [0, 5], [1, 2, 4, 6, 7]):
+    state = s.extend_rows(params, state, {row: [7, 8] for row in rows})
+  assert s._jits[1]._cache_size() == 1
+
+
 @pytest.mark.parametrize("cache_heads_first", [False, True])
 def test_sharded_decoding_gives_the_same_tokens_as_one_device(mesh1, params, cache_heads_first):
   mesh8 = sharding.make_mesh(sharding.MeshConfig(data=4, fsdp=1, tensor=2))
@@ -247,14 +255,14 @@ def test_sharded_decoding_gives_the_same_tokens_as_one_device(mesh1, params, cac
 @pytest.mark.parametrize("devices, cache_heads_first", [(1, False), (1, True), (8, True)])
 def test_decoding_only_the_active_rows_equals_decoding_the_whole_batch(mesh1, params, devices,
                                                                       cache_heads_first):
-  """6 of 16 rows active: the sampler decodes a batch of 8 (the bucket, at most half of 16)
-  and writes it back; every row samples, records and caches what the whole batch gives it,
-  across an extend and a second chunk. On 8 devices the rows split over data (4) and kv
-  heads over tensor (2)."""
+  """6 of 16 rows active (rows decoded alone from a batch of 16 here, 64 by default): the
+  sampler decodes a batch of 8 (the bucket, at most half of 16) and writes it back; every row
+  samples, records and caches what the whole batch gives it, across an extend and a second
+  chunk. On 8 devices the rows split over data (4) and kv heads over tensor (2)."""
   mesh = mesh1 if devices == 1 else sharding.make_mesh(sharding.MeshConfig(data=4, tensor=2))
   weights = jax.device_put(params, param_shardings(Transformer(CONFIG), mesh))
   s = sampler(mesh, SamplingConfig(temperature=1.0), batch_size=16, chunk=5,
-              cache_heads_first=cache_heads_first)
+              cache_heads_first=cache_heads_first, rows_alone_from=16)
 
   def episode(active_rows: bool):
     state = s.prefill_groups(weights, s.init_state(), [([0, 1], PROMPTS[0]), ([6, 7], PROMPTS[1]),
@@ -271,6 +279,8 @@ def test_decoding_only_the_active_rows_equals_decoding_the_whole_batch(mesh1, pa
   state = s.prefill_groups(weights, s.init_state(), [([0, 1, 2, 3, 4, 5], PROMPTS[0])], [40])
   assert s._compact_rows(state, [0, 1, 2, 3, 4, 5]).tolist() == [0, 1, 2, 3, 4, 5, 16, 16]
   assert s._compact_rows(state, list(range(9))) is None  # a bucket of 16: the whole batch
+  small = sampler(mesh, batch_size=16, cache_heads_first=cache_heads_first)  # 16 < 64
+  assert small._compact_rows(state, [0, 1]) is None
   (whole, whole_state), (alone, alone_state) = episode(False), episode(True)
   rows = [0, 1, 6, 7, 12, 13]
   for a, b in zip(whole, alone):
@@ -294,7 +304,7 @@ def test_rows_decoded_alone_keep_the_slot_their_last_step_writes_past_the_window
   """A row at length 124 reads a window of 128 slots in a chunk of 5 and writes slots 124-128;
   the next chunk must see slot 128, which lies past the window the first one read."""
   s = Sampler(CONFIG, mesh1, batch_size=16, cache_size=256, chunk=5, stop_ids=(),
-              sampling=SamplingConfig(temperature=1.0))
+              sampling=SamplingConfig(temperature=1.0), rows_alone_from=16)
   prompt = [(7 * i) % 50 + 5 for i in range(125)]  # 124 slots in the cache, 1 pending
 
   def chunks(active_rows: bool):

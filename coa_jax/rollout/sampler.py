@@ -185,7 +185,8 @@ class Sampler:
   def __init__(self, model_config: ModelConfig, mesh: Mesh, batch_size: int, cache_size: int,
                chunk: int, stop_ids: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
                cache_dtype: Any = None, cache_heads_first: bool | None = None,
-               extend_tokens: int = 2048, layer_arrays: bool | None = None):
+               extend_tokens: int = 2048, layer_arrays: bool | None = None,
+               rows_alone_from: int = 64):
     """`cache_heads_first` picks the KV cache's layout (see KVCache). By default kv heads come
     first, except on CPU devices for models with grouped query heads: there slots first
     decoded 1.1-1.2x faster (kv heads first was 1.1-1.5x faster in three models without).
@@ -194,6 +195,11 @@ class Sampler:
 
     `extend_tokens` bounds the (row, token) pairs of one model call in `extend`: a long
     observation is fed in blocks, so the attention scores of one call stay small.
+
+    `rows_alone_from` is the smallest batch whose active rows are decoded alone (`decode_chunk`'s
+    `rows`). Below it a chunk of the whole batch costs about what one of fewer rows does, and
+    each row bucket is one more program to compile: the main job's DAPO (32 rows) compiled 6
+    of them (5 s) for no faster rollouts.
 
     On GPUs the decode chunk unrolls the layers: with the layer loop scanned, XLA:GPU copies
     each layer's slice of the stacked weights and of the KV cache before using it, at every
@@ -223,7 +229,7 @@ class Sampler:
     self.layer_models = {"decode": Transformer(model_config, layer_arrays="each"),
                          "scan": Transformer(model_config, layer_arrays="scan")}
     self.batch_size, self.cache_size, self.chunk = batch_size, cache_size, chunk
-    self.extend_tokens = extend_tokens
+    self.extend_tokens, self.rows_alone_from = extend_tokens, rows_alone_from
     self.stop_ids = tuple(int(i) for i in stop_ids)
     self.sampling = sampling
     self.cache_dtype = cache_dtype or model_config.compute_dtype
@@ -438,10 +444,11 @@ class Sampler:
 
   def _compact_rows(self, state: DecodeState, rows: Sequence[int] | None) -> np.ndarray | None:
     """Returns `rows` padded (with B) to a power-of-two bucket when decoding them alone pays:
-    the bucket is at most half of the batch and splits over the mesh's batch ranks, and this
-    process holds the whole state (on several hosts every host must run the same program).
+    the batch has at least `rows_alone_from` rows, the bucket is at most half of it and splits
+    over the mesh's batch ranks, and this process holds the whole state (on several hosts every host must run the same program).
     None otherwise: decode the whole batch."""
-    if rows is None or not state.active_B.is_fully_addressable:
+    if (rows is None or self.batch_size < self.rows_alone_from
+        or not state.active_B.is_fully_addressable):
       return None
     r = bucket(len(rows))
     if 2 * r > self.batch_size or r % self._row_ranks:
@@ -497,8 +504,10 @@ class Sampler:
     """Appends the given ids to each row (at least one id each) and resumes those rows,
     reading the cache slots [0, window): by default those its rows can fill (`window_for` the
     longest of them and the padded ids, in 4x steps: an extend compiles once per (rows, tokens,
-    window) bucket, so every window step multiplies its programs)."""
-    r = min(bucket(len(appends), 1), self.batch_size)  # rows past B are padding
+    window) bucket, so every window step multiplies its programs). Rows are padded to at least
+    8 (or the batch), as a decode chunk's are: 1, 2 or 4 tool results arriving together were
+    one more program each (the main job's DAPO compiled 22 extends, 11 s of its 65)."""
+    r = min(bucket(len(appends)), self.batch_size)  # rows past B are padding
     t = bucket(max(len(ids) for ids in appends.values()))
     if window is None:
       longest = self._longest(state, list(appends))
