@@ -56,3 +56,46 @@ def test_rates_of_a_sure_oracle_a_wrong_token_and_an_unsure_oracle():
   p = np.exp(5.0) / (np.exp(5.0) + TOKENIZER.vocab_size - 1)
   assert unsure["copy_exact"] == 1.0
   assert unsure["copy_sampled"] == pytest.approx(p ** (end - begin), rel=1e-4)
+
+
+PAGE = Trajectory("Solve it.", "Question: What is the population of Alpha?", (
+    Step("crawl_page", "https://kb.world/alpha"),
+    Step("observation", "The population of the province of Alpha is 123. The population of "
+                        "Alpha is 456."),
+    Step("suggested_answer", "123"), Step("answer", "123")))
+
+
+class Believer:
+  """Logits that put `margin` on the next token of one fixed token sequence, whatever the input."""
+
+  def __init__(self, margin, ids):
+    self.margin, self.ids = margin, jnp.asarray(ids)
+
+  def apply(self, variables, ids_BxT):
+    del variables
+    believed = jnp.zeros(ids_BxT.shape[1], jnp.int32).at[:len(self.ids) - 1].set(self.ids[1:])
+    return self.margin * jax.nn.one_hot(jnp.broadcast_to(believed, ids_BxT.shape),
+                                        TOKENIZER.vocab_size)
+
+
+def test_the_near_miss_probe_pairs_the_teachers_figure_with_the_entitys_own():
+  near, own = copy_probe.near_miss_pairs(PAGE, TOKENIZER, "123", "456")
+  (begin, end), = near.spans
+  assert TOKENIZER.decode(near.input_ids[begin:end]) == "123\n</suggested_answer>"
+  assert TOKENIZER.decode(own.input_ids[own.spans[0][0]:]) == "456\n</suggested_answer>"
+  np.testing.assert_array_equal(near.input_ids[:begin], own.input_ids[:begin])
+  assert copy_probe.near_miss_pairs(PAGE, TOKENIZER, "789", "456") is None  # never written
+
+
+def test_the_near_miss_probe_gives_each_figures_chance_under_the_model():
+  near, own = copy_probe.near_miss_pairs(PAGE, TOKENIZER, "123", "456")
+  (begin, end), = near.spans
+  v = TOKENIZER.vocab_size
+  # a model sure of the teacher's trajectory: each of the near figure's tokens has probability
+  # e^m / (e^m + V - 1), the own figure's first token (where the two part) 1 / (e^m + V - 1)
+  chance = copy_probe.near_miss_chance(Believer(5.0, near.input_ids), None, [(near, own)])
+  assert chance["near_log10"] == pytest.approx((end - begin) * np.log10(
+      np.exp(5.0) / (np.exp(5.0) + v - 1)), rel=1e-4)
+  assert chance["own_log10"] < chance["near_log10"] and chance["own_likelier"] == 0.0
+  believes_own = copy_probe.near_miss_chance(Believer(5.0, own.input_ids), None, [(near, own)])
+  assert believes_own["own_likelier"] == 1.0

@@ -7,6 +7,7 @@ import types
 from pathlib import Path
 
 import ml_collections
+import numpy as np
 import pytest
 
 from coa_jax.data import load_tasks
@@ -200,6 +201,15 @@ def test_rl_curves_summary_and_table():
   assert lines[-2:] == [
       "| dapo: near-miss none | 1.000 +- 0.000 | 1.000 +- 0.000 | 1.000 +- 0.000 |",
       "| dapo: near-miss before | 0.050 +- 0.071 | 0.170 +- 0.071 | 0.290 +- 0.071 |"]
+  for seed, own in (("0", -6.0), ("1", -4.0)):  # the near-miss probe, its own table
+    for k, point in pages[seed]["points"].items():
+      point["near_miss_chance"] = {"own_log10": own + int(k) / 12, "own_likelier": 0.5}
+  lines = rl_curves.table(rl_curves.summarize({"dapo": pages})).splitlines()
+  assert lines[-4:] == [
+      "| cell: near-miss probe (median over tasks) | after 0 | after 12 | after 24 |",
+      "|---|---|---|---|",
+      "| dapo: own figure, log10 chance | -5.00 +- 1.41 | -4.00 +- 1.41 | -3.00 +- 1.41 |",
+      "| dapo: own figure the likelier | 0.50 +- 0.00 | 0.50 +- 0.00 | 0.50 +- 0.00 |"]
 
 
 def test_rl_cells_sample_rollouts_at_their_temperature_and_evaluate_at_the_main_jobs(
@@ -237,10 +247,17 @@ def test_rl_cells_sample_rollouts_at_their_temperature_and_evaluate_at_the_main_
   assert seen == [("rl", 1.0), ("eval", 0.6), ("rl", 1.0), ("eval", 0.6)]
   assert not pages and "pass@1_by_page" not in result["points"][1]  # no near-miss figures
   near_miss = with_overrides(config, {"world.distractors": 0.5})
+  probed = []
+  monkeypatch.setattr(rl_curves, "_near_miss_probe", lambda config, evaluate: (
+      lambda checkpoint: probed.append(checkpoint) or {"own_log10": -5.0}))
   result = rl_curves.run_cell(near_miss, pipeline_tiny_cpu.stage_configs, 0,
                               {"every": 1, "temperature": 1.0})  # the runs on disk are reused
   assert len(seen) == 4 and len(pages) == 3
   assert result["points"][2]["pass@1_by_page"] == {"before": 0.25}
+  # the near-miss probe of each point's model: the SFT model's, then each segment's export
+  assert probed == [stages["dapo"].model.checkpoint,
+                    *(os.path.join(result["run"], f"export-{k}") for k in (1, 2))]
+  assert result["points"][1]["near_miss_chance"] == {"own_log10": -5.0}
   with pytest.raises(ConfigError, match="temperature=0"):
     rl_curves.run_cell(config, pipeline_tiny_cpu.stage_configs, 0, {"temperature": 0})
 
@@ -288,6 +305,51 @@ def test_pass_at_1_by_page_groups_the_samples_by_where_the_near_miss_figure_stan
   world_config["seed"] = 4  # the task file is another world's
   with pytest.raises(ConfigError, match="not the held-out split of the config's world"):
     evaluation.pass_at_1_by_page(world_config, tasks, str(tmp_path))
+
+
+def test_the_near_miss_probe_pairs_every_near_miss_first_task_the_teacher_misread(
+    tmp_path, monkeypatch):
+  """Each held-out task whose page states the near-miss figure first, answered by the teacher
+  with that figure, gives a pair: its step with the near-miss figure and with the entity's own
+  (those of `World.near_miss_figures`, which the page states)."""
+  from coa_jax.data import World, WorldConfig
+  from coa_jax.data.tokenizer import default_tokenizer
+  from coa_jax.evaluation import copy_probe
+
+  world_config = dict(seed=3, entities=6, train_tasks=0, heldout_tasks=40,
+                      families=(("lookup", 1.0),), distractors=0.5)
+  world = World(WorldConfig(**world_config))
+  world.write(str(tmp_path))
+  before = [t for t in world.tasks["heldout"] if world.near_miss(t) == "before"]
+  assert before
+  with open(tmp_path / "teacher.jsonl", "w") as f:
+    for task in world.tasks["heldout"]:  # the teacher reads the first figure on the page
+      near, own = world.near_miss_figures(task) if world.near_miss(task) != "none" else (1, 1)
+      page = next(e for e in world.by_name.values()
+                  if str(own) in e.page() and str(near) in e.page()).page()
+      read = near if world.near_miss(task) == "before" else own
+      steps = [{"tag": "crawl_page", "content": "https://kb.world/x"},
+               {"tag": "observation", "content": page},
+               {"tag": "suggested_answer", "content": str(read)},
+               {"tag": "double_check", "content": "Score: 4"},
+               {"tag": "answer", "content": str(read)}]
+      f.write(json.dumps({"system": "s", "question": task["question"], "steps": steps}) + "\n")
+  pairs = []
+  monkeypatch.setattr(copy_probe, "near_miss_chance",
+                      lambda model, params, found: pairs.extend(found) or {"own_log10": -1.0})
+  tokenizer = default_tokenizer("plain")
+  assert evaluation.near_miss_chance(world_config, str(tmp_path / "heldout.jsonl"),
+                                     str(tmp_path / "teacher.jsonl"), tokenizer, None,
+                                     None) == {"own_log10": -1.0}
+  assert len(pairs) == len(before)
+  for pair, task in zip(pairs, before):  # each span: where the figures part, to the step's end
+    for example, figure in zip(pair, world.near_miss_figures(task)):
+      (begin, end), = example.spans
+      written = tokenizer.decode(example.input_ids[begin:end])
+      assert written.endswith("\n</suggested_answer>") and len(written) > 20
+      assert str(figure).endswith(written.split("\n")[0])
+      assert str(figure) in tokenizer.decode(example.input_ids[begin - 8:end])
+    np.testing.assert_array_equal(pair[0].input_ids[:begin], pair[1].input_ids[:begin])
 
 
 def test_filter_ablation_table():

@@ -319,19 +319,31 @@ class World:
                          "family": family, "hops": max(len(program.get("path", [])) - 1, 0),
                          "split": split, "program": program}}
 
+  def _answer_entity(self, task: dict[str, Any]) -> tuple[Any, str]:
+    """Returns the entity whose page answers a look-up `task` (its path's last hop) and the
+    attribute asked."""
+    path = task["metadata"]["program"]["path"]
+    entity = self.by_name[path[0]]
+    for attr in path[1:-1]:
+      entity = self.by_name[entity.attrs[attr]]
+    return entity, path[-1]
+
   def near_miss(self, task: dict[str, Any]) -> str:
     """Returns where the page that answers a look-up `task` (the last hop's) states a near-miss
     figure of the asked attribute: "before" or "after" the entity's own sentence, or "none"
     (also for arithmetic tasks)."""
-    path = task["metadata"]["program"].get("path")
-    if not path:
+    if not task["metadata"]["program"].get("path"):
       return "none"
-    entity = self.by_name[path[0]]
-    for attr in path[1:-1]:
-      entity = self.by_name[entity.attrs[attr]]
-    if path[-1] not in entity.near:
+    entity, attr = self._answer_entity(task)
+    if attr not in entity.near:
       return "none"
-    return "before" if entity.near[path[-1]][1] else "after"
+    return "before" if entity.near[attr][1] else "after"
+
+  def near_miss_figures(self, task: dict[str, Any]) -> tuple[int, int]:
+    """Returns (the near-miss figure, the entity's own) of a look-up `task` whose page states
+    one (`near_miss` is not "none")."""
+    entity, attr = self._answer_entity(task)
+    return entity.near[attr][0], entity.attrs[attr]
 
   # --- files -------------------------------------------------------------------------------
 

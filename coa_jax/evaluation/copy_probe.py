@@ -8,6 +8,13 @@ value appears in an earlier observation is a copy step, and the probe counts the
 whose every token (content, newlines, closing tag) is the model's greedy next-token prediction
 given the trajectory up to it (teacher forcing). A model that cannot see observations scores
 what it can guess, about 0 on numbers it has never seen.
+
+The near-miss probe asks why a model misreads a page that states a near-miss figure ("the
+population of the province of City 2216") before the entity's own: at the teacher's first step
+that writes the near-miss figure, how likely is the model to write the entity's own instead?
+Teacher-forced at the model's own temperature (1), the chance of each figure's step is the
+chance an RL rollout has of finding it there; a median of 1e-5 means that outcome rewards
+almost never see the right answer to reward (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -77,16 +84,11 @@ def _score(predicted_T: np.ndarray, logp_T: np.ndarray, ids_T: np.ndarray,
   return score
 
 
-def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
-                  batch_size: int = 16, temperature: float = 0.6) -> dict[str, float]:
-  """Returns the fractions of copy steps predicted exactly (teacher-forced greedy), of their
-  tokens, and of tool calls predicted exactly, and the chance that sampling at `temperature`
-  (0: greedy) writes a copy step or a tool call exactly (`copy_sampled`, `call_sampled`: the
-  product of its tokens' probabilities, averaged). Rows are padded to the longest example, so
-  one shape is compiled per call."""
-  if not examples:
-    raise ValueError("no copy examples: the trajectories have no answer copied from an "
-                     "observation")
+def _forward(model: Any, params: Any, examples: Sequence[CopyExample], batch_size: int,
+             temperature: float):
+  """Yields (example, greedy prediction_T, log-prob of each next token at `temperature`_T) of
+  every example, teacher-forced; rows are padded to the longest example, so one shape is
+  compiled per call."""
   length = max(len(e.input_ids) for e in examples)
 
   @jax.jit
@@ -99,7 +101,6 @@ def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
     logp_BxTxV = jax.nn.log_softmax(logits_BxTxV / temperature, axis=-1)
     return predicted_BxT, jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
 
-  copies, calls = np.zeros(4), np.zeros(4)
   for start in range(0, len(examples), batch_size):
     chunk = examples[start:start + batch_size]
     ids_BxT = np.zeros((batch_size, length), np.int32)
@@ -107,11 +108,69 @@ def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
       ids_BxT[row, :len(example.input_ids)] = example.input_ids
     predicted_BxT, logp_BxT = map(np.asarray, predict(params, ids_BxT))
     for row, example in enumerate(chunk):
-      copies += _score(predicted_BxT[row], logp_BxT[row], ids_BxT[row], example.spans)
-      calls += _score(predicted_BxT[row], logp_BxT[row], ids_BxT[row], example.call_spans)
+      yield example, predicted_BxT[row], logp_BxT[row]
+
+
+def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
+                  batch_size: int = 16, temperature: float = 0.6) -> dict[str, float]:
+  """Returns the fractions of copy steps predicted exactly (teacher-forced greedy), of their
+  tokens, and of tool calls predicted exactly, and the chance that sampling at `temperature`
+  (0: greedy) writes a copy step or a tool call exactly (`copy_sampled`, `call_sampled`: the
+  product of its tokens' probabilities, averaged)."""
+  if not examples:
+    raise ValueError("no copy examples: the trajectories have no answer copied from an "
+                     "observation")
+  copies, calls = np.zeros(4), np.zeros(4)
+  for example, predicted_T, logp_T in _forward(model, params, examples, batch_size, temperature):
+    copies += _score(predicted_T, logp_T, example.input_ids, example.spans)
+    calls += _score(predicted_T, logp_T, example.input_ids, example.call_spans)
   steps = sum(len(e.spans) for e in examples)
   n_calls = sum(len(e.call_spans) for e in examples)
   return {"copy_exact": copies[0] / steps, "copy_token_accuracy": copies[1] / copies[2],
           "copy_sampled": copies[3] / steps, "copy_steps": float(steps),
           "call_exact": calls[0] / max(n_calls, 1), "call_sampled": calls[3] / max(n_calls, 1),
           "calls": float(n_calls)}
+
+
+# --- the near-miss probe -----------------------------------------------------------------------
+
+
+def near_miss_pairs(trajectory: Trajectory, tokenizer: CoATokenizer, near: str,
+                    own: str) -> tuple[CopyExample, CopyExample] | None:
+  """Returns the trajectory up to its first step (not an observation) that writes the
+  near-miss figure `near` after an observation showed it, twice: as written, and with the
+  entity's own figure `own` in its place; each example's span is what follows the tokens the
+  two share (the figure and the rest of the step). None when no step writes `near`."""
+  ids = tokenizer.prompt_ids(trajectory.system, trajectory.question)
+  seen = False
+  for i, step in enumerate(trajectory.steps):
+    if step.tag == coa_format.OBSERVATION:
+      seen = seen or near in step.content
+    elif seen and near in step.content:
+      near_ids, own_ids = (
+          sft_tokenize.step_ids(tokenizer, dataclasses.replace(step, content=content),
+                                first=i == 0)
+          for content in (step.content, step.content.replace(near, own)))
+      shared = next((j for j, (a, b) in enumerate(zip(near_ids, own_ids)) if a != b),
+                    min(len(near_ids), len(own_ids)))
+      return tuple(CopyExample(np.asarray(ids + span, np.int32),
+                               ((len(ids) + shared, len(ids) + len(span)),))
+                   for span in (near_ids, own_ids))
+    ids = ids + sft_tokenize.step_ids(tokenizer, step, first=i == 0)
+  return None
+
+
+def near_miss_chance(model: Any, params: Any,
+                     pairs: Sequence[tuple[CopyExample, CopyExample]],
+                     batch_size: int = 16) -> dict[str, float]:
+  """Returns, over (near-miss, own figure) pairs of `near_miss_pairs`, the median log10 chance
+  that the model's own distribution (temperature 1) writes each figure's step where the teacher
+  wrote the near-miss one, and the fraction of pairs whose own figure is the likelier."""
+  if not pairs:
+    raise ValueError("no near-miss pairs: no trajectory writes a near-miss figure")
+  flat = [example for pair in pairs for example in pair]
+  log10 = np.array([logp_T[example.spans[0][0] - 1:example.spans[0][1] - 1].sum() / np.log(10)
+                    for example, _, logp_T in _forward(model, params, flat, batch_size, 1.0)])
+  near, own = log10[0::2], log10[1::2]
+  return {"own_log10": float(np.median(own)), "near_log10": float(np.median(near)),
+          "own_likelier": float(np.mean(own > near))}

@@ -87,21 +87,49 @@ def pass_at_1_by(outcomes: dict[str, Sequence[Sample]],
   return {group: sum(values) / len(values) for group, values in sorted(groups.items())}
 
 
+def _check_heldout(world: World, tasks_path: str) -> None:
+  """Raises ConfigError unless `tasks_path` holds the held-out split of `world`."""
+  with open(tasks_path) as f:
+    tasks = [json.loads(line) for line in f if line.strip()]
+  if [t["question"] for t in tasks] != [t["question"] for t in world.tasks["heldout"]]:
+    raise ConfigError(f"{tasks_path} is not the held-out split of the config's world: the "
+                      f"main job there ran on another world")
+
+
 def pass_at_1_by_page(world: Any, tasks_path: str, eval_dir: str) -> dict[str, float]:
   """Returns pass@1 over the held-out tasks grouped by where the answer's page states a
   near-miss figure ("before" or "after" the entity's own sentence, or "none"), from an
   evaluation's samples (eval_dir) and the world that `world` (WorldConfig fields) generates,
   checked against the task file."""
   generated = World(WorldConfig(**world))
-  with open(tasks_path) as f:
-    tasks = [json.loads(line) for line in f if line.strip()]
-  if [t["question"] for t in tasks] != [t["question"] for t in generated.tasks["heldout"]]:
-    raise ConfigError(f"{tasks_path} is not the held-out split of the config's world: the "
-                      f"main job there ran on another world")
+  _check_heldout(generated, tasks_path)
   page = {t["id"]: generated.near_miss(t) for t in generated.tasks["heldout"]}
   with open(os.path.join(eval_dir, "samples.jsonl")) as f:
     outcomes = {r["task_id"]: [Sample(**s) for s in r["samples"]] for r in map(json.loads, f)}
   return pass_at_1_by(outcomes, page)
+
+
+def near_miss_chance(world: Any, tasks_path: str, trajectories_path: str, tokenizer: Any,
+                     model: Any, params: Any) -> dict[str, float]:
+  """Returns the near-miss probe (`copy_probe.near_miss_chance`) of a model on the held-out
+  tasks whose answer's page states a near-miss figure before the entity's own, from the
+  teacher's held-out trajectories (`trajectories_path`) of the world that `world` (WorldConfig
+  fields) generates, checked against the task file."""
+  from coa_jax.data import packing
+  from coa_jax.data.importers import DropCounter
+  from coa_jax.evaluation import copy_probe
+
+  generated = World(WorldConfig(**world))
+  _check_heldout(generated, tasks_path)
+  teacher = {t.question: t for t in packing.load_source(trajectories_path, DropCounter(),
+                                                         tokenizer.tool_tags)}
+  pairs = []
+  for task in generated.tasks["heldout"]:
+    if generated.near_miss(task) == "before" and task["question"] in teacher:
+      near, own = generated.near_miss_figures(task)
+      pair = copy_probe.near_miss_pairs(teacher[task["question"]], tokenizer, str(near), str(own))
+      pairs += [pair] if pair else []
+  return copy_probe.near_miss_chance(model, params, pairs)
 
 
 def format_table(rows: dict[str, dict[str, Any]], k: int) -> str:

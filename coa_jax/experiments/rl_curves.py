@@ -14,7 +14,9 @@ is evaluated like the main job's models (every held-out task, config.eval.k samp
 Option "temperature" sets the RL stage's rollout temperature alone (its updates' log-probs
 follow it: they are the tempered policy's), leaving the evaluations' sampling as it is. On a
 world with near-miss figures each point also gives pass@1 by where the answer's page states
-one (`evaluation.pass_at_1_by_page`).
+one (`evaluation.pass_at_1_by_page`), and the near-miss probe of its model: how likely it is
+to write the entity's own figure where its teacher wrote the near-miss one
+(`evaluation.near_miss_chance`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import ml_collections
 import numpy as np
 
 from coa_jax import evaluation, pipeline, rl
+from coa_jax.data import load_tokenizer
 from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
                                         shared_dir)
-from coa_jax.model import ConfigError
+from coa_jax.model import ConfigError, Transformer
 from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.cache import exists, file_fingerprint
 from coa_jax.runtime.distributed import say
@@ -40,6 +43,9 @@ TRAINING = ("reward", "accuracy", "explained_variance", "value_loss")
 # pass@1 split by task family, and on a world with near-miss figures by where the answer's page
 # states one ("before" or "after" the entity's own sentence, or "none"); the table's prefix.
 GROUPS = {"pass@1_by_family": "", "pass@1_by_page": "near-miss "}
+# The near-miss probe's parts (`evaluation.near_miss_chance`), by their rows' labels.
+PROBE = {"own_log10": "own figure, log10 chance", "near_log10": "near-miss figure, log10 chance",
+         "own_likelier": "own figure the likelier"}
 
 
 def _read(path: str) -> dict[str, Any]:
@@ -102,6 +108,20 @@ def _training_rows(folder: str, steps: int) -> list[dict[str, float]]:
   return [rows[s] for s in sorted(rows)]
 
 
+def _near_miss_probe(config: Any, evaluate: ml_collections.ConfigDict):
+  """Returns checkpoint folder -> the near-miss probe of its model (`evaluation.near_miss_chance`)
+  on the held-out tasks and the teacher's held-out trajectories of `evaluate`."""
+  tokenizer = load_tokenizer(evaluate)
+
+  def probe(checkpoint: str) -> dict[str, float]:
+    model_config, params = hf_checkpoint.load_checkpoint(checkpoint,
+                                                         vocab_size=tokenizer.vocab_size)
+    return evaluation.near_miss_chance(config.world, evaluate.tasks, evaluate.copy_probe,
+                                       tokenizer, Transformer(model_config), params)
+
+  return probe
+
+
 def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
              options: Mapping[str, Any]) -> dict[str, Any]:
   """Returns one seed's curve: the held-out metrics (and pass@1 by task family) after every
@@ -132,11 +152,14 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
     points[steps] = _point(train, stages["eval_sft"], steps, every, folder)
     evaluated[steps] = _eval_dir(folder, steps)
     say(f"seed {seed} {stage} after {steps} updates: pass@1 {points[steps]['pass@1']:.3f}")
-  if config.world.get("distractors"):  # pass@1 by where the answer's page has a near miss
+  if config.world.get("distractors"):  # where the answer's page has a near miss
+    probe = _near_miss_probe(config, stages["eval_sft"])
     for steps, where in evaluated.items():
       points[steps]["pass@1_by_page"] = evaluation.pass_at_1_by_page(
           config.world, stages["eval_sft"].tasks, where)
-  keep = (*COLUMNS, *GROUPS)
+      points[steps]["near_miss_chance"] = probe(
+          os.path.join(folder, f"export-{steps}") if steps else train.model.checkpoint)
+  keep = (*COLUMNS, *GROUPS, "near_miss_chance")
   return {"points": {k: {c: p[c] for c in keep if c in p} for k, p in points.items()},
           "training": _training_rows(folder, total), "selection": selection, "run": folder}
 
@@ -152,8 +175,8 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     for k in updates:
       points = [r["points"][str(k)] for r in runs]
       row = {c: mean_sd([p[c] for p in points]) for c in COLUMNS}
-      for group in GROUPS:  # the parts every seed has (a result of older code lacks pages)
-        parts = [p.get(group, {}) for p in points]
+      for group in (*GROUPS, "near_miss_chance"):  # the parts every seed has (a result of
+        parts = [p.get(group, {}) for p in points]    # older code lacks pages and the probe)
         common = [part for part in parts[0] if all(part in other for other in parts)]
         if common:
           row[group.replace("pass@1_", "")] = {
@@ -165,13 +188,16 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 def table(summary: Mapping[str, Any]) -> str:
   """Returns the markdown tables: held-out pass@1 (mean +- sd over seeds) after each number of
   updates, then the last point's tokens, tool calls and format errors per task; below it, each
-  task family's (then each near-miss page kind's) pass@1 after each number of updates."""
+  task family's (then each near-miss page kind's) pass@1 after each number of updates, and the
+  near-miss probe where the points have it."""
   updates = sorted({int(k) for rows in summary.values() for k in rows})
   head = ["cell"] + [f"pass@1 after {k}" for k in updates] + [
       c.replace("_", " ") for c in COLUMNS[1:]]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   families = ["", "| cell: task family | " + " | ".join(head[1:len(updates) + 1]) + " |",
               "|" + "---|" * (len(updates) + 1)]
+  probes = ["", "| cell: near-miss probe (median over tasks) | " + " | ".join(
+      f"after {k}" for k in updates) + " |", "|" + "---|" * (len(updates) + 1)]
   for name, rows in summary.items():
     rows = {int(k): v for k, v in rows.items()}
     last = rows[max(rows)]
@@ -184,7 +210,12 @@ def table(summary: Mapping[str, Any]) -> str:
         families.append("| " + " | ".join(
             [f"{name}: {prefix}{part}"] + [cell(rows[k][key][part]) if key in rows[k] else "-"
                                            for k in updates]) + " |")
-  return "\n".join(lines + families)
+    for part, label in PROBE.items():
+      if part in last.get("near_miss_chance", {}):
+        probes.append("| " + " | ".join([f"{name}: {label}"] + [
+            cell(rows[k]["near_miss_chance"][part], 2) if "near_miss_chance" in rows[k] else "-"
+            for k in updates]) + " |")
+  return "\n".join(lines + families + (probes if len(probes) > 3 else []))
 
 
 def plot(report: Mapping[str, Any], path: str) -> str | None:

@@ -31,10 +31,10 @@ A decode chunk reads only the cache slots [0, W) that its rows can fill: its win
 power-of-two bucket (at least `MIN_WINDOW`, at most S) of the longest active row's length plus
 K - 1, one past the last slot a row's K-th step attends to (`window_for`, `decode_window`: the
 host fetches the rows' lengths). An extend reads the window of its rows' longest length plus
-its padded token count (in 4x steps); a prefill's prompts start at slot 0 and read one (masked) slot. Each
-program is compiled once per window; writes still go to the whole cache, in place (or to the
-gathered rows, below, which are written back). A row that
-is not active may lie past a chunk's window: it reads a cut cache, but what it samples is
+its padded token count (in 4x steps); a prefill's prompts start at slot 0 and read one (masked)
+slot. Each program is compiled once per window; writes still go to the whole cache, in place
+(or to the gathered rows, below, which are written back). A row that is not active may lie
+past a chunk's window: it reads a cut cache, but what it samples is
 discarded and the one slot it writes (its pending token's, at its length) is written again
 when it resumes (extend). The slots past a window are masked to exact zeros either way; only
 the order of the attention's float32 sums may differ, so a token can differ only where two
@@ -445,8 +445,8 @@ class Sampler:
   def _compact_rows(self, state: DecodeState, rows: Sequence[int] | None) -> np.ndarray | None:
     """Returns `rows` padded (with B) to a power-of-two bucket when decoding them alone pays:
     the batch has at least `rows_alone_from` rows, the bucket is at most half of it and splits
-    over the mesh's batch ranks, and this process holds the whole state (on several hosts every host must run the same program).
-    None otherwise: decode the whole batch."""
+    over the mesh's batch ranks, and this process holds the whole state (on several hosts
+    every host must run the same program). None otherwise: decode the whole batch."""
     if (rows is None or self.batch_size < self.rows_alone_from
         or not state.active_B.is_fully_addressable):
       return None
