@@ -436,10 +436,14 @@ def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
   summary = recipe.summarize({"3x128": {"1": main}, "6x256": results})
   assert summary["6x256"]["dapo"]["pass@1"] == {"values": [0.95, 0.95], "mean": 0.95, "sd": 0.0}
   assert recipe.table(summary).splitlines()[2:] == [
-      "| 3x128 | 0.46M | 0.850 +- 0.000 | 0.920 +- 0.000 | 0.850 +- 0.000 | 0.920 +- 0.000 | "
-      "120 +- 0 | 0.997 +- 0.000 |",
-      f"| 6x256 | {results[0]['params'] / 1e6:.2f}M | 0.900 +- 0.000 | 0.950 +- 0.000 | "
+      "| 3x128 | 0.46M | 1,700 | 0.850 +- 0.000 | 0.920 +- 0.000 | 0.850 +- 0.000 | "
+      "0.920 +- 0.000 | 120 +- 0 | 0.997 +- 0.000 |",
+      f"| 6x256 | {results[0]['params'] / 1e6:.2f}M | 1,700 | 0.900 +- 0.000 | 0.950 +- 0.000 | "
       "0.900 +- 0.000 | 0.950 +- 0.000 | 120 +- 0 | 0.997 +- 0.000 |"]
+  longer = recipe.run_cell(with_overrides(bigger, {"sft.steps": 3400}),
+                           pipeline_tiny_cpu.stage_configs, 0, {})
+  assert longer["sft_steps"] == 3400 and calls[-1][0] != folder  # a folder of its own
+  summary["6x256-2x"] = recipe.summarize({"6x256-2x": {"0": longer}})["6x256-2x"]
   report = {"name": "model-size", "about": "sizes", "seeds": [0, 1], "summary": summary}
   assert recipe.plot(report, str(tmp_path / "sizes.png")) and (tmp_path / "sizes.png").exists()
 
@@ -449,16 +453,22 @@ def test_model_sizes_grow_to_about_8x_the_main_jobs_parameters_and_fit_a_cpu_run
   from coa_jax.perf import flops
 
   base = pipeline_tiny_cpu.get_config()
-  sizes = {}
+  sizes, steps = {}, {}
   for name, overrides in EXPERIMENTS["model-size"].cells.items():
     cfg = with_overrides(base, {k: v for k, v in overrides.items() if not k.startswith("options.")})
     sizes[name] = build_config(pipeline_tiny_cpu.stage_configs(cfg, 0)["sft"].model)
-    assert cfg.sft.steps == base.sft.steps and cfg.sft.batch_size == base.sft.batch_size
+    steps[name] = cfg.sft.steps
+    assert cfg.sft.batch_size == base.sft.batch_size
+  # equal tokens, and the larger two again with twice the steps
+  assert set(sizes) == {"3x128", "4x192", "6x256", "4x192-2x", "6x256-2x"}
+  assert {n: s // base.sft.steps for n, s in steps.items()} == {
+      "3x128": 1, "4x192": 1, "6x256": 1, "4x192-2x": 2, "6x256-2x": 2}
   params = {name: model.num_params() for name, model in sizes.items()}
   assert params["3x128"] < params["4x192"] < params["6x256"] <= 8 * params["3x128"]
-  assert params["6x256"] >= 6 * params["3x128"]
-  # The budget: the largest SFT run's model FLOPs stay within 12x the main job's (a few hours
+  assert params["6x256"] >= 6 * params["3x128"] and params["6x256-2x"] == params["6x256"]
+  # The budget: the largest SFT run's model FLOPs stay within 25x the main job's (an afternoon
   # of this 2-core machine for 3 seeds), and its AdamW state within 100 MB.
-  step = {n: flops.train_flops(m, base.sft.batch_size, base.sft.seq_len) for n, m in sizes.items()}
-  assert step["6x256"] <= 12 * step["3x128"]
+  run = {n: steps[n] * flops.train_flops(m, base.sft.batch_size, base.sft.seq_len)
+         for n, m in sizes.items()}
+  assert max(run.values()) == run["6x256-2x"] <= 25 * run["3x128"]
   assert 16 * params["6x256"] < 100e6

@@ -6,8 +6,9 @@ config (`runner.shared_dir`; the seeds of a cell share its distillation), or, wi
 next launch, every stage that finished (`pipeline.run`); a stage cut short runs again (the
 pipeline's SFT keeps a checkpoint only at its end).
 
-A result holds the model's parameter count and, after SFT and after DAPO, the held-out
-pass@1, the copy probe and the tokens per task, with the teacher system's pass@1 and tokens.
+A result holds the model's parameter count, its SFT steps and, after SFT and after DAPO, the
+held-out pass@1, the copy probe and the tokens per task, with the teacher system's pass@1 and
+tokens.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
     settings = {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "seed")}
     cfg.seed, cfg.output_dir = seed, shared_dir(config, "recipe", settings)
     rows = pipeline.run(cfg, stage_configs, seeds=1)["per_seed"][seed]
-  model = build_config(stage_configs(config, seed)["sft"].model)
-  return {"params": model.num_params(),
+  sft = stage_configs(config, seed)["sft"]
+  return {"params": build_config(sft.model).num_params(), "sft_steps": sft.train.steps,
           "teacher": {m: rows["teacher"][m] for m in ("pass@1", "tokens_per_task")},
           **{system: {m: rows[system][m] for m in METRICS} for system in SYSTEMS}}
 
@@ -58,11 +59,12 @@ def _main_job_rows(output_dir: str, seed: int) -> dict[str, Any]:
 
 
 def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-  """Returns, per cell, its parameter count and the mean +- sd over seeds of every metric."""
+  """Returns, per cell, its parameter count, SFT steps and the mean +- sd over seeds of every
+  metric."""
   summary = {}
   for name, by_seed in results.items():
     runs = list(by_seed.values())
-    summary[name] = {"params": runs[0]["params"]}
+    summary[name] = {"params": runs[0]["params"], "sft_steps": runs[0]["sft_steps"]}
     for system in ("teacher",) + SYSTEMS:
       summary[name][system] = {m: mean_sd([r[system][m] for r in runs])
                                for m in runs[0][system]}
@@ -70,13 +72,15 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def table(summary: Mapping[str, Any]) -> str:
-  """Returns the markdown table: per cell, parameters, then pass@1, copy probe and tokens per
-  task after SFT and after DAPO (mean +- sd over seeds), and the teacher's pass@1."""
-  lines = ["| model | params | SFT pass@1 | DAPO pass@1 | SFT copy probe | DAPO copy probe | "
-           "tokens per task (DAPO) | teacher pass@1 |", "|---|---|---|---|---|---|---|---|"]
+  """Returns the markdown table: per cell, parameters and SFT steps, then pass@1, copy probe and
+  tokens per task after SFT and after DAPO (mean +- sd over seeds), and the teacher's pass@1."""
+  lines = ["| model | params | SFT steps | SFT pass@1 | DAPO pass@1 | SFT copy probe | "
+           "DAPO copy probe | tokens per task (DAPO) | teacher pass@1 |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for name, row in summary.items():
     sft, dapo = row["sft"], row["dapo"]
-    lines.append(f"| {name} | {row['params'] / 1e6:.2f}M | {cell(sft['pass@1'])} | "
+    lines.append(f"| {name} | {row['params'] / 1e6:.2f}M | {row['sft_steps']:,} | "
+                 f"{cell(sft['pass@1'])} | "
                  f"{cell(dapo['pass@1'])} | {cell(sft['copy_exact'])} | "
                  f"{cell(dapo['copy_exact'])} | {cell(dapo['tokens_per_task'], 0)} | "
                  f"{cell(row['teacher']['pass@1'])} |")
@@ -85,17 +89,19 @@ def table(summary: Mapping[str, Any]) -> str:
 
 def plot(report: Mapping[str, Any], path: str) -> str | None:
   """Writes held-out pass@1 after SFT and after DAPO against parameters (mean +- sd over
-  seeds) with the teacher's line; returns the path, or None without matplotlib."""
+  seeds), a pair of lines per number of SFT steps, with the teacher's line; returns the path,
+  or None without matplotlib."""
   figure = new_figure(1, (7, 4.5))
   if figure is None:
     return None
   plt, fig, ax = figure
   rows = sorted(report["summary"].items(), key=lambda item: item[1]["params"])
-  params = [row["params"] for _, row in rows]
-  for system, label in (("sft", "AFM after SFT"), ("dapo", "AFM after DAPO")):
-    ax.errorbar(params, [row[system]["pass@1"]["mean"] for _, row in rows],
-                yerr=[row[system]["pass@1"]["sd"] for _, row in rows], marker="o", capsize=3,
-                label=label)
+  for steps in sorted({row["sft_steps"] for _, row in rows}):
+    arm = [row for _, row in rows if row["sft_steps"] == steps]
+    for system, label, style in (("sft", "AFM after SFT", "--"), ("dapo", "AFM after DAPO", "-")):
+      ax.errorbar([row["params"] for row in arm], [row[system]["pass@1"]["mean"] for row in arm],
+                  yerr=[row[system]["pass@1"]["sd"] for row in arm], marker="o", capsize=3,
+                  linestyle=style, label=f"{label}, {steps:,} SFT steps")
   ax.axhline(rows[0][1]["teacher"]["pass@1"]["mean"], color="gray", linestyle="--",
              label="teacher system")
   for name, row in rows:
