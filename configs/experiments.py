@@ -10,8 +10,8 @@ from configs import pipeline_distractors_cpu
 
 _SELECTION = {"selection.max_tasks": 1000, "selection.k": 4}
 # The main job's model (3 layers x 128, 0.46M parameters) and two larger ones of its shape
-# family (heads of 16, which the tiny preset fixes; MLP twice the width): 1.38M (3.0x) and
-# 3.41M (7.4x). Each trains the main job's 1,700 SFT steps of the same batches (equal tokens)
+# family (heads of 16, which the tiny preset fixes; MLP twice the width): 1.28M (2.8x) and
+# 3.28M (7.1x). Each trains the main job's 1,700 SFT steps of the same batches (equal tokens)
 # with the same schedule, then its DAPO stage. At equal tokens the larger models copied later
 # and worse (4x192's SFT loss 0.307 at step 800 against 3x128's 0.17), so the larger two also
 # train twice the steps ("-2x": 3,400, the same warm-up and 500-step decay), towards convergence.
