@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import textwrap
 import time
 from typing import Any, Callable, Mapping
 
@@ -152,8 +153,9 @@ def new_figure(columns: int, size: tuple[float, float]) -> tuple[Any, Any, Any] 
 def save_figure(plt: Any, fig: Any, report: Mapping[str, Any], path: str) -> str:
   """Titles a kind's figure with the experiment's name, question and seeds, writes it to
   `path` and closes it; returns the path."""
-  fig.suptitle(f"{report['name']}: {report['about']} (mean +- sd over seeds "
-               f"{report['seeds']})", fontsize=9)
+  title = f"{report['name']}: {report['about']} (mean +- sd over seeds {report['seeds']})"
+  # about 14 characters an inch at this size: a long title wraps rather than run off the figure
+  fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 14)), fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
