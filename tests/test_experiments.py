@@ -176,7 +176,7 @@ def _stat(mean):
   return {"mean": mean, "sd": 0.0}
 
 
-def test_rl_curves_summary_and_table():
+def test_rl_curves_summary_and_table(tmp_path):
   def result(scores):
     points = {str(k): {"pass@1": s, "tokens_per_task": 200.0, "tool_calls_per_task": 2.0,
                        "format_error_rate": 0.0, "pass@1_by_family": {"lookup": s}}
@@ -210,6 +210,9 @@ def test_rl_curves_summary_and_table():
       "|---|---|---|---|",
       "| dapo: own figure, log10 chance | -5.00 +- 1.41 | -4.00 +- 1.41 | -3.00 +- 1.41 |",
       "| dapo: own figure the likelier | 0.50 +- 0.00 | 0.50 +- 0.00 | 0.50 +- 0.00 |"]
+  report = {"name": "near-miss-rl", "about": "levers", "seeds": [0, 1], "results": {"dapo": pages},
+            "summary": rl_curves.summarize({"dapo": pages})}  # its middle panel: the pages
+  assert rl_curves.plot(report, str(tmp_path / "curves.png")) and (tmp_path / "curves.png").exists()
 
 
 def test_rl_cells_sample_rollouts_at_their_temperature_and_evaluate_at_the_main_jobs(

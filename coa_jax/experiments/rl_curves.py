@@ -219,14 +219,16 @@ def table(summary: Mapping[str, Any]) -> str:
 
 
 def plot(report: Mapping[str, Any], path: str) -> str | None:
-  """Writes the curves (held-out pass@1 per cell; each task family's pass@1, one line style
-  per family; training reward), mean +- sd over seeds against updates; returns the path, or
-  None without matplotlib."""
+  """Writes the curves (held-out pass@1 per cell; each task family's pass@1, or on a world
+  with near-miss figures each page kind's, one line style per part; training reward), mean +-
+  sd over seeds against updates; returns the path, or None without matplotlib."""
   figure = new_figure(3, (16, 4))
   if figure is None:
     return None
   plt, fig, axes = figure
   styles = ["-", "--", ":", "-."]
+  split = ("by_page" if any("by_page" in row for rows in report["summary"].values()
+                            for row in rows.values()) else "by_family")
   for name, rows in report["summary"].items():
     rows = {int(k): v for k, v in rows.items()}
     updates = np.array(sorted(rows))
@@ -234,9 +236,9 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
     sd = np.array([rows[k]["pass@1"]["sd"] for k in updates])
     line, = axes[0].plot(updates, mean, marker="o", label=name)
     axes[0].fill_between(updates, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
-    for style, family in zip(styles, rows[int(updates[0])].get("by_family", {})):
-      axes[1].plot(updates, [rows[k]["by_family"][family]["mean"] for k in updates],
-                   linestyle=style, color=line.get_color(), label=f"{name}: {family}")
+    for style, part in zip(styles, rows[int(updates[0])].get(split, {})):
+      axes[1].plot(updates, [rows[k][split][part]["mean"] for k in updates],
+                   linestyle=style, color=line.get_color(), label=f"{name}: {part}")
     runs = [[r.get("reward", np.nan) for r in result["training"]]
             for result in report["results"][name].values()]
     if runs and all(len(r) == len(runs[0]) for r in runs) and runs[0]:
@@ -245,9 +247,11 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
       axes[2].fill_between(steps, np.nanmean(runs, axis=0) - np.nanstd(runs, axis=0),
                            np.nanmean(runs, axis=0) + np.nanstd(runs, axis=0),
                            color=line.get_color(), alpha=0.2)
-  labels = ("held-out pass@1", "held-out pass@1 by task family", "training reward")
+  labels = ("held-out pass@1", "held-out pass@1 by task family" if split == "by_family" else
+            "held-out pass@1 by near-miss page", "training reward")
   for ax, label in zip(axes, labels):
     ax.set(xlabel="updates", ylabel=label)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a run without training metrics draws no reward
+      ax.legend(fontsize=7)
   return save_figure(plt, fig, report, path)
