@@ -447,6 +447,9 @@ def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
                            pipeline_tiny_cpu.stage_configs, 0, {})
   assert longer["sft_steps"] == 3400 and calls[-1][0] != folder  # a folder of its own
   summary["6x256-2x"] = recipe.summarize({"6x256-2x": {"0": longer}})["6x256-2x"]
+  older = {k: v for k, v in longer.items() if k != "sft_steps"}  # cached by older code
+  with pytest.raises(ConfigError, match="cached by older code"):
+    recipe.summarize({"6x256": {"0": older}})
   report = {"name": "model-size", "about": "sizes", "seeds": [0, 1], "summary": summary}
   assert recipe.plot(report, str(tmp_path / "sizes.png")) and (tmp_path / "sizes.png").exists()
 

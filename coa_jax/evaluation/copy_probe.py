@@ -156,7 +156,7 @@ def near_miss_pairs(trajectory: Trajectory, tokenizer: CoATokenizer, near: str,
       return tuple(CopyExample(np.asarray(ids + span, np.int32),
                                ((len(ids) + shared, len(ids) + len(span)),))
                    for span in (near_ids, own_ids))
-    ids = ids + sft_tokenize.step_ids(tokenizer, step, first=i == 0)
+    ids.extend(sft_tokenize.step_ids(tokenizer, step, first=i == 0))
   return None
 
 

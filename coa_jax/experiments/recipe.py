@@ -64,6 +64,10 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
   summary = {}
   for name, by_seed in results.items():
     runs = list(by_seed.values())
+    if any("sft_steps" not in r for r in runs):
+      raise ConfigError(f"recipe cell {name}: a result cached by older code (no sft_steps); "
+                        f"delete its seed-*.json under <output_dir>/experiments/<experiment>/"
+                        f"cells/{name}/ to recompute it (its runs on disk are reused)")
     summary[name] = {"params": runs[0]["params"], "sft_steps": runs[0]["sft_steps"]}
     for system in ("teacher",) + SYSTEMS:
       summary[name][system] = {m: mean_sd([r[system][m] for r in runs])
