@@ -12,9 +12,10 @@ _SELECTION = {"selection.max_tasks": 1000, "selection.k": 4}
 # The main job's model (3 layers x 128, 0.46M parameters) and two larger ones of its shape
 # family (heads of 16, which the tiny preset fixes; MLP twice the width): 1.28M (2.8x) and
 # 3.28M (7.1x). Each trains the main job's 1,700 SFT steps of the same batches (equal tokens)
-# with the same schedule, then its DAPO stage. At equal tokens the larger models copied later
-# and worse (4x192's SFT loss 0.307 at step 800 against 3x128's 0.17), so the larger two also
-# train twice the steps ("-2x": 3,400, the same warm-up and 500-step decay), towards convergence.
+# with the same schedule, then its DAPO stage (`model-size`). At equal tokens the larger models
+# copied later and worse (4x192's SFT loss 0.307 at step 800 against 3x128's 0.17), so
+# `model-size-2x` trains every size twice the steps (3,400, the same warm-up and 500-step
+# decay), towards convergence.
 MODEL_SIZES = {
     "4x192": dict(num_layers=4, hidden_size=192, intermediate_size=384, num_heads=6,
                   num_kv_heads=6),
@@ -81,10 +82,13 @@ EXPERIMENTS = {e.name: e for e in [
         "model-size", "recipe",
         {"3x128": {"options.main_job": True},
          **{name: {f"model.{k}": v for k, v in size.items()}
-            for name, size in MODEL_SIZES.items()},
-         **{f"{name}-2x": {**{f"model.{k}": v for k, v in size.items()}, "sft.steps": 3400}
             for name, size in MODEL_SIZES.items()}},
-        about="the main job's recipe at 3 model sizes, equal SFT tokens and twice as many"),
+        about="the main job's recipe at 3 model sizes, equal SFT tokens"),
+    Experiment(
+        "model-size-2x", "recipe",
+        {f"{name}-2x": {**{f"model.{k}": v for k, v in size.items()}, "sft.steps": 3400}
+         for name, size in {"3x128": {}, **MODEL_SIZES}.items()},
+        about="the main job's recipe at 3 model sizes, twice the SFT steps"),
     Experiment(  # needs the main job on that world first (configs/pipeline_distractors_cpu.py)
         "near-miss-rl", "rl", {
             name: {**pipeline_distractors_cpu.OVERRIDES, "dapo.rl.steps": 48, **cell}
