@@ -3,8 +3,6 @@
   python experiments/sft.py [--config=configs/sft_tiny_cpu.py] [--config.train.steps=300 ...]
 """
 
-
-
 from absl import app, logging
 from ml_collections import config_flags
 

@@ -105,6 +105,27 @@ def test_layers_are_unrolled_only_in_programs_over_several_cpu_devices():
   assert layer_loops(sharding.make_mesh((2, 2, 2))) == 0
 
 
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layers_apply_slices_of_the_stacked_weights_as_the_scan_does(remat):
+  """scan_unroll = num_layers: the same parameters (stacked), no layer loop, the scan's
+  logits and gradients."""
+  config = get_preset("tiny", num_layers=3, remat=remat)
+  ids = jnp.asarray(np.random.RandomState(2).randint(0, 512, (2, 16)))
+  segments = jnp.asarray([[1] * 6 + [2] * 10] * 2)
+  _, params = _init(config)
+
+  def grads(model):
+    loss = lambda p: jnp.mean(model.apply({"params": p}, ids, segment_ids_BxT=segments) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params), jax.jit(jax.grad(loss)).lower(
+        params).as_text().count("stablehlo.while")
+
+  (scanned, loops), (unrolled, no_loops) = (
+      grads(Transformer(config)), grads(Transformer(config.replace(scan_unroll=3))))
+  assert loops > 0 and no_loops == 0  # the scan's forward and backward loops, none
+  for got, want in zip(jax.tree_util.tree_leaves(unrolled), jax.tree_util.tree_leaves(scanned)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
 @functools.cache
 def _remat_grads(remat_policy):
   """Gradients of the tiny model's mean logit under `remat_policy` (each policy computed once)."""

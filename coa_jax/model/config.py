@@ -74,7 +74,9 @@ class ModelConfig:
   attention_impl: str = "xla"
   attention_block: int = 128  # query block of the "blockwise" and "splash" attention
   attention_block_kv: int = 0  # key block of the "splash" attention (0: attention_block)
-  scan_unroll: int = 1  # layers per scan iteration (num_layers unrolls fully)
+  # layers per scan iteration; num_layers: no loop, each layer applies its slice of the stacked
+  # weights (without a dropout rng, `transformer._unrolled_layers`)
+  scan_unroll: int = 1
   # LoRA (lora_rank 0: none): beside each projection named in lora_targets, a low-rank update
   # x A B (A: in x rank, B: rank x out, B zero at init) scaled by lora_alpha / lora_rank; while
   # training (a "dropout" rng given), dropout of lora_dropout on the adapters' input.
