@@ -32,5 +32,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.decode = ml_collections.ConfigDict(dict(
       batches=[1, 8, 64], prompt_len=64, new_tokens=64, rounds=2, observation_len=32))
   config.torch_threads = 0  # 0: all cores
+  config.rounds = 3  # each side's fastest of this many alternating runs
+  # Also time one layer's attention alone (forward and backward) against PyTorch's SDPA.
+  config.attention = True
   config.output = "runs/bench/bench_model.json"
   return config

@@ -47,22 +47,33 @@ def main(argv):
       continue
     model_config = build_config(spec)
     steps = config.steps[name]
-    # PyTorch first: it returns its GPU memory when done, JAX keeps what it allocated.
-    theirs = bench.torch_train_step_seconds(model_config, config.optimizer, b, t,
-                                            config.warmup_steps, steps)
-    ours = bench.jax_train_step_seconds(model_config, config.optimizer, b, t,
-                                        config.warmup_steps, steps)
+    # PyTorch first: it returns its GPU memory when done, JAX keeps what it allocated. Each
+    # side's fastest of `rounds` alternating runs: on a CPU one side's step was at times 20%
+    # slower in one run of the process than in the next (the other's threads still spinning).
+    theirs, ours = [], []
+    for _ in range(config.get("rounds", 1)):
+      theirs.append(bench.torch_train_step_seconds(model_config, config.optimizer, b, t,
+                                                   config.warmup_steps, steps))
+      ours.append(bench.jax_train_step_seconds(model_config, config.optimizer, b, t,
+                                               config.warmup_steps, steps))
+    theirs, ours = min(theirs), min(ours)
     step_flops = flops.train_flops(model_config, b, t)
     row = dict(model=name, params=model_config.num_params(), batch=b, seq_len=t,
                dtype=model_config.dtype, attention=model_config.attention_impl,
                jax_tokens_per_s=b * t / ours, torch_tokens_per_s=b * t / theirs,
                ratio=theirs / ours, jax_mfu=step_flops / ours / peak,
                torch_mfu=step_flops / theirs / peak)
-    rows.append(row)
     print(f"{name:>12} {row['params'] / 1e6:7.1f}M params  coa-jax "
           f"{row['jax_tokens_per_s']:9,.0f} tok/s (MFU {row['jax_mfu']:.1%})  HF/PyTorch "
           f"{row['torch_tokens_per_s']:9,.0f} tok/s (MFU {row['torch_mfu']:.1%})  ratio "
           f"{row['ratio']:.2f}x", flush=True)
+    if config.get("attention"):  # where the step's time goes: one layer's attention alone
+      ours, theirs = bench.attention_seconds(model_config, b, t, config.warmup_steps,
+                                             config.steps[name])
+      row.update(jax_attention_ms=ours * 1e3, torch_attention_ms=theirs * 1e3)
+      print(f"{'':>12} one layer's attention, forward and backward: coa-jax {ours * 1e3:.2f} "
+            f"ms, PyTorch SDPA {theirs * 1e3:.2f} ms, ratio {theirs / ours:.2f}x", flush=True)
+    rows.append(row)
   output = _OUTPUT.value
   if not output:  # the config's, one file per choice of models: runs one at a time don't overwrite
     stem, ext = os.path.splitext(config.output)

@@ -179,6 +179,43 @@ def torch_train_step_seconds(config: ModelConfig, optimizer_config: Any, batch_s
   return seconds
 
 
+
+def attention_seconds(config: ModelConfig, batch_size: int, seq_len: int, warmup: int,
+                      steps: int) -> tuple[float, float]:
+  """Returns median seconds of one layer's causal self-attention, forward and backward, on the
+  model's shapes (float32, one sequence a row): (ours, `config.attention_impl`; PyTorch's
+  scaled_dot_product_attention on `torch_device()`)."""
+  import torch
+
+  from coa_jax.model.attention import attend
+
+  rng = np.random.default_rng(0)
+  shapes = [(batch_size, seq_len, heads, config.head_dim)
+            for heads in (config.num_heads, config.num_kv_heads, config.num_kv_heads)]
+  q, k, v = (rng.standard_normal(shape, np.float32) for shape in shapes)
+  segments = jnp.ones((batch_size, seq_len), jnp.int32)
+  impl, block = config.attention_impl, config.attention_block
+
+  def loss(q, k, v):
+    out = attend(q, k, v, q_segment_ids_BxT=segments, kv_segment_ids_BxS=segments,
+                 is_causal=True, implementation=impl, block=block)
+    return jnp.sum(out * 0.01)
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  arrays = [jax.device_put(x, jax.devices()[0]) for x in (q, k, v)]
+  ours = time_calls(lambda: jax.block_until_ready(grads(*arrays)), warmup, steps)
+
+  device = torch_device()
+  tq, tk, tv = (torch.tensor(x, device=device).transpose(1, 2).requires_grad_() for x in (q, k, v))
+
+  def run():
+    out = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, is_causal=True, enable_gqa=config.num_kv_heads != config.num_heads)
+    (out.sum() * 0.01).backward()
+    _synchronize(device)
+
+  return ours, time_calls(run, warmup, steps)
+
 @dataclasses.dataclass(frozen=True)
 class AgentDecode:
   """A tool-using decode: a prompt, then `rounds` of `new_tokens` generated tokens per row,
