@@ -56,6 +56,8 @@ def main(argv):
                                                    config.warmup_steps, steps))
       ours.append(bench.jax_train_step_seconds(model_config, config.optimizer, b, t,
                                                config.warmup_steps, steps))
+    rounds = f" (rounds: PyTorch {', '.join(f'{b * t / s:,.0f}' for s in theirs)}; coa-jax " \
+             f"{', '.join(f'{b * t / s:,.0f}' for s in ours)})" if len(ours) > 1 else ""
     theirs, ours = min(theirs), min(ours)
     step_flops = flops.train_flops(model_config, b, t)
     row = dict(model=name, params=model_config.num_params(), batch=b, seq_len=t,
@@ -66,7 +68,7 @@ def main(argv):
     print(f"{name:>12} {row['params'] / 1e6:7.1f}M params  coa-jax "
           f"{row['jax_tokens_per_s']:9,.0f} tok/s (MFU {row['jax_mfu']:.1%})  HF/PyTorch "
           f"{row['torch_tokens_per_s']:9,.0f} tok/s (MFU {row['torch_mfu']:.1%})  ratio "
-          f"{row['ratio']:.2f}x", flush=True)
+          f"{row['ratio']:.2f}x{rounds}", flush=True)
     if config.get("attention"):  # where the step's time goes: one layer's attention alone
       ours, theirs = bench.attention_seconds(model_config, b, t, config.warmup_steps,
                                              config.steps[name])
