@@ -112,6 +112,7 @@ def plot(report: Mapping[str, Any], path: str) -> str | None:
     ax.annotate(name, (row["params"], row["dapo"]["pass@1"]["mean"]), fontsize=7,
                 xytext=(4, 4), textcoords="offset points")
   ax.set(xscale="log", xlabel="parameters", ylabel="held-out pass@1")
+  ax.margins(x=0.12)  # room for the last size's label
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   return save_figure(plt, fig, report, path)
