@@ -48,16 +48,16 @@ def main(argv):
     model_config = build_config(spec)
     steps = config.steps[name]
     # PyTorch first: it returns its GPU memory when done, JAX keeps what it allocated. Each
-    # side's fastest of `rounds` alternating runs: on a CPU one side's step was at times 20%
-    # slower in one run of the process than in the next (the other's threads still spinning).
+    # side's fastest of `rounds` alternating runs: on a CPU either side's step was at times up to
+    # 25% slower in one run than in the others of the same process (why is not known).
     theirs, ours = [], []
     for _ in range(config.get("rounds", 1)):
       theirs.append(bench.torch_train_step_seconds(model_config, config.optimizer, b, t,
                                                    config.warmup_steps, steps))
       ours.append(bench.jax_train_step_seconds(model_config, config.optimizer, b, t,
                                                config.warmup_steps, steps))
-    rounds = f" (rounds: PyTorch {', '.join(f'{b * t / s:,.0f}' for s in theirs)}; coa-jax " \
-             f"{', '.join(f'{b * t / s:,.0f}' for s in ours)})" if len(ours) > 1 else ""
+    rates = lambda runs: ", ".join(f"{b * t / s:,.0f}" for s in runs)  # noqa: E731
+    rounds = f" (rounds: PyTorch {rates(theirs)}; coa-jax {rates(ours)})" if len(ours) > 1 else ""
     theirs, ours = min(theirs), min(ours)
     step_flops = flops.train_flops(model_config, b, t)
     row = dict(model=name, params=model_config.num_params(), batch=b, seq_len=t,
@@ -70,11 +70,10 @@ def main(argv):
           f"{row['torch_tokens_per_s']:9,.0f} tok/s (MFU {row['torch_mfu']:.1%})  ratio "
           f"{row['ratio']:.2f}x{rounds}", flush=True)
     if config.get("attention"):  # where the step's time goes: one layer's attention alone
-      ours, theirs = bench.attention_seconds(model_config, b, t, config.warmup_steps,
-                                             config.steps[name])
-      row.update(jax_attention_ms=ours * 1e3, torch_attention_ms=theirs * 1e3)
-      print(f"{'':>12} one layer's attention, forward and backward: coa-jax {ours * 1e3:.2f} "
-            f"ms, PyTorch SDPA {theirs * 1e3:.2f} ms, ratio {theirs / ours:.2f}x", flush=True)
+      jax_s, torch_s = bench.attention_seconds(model_config, b, t, config.warmup_steps, steps)
+      row.update(jax_attention_ms=jax_s * 1e3, torch_attention_ms=torch_s * 1e3)
+      print(f"{'':>12} one layer's attention, forward and backward: coa-jax {jax_s * 1e3:.2f} "
+            f"ms, PyTorch SDPA {torch_s * 1e3:.2f} ms, ratio {torch_s / jax_s:.2f}x", flush=True)
     rows.append(row)
   output = _OUTPUT.value
   if not output:  # the config's, one file per choice of models: runs one at a time don't overwrite

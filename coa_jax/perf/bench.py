@@ -179,7 +179,6 @@ def torch_train_step_seconds(config: ModelConfig, optimizer_config: Any, batch_s
   return seconds
 
 
-
 def attention_seconds(config: ModelConfig, batch_size: int, seq_len: int, warmup: int,
                       steps: int) -> tuple[float, float]:
   """Returns median seconds of one layer's causal self-attention, forward and backward, on the
@@ -215,6 +214,7 @@ def attention_seconds(config: ModelConfig, batch_size: int, seq_len: int, warmup
     _synchronize(device)
 
   return ours, time_calls(run, warmup, steps)
+
 
 @dataclasses.dataclass(frozen=True)
 class AgentDecode:
