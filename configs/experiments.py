@@ -9,6 +9,13 @@ from coa_jax.experiments import Experiment, filters
 from configs import pipeline_distractors_cpu
 
 _SELECTION = {"selection.max_tasks": 1000, "selection.k": 4}
+
+
+def _sized(size: dict) -> dict:
+  """Returns a cell's overrides of the model config for a size of `MODEL_SIZES`."""
+  return {f"model.{k}": v for k, v in size.items()}
+
+
 # The main job's model (3 layers x 128, 0.46M parameters) and two larger ones of its shape
 # family (heads of 16, which the tiny preset fixes; MLP twice the width): 1.28M (2.8x) and
 # 3.28M (7.1x). Each trains the main job's 1,700 SFT steps of the same batches (equal tokens)
@@ -81,12 +88,11 @@ EXPERIMENTS = {e.name: e for e in [
     Experiment(
         "model-size", "recipe",
         {"3x128": {"options.main_job": True},
-         **{name: {f"model.{k}": v for k, v in size.items()}
-            for name, size in MODEL_SIZES.items()}},
+         **{name: _sized(size) for name, size in MODEL_SIZES.items()}},
         about="the main job's recipe at 3 model sizes, equal SFT tokens"),
     Experiment(
         "model-size-2x", "recipe",
-        {f"{name}-2x": {**{f"model.{k}": v for k, v in size.items()}, "sft.steps": 3400}
+        {f"{name}-2x": {**_sized(size), "sft.steps": 3400}
          for name, size in {"3x128": {}, **MODEL_SIZES}.items()},
         about="the main job's recipe at 3 model sizes, twice the SFT steps"),
     Experiment(  # needs the main job on that world first (configs/pipeline_distractors_cpu.py)

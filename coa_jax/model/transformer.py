@@ -375,8 +375,8 @@ HEADS = ("lm", "value")
 
 def layer_unroll(cfg: ModelConfig) -> int:
   """Returns how many layers one step of the layer scan runs: all of them in a program over
-  several CPU devices (the current mesh), else `cfg.scan_unroll` (the same computation; the
-  tiny SFT step's losses matched to every printed digit).
+  several CPU devices (the current mesh), else `cfg.scan_unroll`. All of them: no layer loop
+  (`_unrolled_layers`, the scan's results to float rounding: tests/test_model.py).
 
   XLA:CPU (jaxlib 0.10.2) can deadlock a program whose collectives sit inside a while loop
   beside independent collectives outside it: one device enters the loop and blocks in its
