@@ -79,23 +79,28 @@ def _blockwise_bwd(block, saved, d_out):
   q, k, v, segment_ids, out, lse = saved
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
   dq_blocks = []
-  dk = jnp.zeros(k.shape, jnp.float32)
-  dv = jnp.zeros(v.shape, jnp.float32)
+  # dk and dv are accumulated transposed, (B, K, H, S): each block's contraction over its
+  # queries then reads the (q, s) probabilities as they are, and only the small (q, h)
+  # operand is transposed, rather than the probabilities.
+  dk_t = jnp.zeros(k.shape[:2] + k.shape[3:] + k.shape[2:3], jnp.float32)
+  dv_t = jnp.zeros(dk_t.shape, jnp.float32)
   for start, end in _blocks(q.shape[3], block):
     q_blk, do_blk = q[:, :, :, start:end], d_out[:, :, :, start:end]
     scores = jnp.einsum("bkgqh,bksh->bkgqs", q_blk, k[:, :, :end],
                         preferred_element_type=jnp.float32)
     probs = jnp.exp(scores + _block_bias(segment_ids, start, end) - lse[:, :, :, start:end])
-    dv = dv.at[:, :, :end].add(jnp.einsum("bkgqs,bkgqh->bksh", probs.astype(do_blk.dtype),
-                                          do_blk, preferred_element_type=jnp.float32))
+    dv_t = dv_t.at[:, :, :, :end].add(jnp.einsum("bkgqh,bkgqs->bkhs", do_blk,
+                                                 probs.astype(do_blk.dtype),
+                                                 preferred_element_type=jnp.float32))
     d_probs = jnp.einsum("bkgqh,bksh->bkgqs", do_blk, v[:, :, :end],
                          preferred_element_type=jnp.float32)
     d_scores = (probs * (d_probs - delta[:, :, :, start:end])).astype(q.dtype)
     dq_blocks.append(jnp.einsum("bkgqs,bksh->bkgqh", d_scores, k[:, :, :end],
                                 preferred_element_type=jnp.float32))
-    dk = dk.at[:, :, :end].add(jnp.einsum("bkgqs,bkgqh->bksh", d_scores, q_blk,
-                                          preferred_element_type=jnp.float32))
+    dk_t = dk_t.at[:, :, :, :end].add(jnp.einsum("bkgqh,bkgqs->bkhs", q_blk, d_scores,
+                                                 preferred_element_type=jnp.float32))
   dq = jnp.concatenate(dq_blocks, axis=3)
+  dk, dv = dk_t.transpose(0, 1, 3, 2), dv_t.transpose(0, 1, 3, 2)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
           jnp.zeros_like(segment_ids))
 
