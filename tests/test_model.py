@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,23 @@ def test_blockwise_attention_equals_dense_attention_and_its_gradients():
   for g, ref in zip(jax.tree_util.tree_leaves(blocked_grads),
                     jax.tree_util.tree_leaves(dense_grads)):
     np.testing.assert_allclose(g, ref, atol=1e-6)
+
+
+def test_blockwise_attention_backward_transposes_no_query_by_key_array():
+  """The backward accumulates dk and dv transposed (docs/benchmarks.md, "The backward's
+  transposes"): on XLA:CPU the contraction over queries then reads each block's probabilities
+  in place, and only arrays that carry a head dimension are transposed."""
+  from coa_jax.model import attention
+
+  batch, seq, heads, head_dim = 2, 256, 4, 16  # head_dim: the one dimension of size 16
+  q = k = v = jnp.ones((batch, seq, heads, head_dim))
+  segments = jnp.ones((batch, seq), jnp.int32)
+  loss = lambda q, k, v: attention.blockwise_causal_attention(q, k, v, segments, 64).sum()
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+  shapes = [[int(d) for d in dims.split(",")]
+            for dims in re.findall(r"= f32\[([\d,]*)\]\{[\d,]*\} transpose\(", hlo)]
+  assert shapes  # the head-sized transposes are there: the pattern still matches XLA's text
+  assert all(head_dim in shape for shape in shapes), shapes
 
 
 def test_scanned_program_size_does_not_grow_with_depth():
