@@ -56,8 +56,8 @@ def main(argv):
                                                    config.warmup_steps, steps))
       ours.append(bench.jax_train_step_seconds(model_config, config.optimizer, b, t,
                                                config.warmup_steps, steps))
-    rates = lambda runs: ", ".join(f"{b * t / s:,.0f}" for s in runs)  # noqa: E731
-    rounds = f" (rounds: PyTorch {rates(theirs)}; coa-jax {rates(ours)})" if len(ours) > 1 else ""
+    rates = [", ".join(f"{b * t / s:,.0f}" for s in runs) for runs in (theirs, ours)]
+    rounds = f" (rounds: PyTorch {rates[0]}; coa-jax {rates[1]})" if len(ours) > 1 else ""
     theirs, ours = min(theirs), min(ours)
     step_flops = flops.train_flops(model_config, b, t)
     row = dict(model=name, params=model_config.num_params(), batch=b, seq_len=t,
