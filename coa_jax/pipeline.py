@@ -114,7 +114,7 @@ def metric_names(k: int) -> tuple[str, ...]:
   """Returns the metrics the results table reports, in its column order."""
   return ("pass@1", f"avg@{k}", f"pass@{k}", f"maj@{k}", "tokens_per_task",
           "tool_calls_per_task", "format_error_rate", "copy_exact", "copy_sampled", "call_exact",
-          "call_sampled")
+          "call_sampled", "question_exact", "question_sampled")
 
 
 def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]],
@@ -147,10 +147,12 @@ def family_means(per_seed: dict[int, dict[str, dict[str, Any]]],
 
 
 def format_summary(summary: dict[str, dict[str, dict[str, Any]]], k: int) -> str:
-  """Returns the results as a Markdown table of mean +- sd over seeds."""
+  """Returns the results as a Markdown table of mean +- sd over seeds, with each system's
+  worst seed's pass@1 beside its mean."""
   columns = [m for m in metric_names(k) if any(m in summary[s] for s in summary)]
-  lines = ["| system | " + " | ".join(c.replace("_", " ") for c in columns) + " |",
-           "|---" * (len(columns) + 1) + "|"]
+  names = [c.replace("_", " ") for c in columns]
+  lines = ["| system | " + " | ".join(names[:1] + ["worst seed"] + names[1:]) + " |",
+           "|---" * (len(columns) + 2) + "|"]
   for system, metrics in summary.items():
     cells = []
     for column in columns:
@@ -160,7 +162,36 @@ def format_summary(summary: dict[str, dict[str, dict[str, Any]]], k: int) -> str
       mean, sd = metrics[column]["mean"], metrics[column]["sd"]
       digits = 0 if mean >= 10 else 3
       cells.append(f"{mean:.{digits}f} +- {sd:.{digits}f}")
+    worst = min(metrics["pass@1"]["values"]) if "pass@1" in metrics else None
+    cells.insert(1, "-" if worst is None else f"{worst:.3f}")
     lines.append(f"| {SYSTEMS[system]} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def per_seed_table(per_seed: dict[int, dict[str, dict[str, Any]]]) -> str:
+  """Returns a Markdown table of each seed's pass@1, overall and per task family, and its
+  question-copy probe, after SFT and after DAPO; then the worst seed's and mean +- sd rows."""
+  models = [m for m in ("sft", "dapo") if all(m in rows for rows in per_seed.values())]
+  families = sorted({f for rows in per_seed.values() for m in models
+                     for f in rows[m].get("pass@1_by_family", {})})
+  columns = [(m, key, family) for m in models
+             for key, family in [("pass@1", None)] + [("pass@1_by_family", f) for f in families]
+             + [("question_exact", None)]]
+  value = lambda rows, m, key, family: (rows[m][key][family] if family else rows[m].get(key))
+  header = [f"{SYSTEMS[m].replace('AFM after ', '')} {family or key.replace('_', ' ')}"
+            for m, key, family in columns]
+  lines = ["| seed | " + " | ".join(header) + " |", "|---" * (len(columns) + 1) + "|"]
+  cell = lambda v: "-" if v is None else f"{v:.3f}"
+  for seed, rows in per_seed.items():
+    lines.append(f"| {seed} | " + " | ".join(cell(value(rows, *c)) for c in columns) + " |")
+  for name, reduce in (("worst", lambda v: f"{min(v):.3f}"),
+                       ("mean +- sd", lambda v: f"{np.mean(v):.3f} +- "
+                                                f"{np.std(v, ddof=1) if len(v) > 1 else 0:.3f}")):
+    cells = []
+    for c in columns:
+      values = [value(rows, *c) for rows in per_seed.values()]
+      cells.append("-" if None in values else reduce(values))
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
@@ -308,7 +339,7 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
   table = format_summary(summary, k)
   by_family = family_means(per_seed)
   results = {"seeds": list(per_seed), "per_seed": per_seed, "summary": summary, "table": table,
-             "pass@1_by_family": by_family,
+             "per_seed_table": per_seed_table(per_seed), "pass@1_by_family": by_family,
              **({"pass@1_by_page": family_means(per_seed, "pass@1_by_page")}
                 if config.world.get("distractors") else {}),
              "stage_seconds": seconds, "wall_s": round(time.perf_counter() - start, 1),
@@ -319,7 +350,7 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
     for seed in per_seed:
       viewer.logged(viewer.write_page, stage_configs(config, seed)["dapo"].workdir)
     viewer.logged(viewer.write_page, config.output_dir, tasks=configs["eval_sft"].tasks)
-    write_results_page(config.output_dir, table, seeds)
+    write_results_page(config.output_dir, table, seeds, results["per_seed_table"])
   say(f"held-out tasks, mean +- sd over {seeds} seed(s):\n{table}")
   groups = {"task family": "pass@1_by_family", "where the answer's page states a near-miss "
             "figure": "pass@1_by_page"}
@@ -333,13 +364,14 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
   return results
 
 
-def write_results_page(output_dir: str, table: str, seeds: int) -> str:
-  """Writes results.md beside results.json: the table, the plot and a link to the page of
-  every trajectory (trajectories.html); returns its path."""
+def write_results_page(output_dir: str, table: str, seeds: int, by_seed: str = "") -> str:
+  """Writes results.md beside results.json: the table, the plot, the per-seed table and a link
+  to the page of every trajectory (trajectories.html); returns its path."""
   path = os.path.join(output_dir, "results.md")
+  by_seed = f"Per seed and task family:\n\n{by_seed}\n\n" if by_seed else ""
   with open(path, "w") as f:
     f.write(f"# Held-out results, mean +- sd over {seeds} seed(s)\n\n{table}\n\n"
-            f"![the table's metrics per system](results.png)\n\n"
+            f"![the table's metrics per system](results.png)\n\n{by_seed}"
             f"Every held-out trajectory, teacher, SFT and DAPO side by side, with filters: "
             f"[trajectories.html](trajectories.html) (`make view RUN={output_dir}`).\n")
   return path
@@ -382,7 +414,9 @@ def copy_curve(config: Any, stage_configs: StageConfigs, seeds: int,
                                        temperature=config.sampling.temperature)
       curves[seed].append({"step": steps, "loss": out.get("final_loss"), **probe})
       say(f"seed {seed} step {steps}: copy exact {probe['copy_exact']:.3f} (sampled "
-          f"{probe['copy_sampled']:.3f}), calls exact {probe['call_exact']:.3f}")
+          f"{probe['copy_sampled']:.3f}), calls exact {probe['call_exact']:.3f}, question "
+          f"copies exact {probe['question_exact']:.3f} (sampled "
+          f"{probe['question_sampled']:.3f})")
   with open(os.path.join(out_dir, "copy_curve.json"), "w") as f:
     json.dump({"every": every, "curves": curves}, f, indent=1)
   _plot_copy_curve(curves, os.path.join(out_dir, "copy_curve.png"))
@@ -390,18 +424,24 @@ def copy_curve(config: Any, stage_configs: StageConfigs, seeds: int,
 
 
 def _plot_copy_curve(curves: dict[int, list[dict[str, float]]], path: str) -> None:
-  """Plots each seed's copy_exact (solid) and copy_sampled (dashed) against the step."""
+  """Plots each seed's copies out of observations (left) and out of the question (right),
+  greedy exact (solid) and sampled exactly (dashed), against the step."""
   plt = pyplot()
   if plt is None:
     return
-  fig, ax = plt.subplots(figsize=(6, 3.8))
-  for seed, points in curves.items():
-    steps = [p["step"] for p in points]
-    line, = ax.plot(steps, [p["copy_exact"] for p in points], marker="o", label=f"seed {seed}")
-    ax.plot(steps, [p["copy_sampled"] for p in points], linestyle="--", color=line.get_color())
-  ax.set(xlabel="SFT step", ylabel="held-out copies", ylim=(-0.02, 1.02),
-         title="copy probe: greedy exact (solid), sampled exactly (dashed)")
-  ax.legend(fontsize=8)
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+  for ax, what, title in ((axes[0], "copy", "observation -> answer"),
+                          (axes[1], "question", "question -> tool call")):
+    for seed, points in curves.items():
+      steps = [p["step"] for p in points]
+      line, = ax.plot(steps, [p[f"{what}_exact"] for p in points], marker="o",
+                      label=f"seed {seed}")
+      ax.plot(steps, [p[f"{what}_sampled"] for p in points], linestyle="--",
+              color=line.get_color())
+    ax.set(xlabel="SFT step", ylim=(-0.02, 1.02), title=title)
+  axes[0].set_ylabel("held-out copies")
+  axes[1].legend(fontsize=8)
+  fig.suptitle("copy probes: greedy exact (solid), sampled exactly (dashed)")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

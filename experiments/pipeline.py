@@ -11,6 +11,7 @@ user's own tool).
 import importlib.util
 import os
 import sys
+from typing import Any
 
 import jax
 from absl import app, flags, logging
@@ -18,6 +19,7 @@ from ml_collections import config_flags
 
 from coa_jax import pipeline
 from coa_jax.runtime import cli, distributed
+from coa_jax.runtime.distributed import say
 from configs import pipeline_tiny_cpu
 
 sys.argv[:] = cli.config_argv(sys.argv)  # e.g. --config.rl.async.staleness=2
@@ -39,6 +41,16 @@ def _recipe() -> object:
   return module
 
 
+def quick_note(config: Any) -> str:
+  """The lines a --quick run prints under its table: why its model rows are near 0, and where
+  its outputs are."""
+  sft, dapo = config.sft.steps, config.dapo.rl.steps
+  return (f"--quick is a smoke test of every stage ({sft} SFT step{'s' * (sft != 1)}, {dapo} "
+          f"DAPO step{'s' * (dapo != 1)}, a toy-sized world): its model rows near 0 are "
+          f"expected; run without --quick for results.\n"
+          f"outputs: {config.output_dir} (--quick adds _quick to config.output_dir)")
+
+
 def main(argv):
   del argv
   distributed.initialize_from_env()
@@ -54,6 +66,8 @@ def main(argv):
     jax.config.update("jax_compilation_cache_dir", os.path.join(config.output_dir, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   pipeline.run(config, recipe.stage_configs, seeds=_SEEDS.value)
+  if _QUICK.value:
+    say(quick_note(config))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ guard trains in a subprocess on one CPU device (the numerics of the documented c
 Seeds 0-2 end at 0.933, 0.750, 0.900; with the observations blanked out of the training inputs
 the probe stayed at 0.000 at steps 500, 1,000 and 1,500 (of the guard's earlier 1,500-step
 schedule at half the rate, which copying formed under by step 1,500).
+
+It also guards the copies out of the question (the question-copy probe): the code writes the
+question's three operands, and seed 0 writes 0.022 of them exactly at step 300, 0.922 at 600
+and 1.000 at step 900 (copy probe 0.983 that run).
 """
 
 import json
@@ -31,3 +35,4 @@ def test_sft_learns_to_copy_values_out_of_observations(tmp_path):
   final = curve[-1]
   assert final["step"] == STEPS and final["copy_steps"] >= 50
   assert final["copy_exact"] >= 0.5, final  # a copy-blind model scores 0
+  assert final["question_copies"] >= 150 and final["question_exact"] >= 0.8, final

@@ -41,6 +41,43 @@ def test_a_copy_step_is_an_answer_found_in_an_earlier_observation():
   assert copy_probe.copy_example(guessed, TOKENIZER, 512) is None
 
 
+MIXED = Trajectory("Solve it.", "Question: What is the population of City 2216 *20?", (
+    Step("plan", "1. Find the population of City 2216.\n2. Compute it *20 with code."),
+    Step("web_search", "population of City 2216"),
+    Step("observation", "City 2216 is a city. The population of City 2216 is 99649."),
+    Step("code", "```python\nresult = 99649 *20\nprint(result)\n```"),
+    Step("observation", "1992980\n"), Step("suggested_answer", "1992980"),
+    Step("answer", "1992980")))
+
+
+def test_a_question_copy_is_a_question_item_a_call_writes_before_an_observation_shows_it():
+  example = copy_probe.copy_example(MIXED, TOKENIZER, 512)
+  copies = [TOKENIZER.decode(example.input_ids[a:b]) for a, b in example.question_spans]
+  # the search copies the name; the code copies the factor (its 99649 is the page's, and
+  # City 2216 is on the page by then); the plan is not a tool call
+  assert copies == [" City", "2216", "20"]
+
+
+def test_a_wrong_factor_fails_the_question_copy_and_nothing_else():
+  example = copy_probe.copy_example(MIXED, TOKENIZER, 512)
+  factor_begin, _ = example.question_spans[-1]
+  sure = copy_probe.copy_accuracy(Oracle(100.0), None, [example])
+  assert sure["question_exact"] == 1.0 and sure["question_copies"] == 3
+  wrong = copy_probe.copy_accuracy(Oracle(100.0, [factor_begin - 1]), None, [example])
+  assert wrong["question_exact"] == pytest.approx(2 / 3)
+  assert wrong["copy_exact"] == 1.0 and wrong["call_exact"] == 0.5
+  assert wrong["question_sampled"] == pytest.approx(2 / 3)
+
+
+def test_a_number_from_nowhere_is_named_where_it_first_appears():
+  sampled = [Step("plan", "1. Find the population of City 2216.\n2. Compute it *16 with code."),
+             *MIXED.steps[1:3], Step("code", "```python\nresult = 99649 *16\nprint(result)\n```")]
+  assert copy_probe.invented_numbers(MIXED.question, sampled) == [("plan", "16")]
+  wrong_code = [*MIXED.steps[:3], Step("code", "```python\nresult = 99694 *20\n```")]
+  assert copy_probe.invented_numbers(MIXED.question, wrong_code) == [("code", "99694")]
+  assert copy_probe.invented_numbers(MIXED.question, MIXED.steps) == []
+
+
 def test_rates_of_a_sure_oracle_a_wrong_token_and_an_unsure_oracle():
   example = copy_probe.copy_example(TRAJECTORY, TOKENIZER, 512)
   (begin, end), = example.spans
@@ -99,3 +136,38 @@ def test_the_near_miss_probe_gives_each_figures_chance_under_the_model():
   assert chance["own_log10"] < chance["near_log10"] and chance["own_likelier"] == 0.0
   believes_own = copy_probe.near_miss_chance(Believer(5.0, own.input_ids), None, [(near, own)])
   assert believes_own["own_likelier"] == 1.0
+
+
+def test_the_diagnosis_splits_probes_and_numbers_from_nowhere_by_family(tmp_path):
+  import dataclasses
+  import json
+
+  from coa_jax.data.tasks import Task
+  from coa_jax.evaluation import diagnosis
+
+  mixed = dataclasses.replace(MIXED, metadata={"family": "mixed"})
+  arithmetic = dataclasses.replace(TRAJECTORY, metadata={"family": "arithmetic"})
+  probe = diagnosis.probe_by_family(Oracle(100.0), None, [mixed, arithmetic], TOKENIZER, 512, 0.6)
+  assert set(probe) == {"all", "arithmetic", "mixed"}
+  assert probe["mixed"]["question_copies"] == 3 and probe["all"]["question_exact"] == 1.0
+
+  tasks = {"m": Task("m", MIXED.question, {"family": "mixed"})}
+  right = "\n".join(f"<{s.tag}>\n{s.content}\n</{s.tag}>" for s in MIXED.steps)
+  wrong = right.replace("*20", "*16")  # the plan invents the factor, the code repeats it
+  with open(tmp_path / "samples.jsonl", "w") as f:
+    f.write(json.dumps({"task_id": "m", "samples": [{"text": right, "correct": True},
+                                                    {"text": wrong, "correct": False}]}))
+  invented = diagnosis.invented_by_step(str(tmp_path / "samples.jsonl"), tasks,
+                                        TOKENIZER.tool_tags)
+  assert invented["mixed"] == {"samples": 2, "invented": 0.5, "failed_with_invented": 1.0,
+                               "first_in_plan": 0.5}
+
+
+def test_question_copies_are_bucketed_by_how_far_into_the_response_they_stand():
+  from coa_jax.evaluation import diagnosis
+
+  example = copy_probe.copy_example(MIXED, TOKENIZER, 512)
+  factor_begin, _ = example.question_spans[-1]
+  far = diagnosis.question_copies_by_distance(Oracle(100.0, [factor_begin - 1]), None, [MIXED],
+                                              TOKENIZER, 512)
+  assert far == {"0+": {"exact": 2 / 3, "copies": 3}}  # the whole response is short

@@ -48,6 +48,18 @@ def test_pass_at_1_by_group_averages_each_groups_tasks():
   assert by_family == pytest.approx({"lookup": (0.5 + 1.0) / 2, "mixed": 0.0})
 
 
+def test_invented_number_rates_count_samples_per_family():
+  from coa_jax.data.tasks import Task
+
+  mixed = Task("m", "Question: What is the population of City 2216 *20?", {"family": "mixed"})
+  arithmetic = Task("a", "Question: What is 29 * 94 + 67?", {"family": "arithmetic"})
+  code = lambda body: Sample(False, None, 10, {}, 0, text=f"<code>\n{body}\n</code>")
+  outcomes = {"m": [code("print(99649 *16)"), code("print(2216 *20)")],
+              "a": [code("print(29 * 94 + 67)"), code("print(29 * 94 + 76)")]}
+  rates = evaluate.invented_number_rates(outcomes, [mixed, arithmetic], ("code",))
+  assert rates == pytest.approx({"all": 0.5, "arithmetic": 0.5, "mixed": 0.5})
+
+
 def test_majority_vote_normalizes_answers_and_breaks_ties_by_first_seen():
   assert evaluate.majority_correct([_s(True, "Paris"), _s(False, "Rome"), _s(True, "paris.")])
   assert not evaluate.majority_correct([_s(False, "Rome"), _s(True, "Paris")])

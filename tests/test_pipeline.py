@@ -195,7 +195,20 @@ def test_results_over_seeds_are_mean_and_sample_sd():
   assert summary["sft"]["pass@1"]["mean"] == pytest.approx(0.7)
   assert summary["sft"]["pass@1"]["sd"] == pytest.approx(0.2)  # ddof=1
   table = pipeline.format_summary(summary, k=3)
-  assert "| AFM after SFT | 0.700 +- 0.200 | 70 +- 20 |" in table
+  assert "| AFM after SFT | 0.700 +- 0.200 | 0.500 | 70 +- 20 |" in table  # the worst seed
+
+
+def test_the_per_seed_table_gives_every_seed_family_and_the_worst():
+  row = lambda p, mixed: {"pass@1": p, "pass@1_by_family": {"lookup": 1.0, "mixed": mixed},
+                          "question_exact": mixed}
+  per_seed = {0: {"sft": row(0.9, 0.8), "dapo": row(1.0, 1.0)},
+              7: {"sft": row(0.5, 0.0), "dapo": row(0.6, 0.2)}}
+  lines = pipeline.per_seed_table(per_seed).splitlines()
+  assert lines[0] == ("| seed | SFT pass@1 | SFT lookup | SFT mixed | SFT question exact | "
+                      "DAPO pass@1 | DAPO lookup | DAPO mixed | DAPO question exact |")
+  assert lines[3] == "| 7 | 0.500 | 1.000 | 0.000 | 0.000 | 0.600 | 1.000 | 0.200 | 0.200 |"
+  assert lines[4] == "| worst | 0.500 | 1.000 | 0.000 | 0.000 | 0.600 | 1.000 | 0.200 | 0.200 |"
+  assert lines[5].startswith("| mean +- sd | 0.700 +- 0.283 | 1.000 +- 0.000 | 0.400 +- 0.566 |")
 
 
 def test_family_pass_rates_are_averaged_over_seeds():

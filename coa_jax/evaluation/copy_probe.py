@@ -20,6 +20,7 @@ almost never see the right answer to reward (docs/experiments.md).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Sequence
 
 import jax
@@ -32,23 +33,42 @@ from coa_jax.data.coa_format import Trajectory
 from coa_jax.data.tokenizer import CoATokenizer
 
 COPY_TAG = "suggested_answer"
+# What a question copy is made of: a number, or a capitalized word (a name or a part of one).
+_ITEM_RE = re.compile(r"\d+|[A-Z][A-Za-z]+")
 
 
 @dataclasses.dataclass(frozen=True)
 class CopyExample:
-  """A tokenized trajectory, the token ranges [start, end) of its copy steps' bodies and of its
-  tool calls' bodies (the calls copy names and operands from the question and earlier steps)."""
+  """A tokenized trajectory, the token ranges [start, end) of its copy steps' bodies, of its
+  tool calls' bodies (the calls copy names and operands from the question and earlier steps)
+  and of the question copies inside those calls (`question_spans`)."""
 
   input_ids: np.ndarray
   spans: tuple[tuple[int, int], ...]
   call_spans: tuple[tuple[int, int], ...] = ()
+  question_spans: tuple[tuple[int, int], ...] = ()
+
+
+def question_copies(tokenizer: CoATokenizer, step: coa_format.Step, question_items: set[str],
+                    body_start: int) -> list[tuple[int, int]]:
+  """Returns the token ranges of a tool step whose text is an item (`_ITEM_RE`) of
+  `question_items`; the step's body (its newline, content, newline) starts at `body_start`."""
+  body = f"\n{step.content}\n"
+  offsets = tokenizer.backend.encode(body, add_special_tokens=False).offsets
+  spans = []
+  for match in _ITEM_RE.finditer(body):
+    if match.group() in question_items:
+      tokens = [t for t, (a, b) in enumerate(offsets) if a < match.end() and b > match.start()]
+      spans.append((body_start + tokens[0], body_start + tokens[-1] + 1))
+  return spans
 
 
 def copy_example(trajectory: Trajectory, tokenizer: CoATokenizer,
                  max_len: int) -> CopyExample | None:
   """Returns the trajectory's copy steps within `max_len` tokens, or None when it has none."""
   ids = tokenizer.prompt_ids(trajectory.system, trajectory.question)
-  seen, spans, calls = [], [], []
+  seen, spans, calls, questions = [], [], [], []
+  from_question = set(_ITEM_RE.findall(trajectory.question))  # less what observations show
   for i, step in enumerate(trajectory.steps):
     span = sft_tokenize.step_ids(tokenizer, step, first=i == 0)
     body_start = len(ids) + span.index(tokenizer.tag_id(step.tag)) + 1
@@ -56,14 +76,17 @@ def copy_example(trajectory: Trajectory, tokenizer: CoATokenizer,
     value = step.content.strip()
     if step.tag == coa_format.OBSERVATION:
       seen.append(step.content)
+      from_question -= set(_ITEM_RE.findall(step.content))
     elif (step.tag == COPY_TAG and value and any(value in text for text in seen)
           and len(ids) <= max_len):
       spans.append((body_start, len(ids)))
     elif step.is_tool and len(ids) <= max_len:
       calls.append((body_start, len(ids)))
+      questions += question_copies(tokenizer, step, from_question, body_start)
   if not spans:
     return None
-  return CopyExample(np.asarray(ids[:max_len], np.int32), tuple(spans), tuple(calls))
+  return CopyExample(np.asarray(ids[:max_len], np.int32), tuple(spans), tuple(calls),
+                     tuple(questions))
 
 
 def copy_examples(trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
@@ -84,8 +107,8 @@ def _score(predicted_T: np.ndarray, logp_T: np.ndarray, ids_T: np.ndarray,
   return score
 
 
-def _forward(model: Any, params: Any, examples: Sequence[CopyExample], batch_size: int,
-             temperature: float):
+def teacher_forced(model: Any, params: Any, examples: Sequence[CopyExample], batch_size: int,
+                   temperature: float):
   """Yields (example, greedy prediction_T, log-prob of each next token at `temperature`_T) of
   every example, teacher-forced; rows are padded to the longest example, so one shape is
   compiled per call."""
@@ -114,22 +137,49 @@ def _forward(model: Any, params: Any, examples: Sequence[CopyExample], batch_siz
 def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
                   batch_size: int = 16, temperature: float = 0.6) -> dict[str, float]:
   """Returns the fractions of copy steps predicted exactly (teacher-forced greedy), of their
-  tokens, and of tool calls predicted exactly, and the chance that sampling at `temperature`
-  (0: greedy) writes a copy step or a tool call exactly (`copy_sampled`, `call_sampled`: the
-  product of its tokens' probabilities, averaged)."""
+  tokens, of tool calls and of question copies predicted exactly, and the chance that sampling
+  at `temperature` (0: greedy) writes each exactly (`copy_sampled`, `call_sampled`,
+  `question_sampled`: the product of its tokens' probabilities, averaged)."""
   if not examples:
     raise ValueError("no copy examples: the trajectories have no answer copied from an "
                      "observation")
-  copies, calls = np.zeros(4), np.zeros(4)
-  for example, predicted_T, logp_T in _forward(model, params, examples, batch_size, temperature):
+  copies, calls, questions = np.zeros(4), np.zeros(4), np.zeros(4)
+  for example, predicted_T, logp_T in teacher_forced(model, params, examples, batch_size,
+                                                     temperature):
     copies += _score(predicted_T, logp_T, example.input_ids, example.spans)
     calls += _score(predicted_T, logp_T, example.input_ids, example.call_spans)
+    questions += _score(predicted_T, logp_T, example.input_ids, example.question_spans)
   steps = sum(len(e.spans) for e in examples)
   n_calls = sum(len(e.call_spans) for e in examples)
+  n_questions = sum(len(e.question_spans) for e in examples)
   return {"copy_exact": copies[0] / steps, "copy_token_accuracy": copies[1] / copies[2],
           "copy_sampled": copies[3] / steps, "copy_steps": float(steps),
           "call_exact": calls[0] / max(n_calls, 1), "call_sampled": calls[3] / max(n_calls, 1),
-          "calls": float(n_calls)}
+          "calls": float(n_calls), "question_exact": questions[0] / max(n_questions, 1),
+          "question_sampled": questions[3] / max(n_questions, 1),
+          "question_copies": float(n_questions)}
+
+
+# --- numbers from nowhere, in sampled responses ------------------------------------------------
+
+_NUMBER_RE = re.compile(r"\d+")
+_LIST_MARKER_RE = re.compile(r"(?m)^\s*\d+\.\s")  # "2. Find ..." in a plan
+
+
+def invented_numbers(question: str, steps: Sequence[coa_format.Step]) -> list[tuple[str, str]]:
+  """Returns (tag, number) of each number that a plan or a tool call of a sampled response
+  writes and that neither the question nor any earlier step holds: a number from nowhere
+  (`*16` for the question's `*20`). Where a plan invents a factor and the code repeats it, only
+  the plan is named: the code copied it."""
+  known = set(_NUMBER_RE.findall(question))
+  invented = []
+  for step in steps:
+    text = _LIST_MARKER_RE.sub(" ", step.content) if step.tag == "plan" else step.content
+    numbers = _NUMBER_RE.findall(text)
+    if step.tag == "plan" or step.is_tool:
+      invented += [(step.tag, n) for n in numbers if n not in known]
+    known.update(_NUMBER_RE.findall(step.content))
+  return invented
 
 
 # --- the near-miss probe -----------------------------------------------------------------------
@@ -170,7 +220,8 @@ def near_miss_chance(model: Any, params: Any,
     raise ValueError("no near-miss pairs: no trajectory writes a near-miss figure")
   flat = [example for pair in pairs for example in pair]
   log10 = np.array([logp_T[example.spans[0][0] - 1:example.spans[0][1] - 1].sum() / np.log(10)
-                    for example, _, logp_T in _forward(model, params, flat, batch_size, 1.0)])
+                    for example, _, logp_T in teacher_forced(model, params, flat, batch_size,
+                                                             1.0)])
   near, own = log10[0::2], log10[1::2]
   return {"own_log10": float(np.median(own)), "near_log10": float(np.median(near)),
           "own_likelier": float(np.mean(own > near))}

@@ -87,6 +87,23 @@ def pass_at_1_by(outcomes: dict[str, Sequence[Sample]],
   return {group: sum(values) / len(values) for group, values in sorted(groups.items())}
 
 
+def invented_number_rates(outcomes: dict[str, Sequence[Sample]], tasks: Sequence[Task],
+                          tool_tags: tuple[str, ...]) -> dict[str, float]:
+  """Returns the fraction of samples whose plan or tool calls write a number from nowhere
+  (`copy_probe.invented_numbers`): over every task ("all") and per task family."""
+  from coa_jax.evaluation.copy_probe import invented_numbers
+
+  flagged: dict[str, list[bool]] = collections.defaultdict(list)
+  for task in tasks:
+    for sample in outcomes.get(task.id, ()):
+      steps, _ = coa_format.parse(sample.text, tool_tags)
+      invented = bool(invented_numbers(task.question, steps))
+      flagged["all"].append(invented)
+      if "family" in task.data:
+        flagged[task.data["family"]].append(invented)
+  return {group: sum(v) / len(v) for group, v in sorted(flagged.items())}
+
+
 def _check_heldout(world: World, tasks_path: str) -> None:
   """Raises ConfigError unless `tasks_path` holds the held-out split of `world`."""
   with open(tasks_path) as f:
@@ -282,12 +299,17 @@ def run(config: Any) -> dict[str, Any]:
     metrics["pass@1_by_family"] = pass_at_1_by(outcomes, families)
     say("pass@1 by task family: " + ", ".join(
         f"{family} {value:.3f}" for family, value in metrics["pass@1_by_family"].items()))
+  metrics["invented_numbers"] = invented_number_rates(outcomes, tasks, rewarder.tool_tags)
+  say("samples writing a number from nowhere in a plan or a tool call: " + ", ".join(
+      f"{group} {value:.3f}" for group, value in metrics["invented_numbers"].items()))
   if config.system == "model" and config.get("copy_probe"):
     metrics.update(probe)
     say(f"copy probe (teacher-forced, {probe['copy_steps']:.0f} held-out answers copied from an "
-        f"observation, {probe['calls']:.0f} tool calls): exact {probe['copy_exact']:.3f} / "
-        f"{probe['call_exact']:.3f}, sampled at T={config.sampling.temperature} "
-        f"{probe['copy_sampled']:.3f} / {probe['call_sampled']:.3f}")
+        f"observation / {probe['calls']:.0f} tool calls / {probe['question_copies']:.0f} "
+        f"question items a call writes): exact {probe['copy_exact']:.3f} / "
+        f"{probe['call_exact']:.3f} / {probe['question_exact']:.3f}, sampled at "
+        f"T={config.sampling.temperature} {probe['copy_sampled']:.3f} / "
+        f"{probe['call_sampled']:.3f} / {probe['question_sampled']:.3f}")
   say(format_table({config.system: metrics}, k))
   # Process 0 writes (atomically: a killed run leaves no half file that looks done); every
   # process waits for it, as callers read the files on every host, and a failed write ends all.

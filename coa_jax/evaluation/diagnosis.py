@@ -1,0 +1,126 @@
+"""Why a seed fails: the copy probes and the sampled numbers of a finished pipeline run, per task
+family.
+
+For each seed and model (after SFT, after DAPO): the copy probe (observation -> answer, tool
+calls, question -> tool call; `copy_probe.copy_accuracy`) on the held-out teacher trajectories
+of each family, and the share of the evaluation's samples that write a number from nowhere in
+a plan or a tool call (`copy_probe.invented_numbers`), split by the step that first wrote it.
+`experiments/diagnose.py` runs it over a run folder.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from typing import Any, Callable, Sequence
+
+import ml_collections
+
+from coa_jax.data import coa_format
+from coa_jax.data.coa_format import Trajectory
+from coa_jax.data.importers import DropCounter
+from coa_jax.data.packing import load_source
+from coa_jax.data.tasks import load_tasks
+from coa_jax.data.tokenizer import load_tokenizer
+from coa_jax.evaluation import copy_probe
+from coa_jax.model import Transformer
+from coa_jax.runtime import sharding
+from coa_jax.runtime.hf_checkpoint import load_model
+
+MODELS = ("sft", "dapo")
+
+
+def probe_by_family(model: Any, params: Any, trajectories: Sequence[Trajectory], tokenizer: Any,
+                    max_len: int, temperature: float) -> dict[str, dict[str, float]]:
+  """Returns the copy probe of each task family's trajectories (metadata "family"; "all")."""
+  groups: dict[str, list[Trajectory]] = collections.defaultdict(list)
+  for trajectory in trajectories:
+    groups["all"].append(trajectory)
+    groups[trajectory.metadata.get("family", "none")].append(trajectory)
+  out = {}
+  for family, members in sorted(groups.items()):
+    examples = copy_probe.copy_examples(members, tokenizer, max_len)
+    if examples:
+      out[family] = copy_probe.copy_accuracy(model, params, examples, temperature=temperature)
+  return out
+
+
+DISTANCES = (0, 100, 200, 300)  # bucket edges, in tokens after the prompt
+
+
+def question_copies_by_distance(model: Any, params: Any, trajectories: Sequence[Trajectory],
+                                tokenizer: Any, max_len: int) -> dict[str, dict[str, float]]:
+  """Returns the question-copy probe's greedy exact rate of the copies that start 0-99, 100-199,
+  ... tokens into the response (how far back the question lies), and their counts."""
+  examples, starts = [], []
+  for trajectory in trajectories:
+    example = copy_probe.copy_example(trajectory, tokenizer, max_len)
+    if example is not None and example.question_spans:
+      examples.append(example)
+      starts.append(len(tokenizer.prompt_ids(trajectory.system, trajectory.question)))
+  hits: dict[int, list[bool]] = collections.defaultdict(list)
+  forced = copy_probe.teacher_forced(model, params, examples, 16, 0.0)
+  for start, (example, predicted_T, _) in zip(starts, forced):
+    for begin, end in example.question_spans:
+      edge = max(e for e in DISTANCES if e <= begin - start)
+      hits[edge].append(bool((predicted_T[begin - 1:end - 1] == example.input_ids[begin:end])
+                             .all()))
+  return {f"{edge}+": {"exact": sum(v) / len(v), "copies": len(v)}
+          for edge, v in sorted(hits.items())}
+
+
+def invented_by_step(samples_path: str, tasks: dict[str, Any],
+                     tool_tags: tuple[str, ...]) -> dict[str, dict[str, float]]:
+  """Returns, per task family ("all" too), the share of samples (and of failed samples) that
+  write a number from nowhere, and the share whose first such number is in each step tag."""
+  counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+  with open(samples_path) as f:
+    for line in f:
+      row = json.loads(line)
+      task = tasks[row["task_id"]]
+      for sample in row["samples"]:
+        steps, _ = coa_format.parse(sample["text"], tool_tags)
+        invented = copy_probe.invented_numbers(task.question, steps)
+        for group in ("all", task.data.get("family", "none")):
+          c = counts[group]
+          c["samples"] += 1
+          c["failed"] += not sample["correct"]
+          if invented:
+            c["invented"] += 1
+            c["failed_invented"] += not sample["correct"]
+            c[f"first_in_{invented[0][0]}"] += 1
+  return {group: {"samples": c["samples"],
+                  "invented": c["invented"] / c["samples"],
+                  "failed_with_invented": c["failed_invented"] / max(c["failed"], 1),
+                  **{k: v / c["samples"] for k, v in sorted(c.items()) if k.startswith("first")}}
+          for group, c in sorted(counts.items())}
+
+
+def diagnose(stage_configs: Callable[..., dict[str, ml_collections.ConfigDict]], config: Any,
+             seeds: Sequence[int]) -> dict[str, Any]:
+  """Returns {seed: {model: {"probe": probe_by_family, "question_by_distance":
+  question_copies_by_distance, "invented": invented_by_step}}} of the
+  finished seeds of a pipeline run (config.output_dir)."""
+  out: dict[str, Any] = {}
+  for seed in seeds:
+    configs = stage_configs(config, seed)
+    out[str(seed)] = {}
+    for name in MODELS:
+      cfg = configs[f"eval_{name}"]
+      if not os.path.exists(os.path.join(cfg.output_dir, "samples.jsonl")):
+        continue
+      tokenizer = load_tokenizer(cfg)
+      mesh = sharding.make_mesh(sharding.MeshConfig(**cfg.mesh))
+      model_config, params = load_model(cfg, tokenizer, mesh)
+      trajectories = load_source(cfg.copy_probe, DropCounter(), tokenizer.tool_tags)
+      max_len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
+      tasks = {t.id: t for t in load_tasks(cfg.tasks, cfg.max_tasks)}
+      out[str(seed)][name] = {
+          "probe": probe_by_family(Transformer(model_config), params, trajectories, tokenizer,
+                                   max_len, cfg.sampling.temperature),
+          "question_by_distance": question_copies_by_distance(
+              Transformer(model_config), params, trajectories, tokenizer, max_len),
+          "invented": invented_by_step(os.path.join(cfg.output_dir, "samples.jsonl"), tasks,
+                                       tokenizer.tool_tags)}
+  return out

@@ -1,0 +1,48 @@
+"""Why a seed fails: the copy probes and the sampled numbers of a finished pipeline run, per
+task family (coa_jax.evaluation.diagnosis).
+
+  python experiments/diagnose.py [--config=configs/pipeline_tiny_cpu.py] --seeds=0,1,7
+      [--config.output_dir=runs/pipeline_tiny]
+
+Writes config.output_dir/diagnosis.json and prints one line per seed, model and family.
+"""
+
+import json
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from coa_jax.evaluation import diagnosis
+from configs import pipeline_tiny_cpu
+
+_CONFIG = config_flags.DEFINE_config_file("config", pipeline_tiny_cpu.__file__)
+_SEEDS = flags.DEFINE_list("seeds", ["0"], "the finished seeds to diagnose")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  seeds = [int(s) for s in _SEEDS.value]
+  result = diagnosis.diagnose(pipeline_tiny_cpu.stage_configs, config, seeds)
+  for seed, models in result.items():
+    for name, parts in models.items():
+      for family, probe in parts["probe"].items():
+        invented = parts["invented"].get(family, {})
+        print(f"seed {seed} {name:4} {family:10} copy {probe['copy_exact']:.3f} "
+              f"call {probe['call_exact']:.3f} question {probe['question_exact']:.3f} "
+              f"(sampled {probe['question_sampled']:.3f}) invented "
+              f"{invented.get('invented', float('nan')):.3f} " + " ".join(
+                  f"{k[9:]}={v:.3f}" for k, v in invented.items() if k.startswith("first_in")))
+      print(f"seed {seed} {name:4} question copies by tokens into the response: " + ", ".join(
+          f"{edge} {v['exact']:.3f} ({v['copies']})"
+          for edge, v in parts["question_by_distance"].items()))
+  path = os.path.join(config.output_dir, "diagnosis.json")
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,92 @@
+"""The README's one-line figures are those of their committed results files under docs/results/:
+each test reads a file, formats its numbers as the README writes them and checks the README says
+so. A re-run that publishes new results fails here until the README is brought up to date. Reads
+files only."""
+
+import glob
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUMBERS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+
+
+def _results(*path: str) -> dict:
+  with open(os.path.join(ROOT, "docs", "results", *path)) as f:
+    return json.load(f)
+
+
+def _readme(section: str) -> str:
+  """The README's section under `## <section>`, its whitespace collapsed (lines wrap anywhere)."""
+  with open(os.path.join(ROOT, "README.md")) as f:
+    text = f.read()
+  assert f"\n## {section}\n" in text, f"README.md has no section {section!r}"
+  body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+  return " ".join(body.split())
+
+
+def _mean_sd(stat: dict) -> str:
+  return f"{stat['mean']:.3f} +- {stat['sd']:.3f}"
+
+
+def _minutes(seconds: float) -> str:
+  seconds = round(seconds)
+  return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def test_the_model_size_line_is_the_model_size_results():
+  summary = _results("model-size", "results.json")["summary"]
+  main, big = summary["3x128"], summary["6x256"]
+  table = _results("pipeline_tiny", "results.json")["summary"]
+  line = _readme("More, one line each")
+  assert (f"a {big['params'] / main['params']:.1f}x student reaches "
+          f"{_mean_sd(big['dapo']['pass@1'])} after DAPO against "
+          f"{_mean_sd(main['dapo']['pass@1'])} for the main job's size in the same run") in line
+  # the main job's own row there is an older run of it: the README names today's figure too
+  assert f"the table above has {table['dapo']['pass@1']['mean']:.3f}" in line
+  assert f"the teacher's {big['teacher']['pass@1']['mean']:.3f}" in line
+
+
+def test_the_near_miss_rl_line_is_the_near_miss_rl_results():
+  results = _results("near-miss-rl", "results.json")
+  summary = results["summary"]
+  last = str(max(int(update) for update in summary["dapo"]))
+  best = max(cell[last]["pass@1"]["mean"] for cell in summary.values())
+  teacher = _results("pipeline_distractors", "results.json")["summary"]["teacher"]["pass@1"]
+  levers = len(summary) - 2  # every cell but plain DAPO and `all`, the levers together
+  assert set(summary) >= {"dapo", "all"}
+  assert (f"{NUMBERS[levers]} levers for DAPO, alone and together, end at {best:.3f} at best "
+          f"over {len(results['seeds'])} seeds against the teacher's {teacher['mean']:.3f}"
+          ) in _readme("More, one line each")
+
+
+def test_the_sql_line_is_the_worked_examples_results():
+  results = _results("pipeline_sql", "results.json")
+  summary = results["summary"]
+  assert (f"goes from {_mean_sd(summary['sft']['pass@1'])} after SFT to "
+          f"{_mean_sd(summary['dapo']['pass@1'])} after DAPO over {len(results['seeds'])} seeds"
+          ) in _readme("More, one line each")
+
+
+def test_the_pod_fit_line_is_the_pod_fit_report():
+  report = _results("pod_fit_53.json")
+  shipped = {os.path.basename(path)[:-3]
+             for path in glob.glob(os.path.join(ROOT, "configs", "*_qwen2_5_*.py"))}
+  assert set(report) == shipped  # "every shipped TPU and GPU preset"
+  assert all(program["fits"] for config in report.values() for program in config.values())
+  sft_7b = report["sft_qwen2_5_7b"]["train"]
+  assert (f"SFT 7B on {sft_7b['topology']} at {round(100 * sft_7b['implied_mfu'])}% "
+          f"XLA-estimated MFU") in _readme("More, one line each")
+
+
+def test_the_quick_starts_times_are_the_timing_file():
+  timing = _results("pipeline_time", "results.json")
+  runs = [timing[key]["after"] for key in ("attention_backward", "ninth_session")]
+  text = _readme("Quick start")
+  install = timing["install"]
+  assert (f"{install['lean_venv_bytes'] / 1e9:.1f} GB from a warm pip cache in "
+          f"{round(install['lean_install_seconds_at_most'])} s") in text
+  assert (f"took {_minutes(runs[0]['make_pipeline_wall_s'])} and "
+          f"{_minutes(runs[1]['make_pipeline_wall_s'])} in two runs") in text
+  assert (f"the pipeline itself {round(runs[0]['pipeline_wall_s'])} and "
+          f"{round(runs[1]['pipeline_wall_s'])} s") in text
