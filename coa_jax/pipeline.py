@@ -244,6 +244,46 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], k: int, seeds: int,
   return path
 
 
+def plot_spread(runs: dict[str, dict[str, Any]], path: str,
+                floors: dict[str, float] | None = None) -> str | None:
+  """Writes each seed's held-out pass@1, overall and per task family, after SFT (top) and
+  after DAPO (bottom), one column of dots per run (`runs`: label -> results.json), the mean as
+  a bar and each panel's worst seed named; `floors` draws a target line per panel ("pass@1",
+  or a family). Returns `path` (None without matplotlib)."""
+  plt = pyplot()
+  if plt is None:
+    return None
+  families = sorted({f for results in runs.values() for rows in results["per_seed"].values()
+                     for f in rows["sft"].get("pass@1_by_family", {})})
+  panels = ["pass@1"] + families
+  fig, axes = plt.subplots(2, len(panels), figsize=(3.2 * len(panels), 6.4), sharey=True)
+  for row, model in enumerate(("sft", "dapo")):
+    for ax, panel in zip(axes[row], panels):
+      for x, (label, results) in enumerate(runs.items()):
+        seeds = list(results["per_seed"])
+        values = [rows[model]["pass@1"] if panel == "pass@1" else
+                  rows[model]["pass@1_by_family"][panel]
+                  for rows in results["per_seed"].values()]
+        jitter = np.linspace(-0.15, 0.15, len(values))
+        ax.scatter(x + jitter, values, s=18, alpha=0.8)
+        ax.hlines(np.mean(values), x - 0.25, x + 0.25, color="black")
+        worst = int(np.argmin(values))
+        ax.annotate(f"seed {seeds[worst]}", (x + jitter[worst], values[worst]), fontsize=7,
+                    textcoords="offset points", xytext=(4, -8))
+      if floors and panel in floors and model == "dapo":
+        ax.axhline(floors[panel], color="#cc4444", linestyle="--", linewidth=1)
+      ax.set_xticks(range(len(runs)), list(runs), fontsize=8)
+      ax.set_xlim(-0.6, len(runs) - 0.4)
+      ax.set_title(f"{SYSTEMS[model].replace('AFM ', '')}: {panel}", fontsize=9)
+  axes[0][0].set_ylabel("held-out pass@1 per seed")
+  axes[1][0].set_ylabel("held-out pass@1 per seed")
+  fig.suptitle("every seed, before and after (bar: mean; dashed: target after DAPO)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 StageConfigs = Callable[..., dict[str, ml_collections.ConfigDict]]
 
 

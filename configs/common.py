@@ -32,8 +32,11 @@ def tokenizer(path: str = "default", template: str = "plain") -> ml_collections.
 
 def data(path: str, **overrides) -> ml_collections.ConfigDict:
   """The SFT data source and how it is read (see coa_jax.data_pipeline); shards=0: one per
-  process (set it to keep the same batches on any number of processes)."""
-  values = dict(path=path, num_epochs=1, overlong="truncate", max_drop_fraction=0.05, shards=0)
+  process (set it to keep the same batches on any number of processes); upsample_by: a
+  metadata key whose values `upsample` repeats ({"mixed": 2}: each such trajectory twice an
+  epoch; "": off)."""
+  values = dict(path=path, num_epochs=1, overlong="truncate", max_drop_fraction=0.05, shards=0,
+                upsample_by="", upsample=ml_collections.ConfigDict())
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 

@@ -33,5 +33,5 @@ def get_config() -> ml_collections.ConfigDict:
   # 1,500 steps (seed 2 at 0.083 by step 1,000, 0.883 at 1,500); with a cosine, 0.367.
   config.sft.update(steps=900, seq_len=128, batch_size=16, learning_rate=2e-3, warmup_steps=20,
                     schedule="wsd", decay_steps=300, final_lr_fraction=0.1,
-                    weight_decay=0.1)
+                    weight_decay=0.1, upsample_by="")  # one family: nothing to upsample
   return config

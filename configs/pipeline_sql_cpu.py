@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
       domains={"shop": {"kind": "python", "function": f"{SHOP}:reward"}}, default_domain="shop"))
   config.system_prompt = prompts.for_tools({"sql": {"kind": "python", "class": f"{SHOP}:Sql"}})
   config.filters.update(min_tool_calls=0)  # an answer from memory calls no tool
+  config.sft.upsample_by = ""  # the shop's task families are its own (no "mixed")
   # The main job's SFT schedule (1,700 steps): with 600 (decay over the last 200) seed 0 had not
   # learnt to copy the customer into its query (SFT pass@1 0.023, queries exact 0.015).
   config.rollout.update(max_turns=4)

@@ -32,7 +32,8 @@ def main(argv):
         invented = parts["invented"].get(family, {})
         print(f"seed {seed} {name:4} {family:10} copy {probe['copy_exact']:.3f} "
               f"call {probe['call_exact']:.3f} question {probe['question_exact']:.3f} "
-              f"(sampled {probe['question_sampled']:.3f}) invented "
+              f"(sampled {probe['question_sampled']:.3f}, unsure "
+              f"{probe['question_unsure']:.3f}) invented "
               f"{invented.get('invented', float('nan')):.3f} " + " ".join(
                   f"{k[9:]}={v:.3f}" for k, v in invented.items() if k.startswith("first_in")))
       print(f"seed {seed} {name:4} question copies by tokens into the response: " + ", ".join(

@@ -67,6 +67,7 @@ def test_a_wrong_factor_fails_the_question_copy_and_nothing_else():
   assert wrong["question_exact"] == pytest.approx(2 / 3)
   assert wrong["copy_exact"] == 1.0 and wrong["call_exact"] == 0.5
   assert wrong["question_sampled"] == pytest.approx(2 / 3)
+  assert sure["question_unsure"] == 0.0 and wrong["question_unsure"] == pytest.approx(1 / 3)
 
 
 def test_a_number_from_nowhere_is_named_where_it_first_appears():
@@ -76,6 +77,9 @@ def test_a_number_from_nowhere_is_named_where_it_first_appears():
   wrong_code = [*MIXED.steps[:3], Step("code", "```python\nresult = 99694 *20\n```")]
   assert copy_probe.invented_numbers(MIXED.question, wrong_code) == [("code", "99694")]
   assert copy_probe.invented_numbers(MIXED.question, MIXED.steps) == []
+  chained = [Step("plan", "1. Find the mayor of City 2216.\n2. Find the birth year of the result "
+                          "of step 1.\n3. Compute it *20 with code.")]
+  assert copy_probe.invented_numbers(MIXED.question, chained) == []  # the plan's numbering
 
 
 def test_rates_of_a_sure_oracle_a_wrong_token_and_an_unsure_oracle():

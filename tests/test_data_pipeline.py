@@ -156,3 +156,16 @@ def test_parquet_source_reads_the_same_trajectories(tmp_path):
   got = packing.load_source(str(tmp_path / "d.parquet"), counter)
   assert [t.steps for t in got] == [t.steps for t in TRAJECTORIES[:4]]
   assert dict(counter.dropped) == {"unclosed_tag": 1}
+
+
+def test_upsampling_repeats_the_trajectories_a_metadata_value_names():
+  step = (coa_format.Step("answer", "1"),)
+  rows = [coa_format.Trajectory("s", f"Question: {i}?", step, {"family": family})
+          for i, family in enumerate(("lookup", "mixed", "arithmetic"))]
+  mixed = packing.upsample(rows, "family", {"mixed": 3})
+  assert [t.question for t in mixed] == ["Question: 0?"] + ["Question: 1?"] * 3 + ["Question: 2?"]
+  assert packing.upsample(rows, "", {"mixed": 3}) == rows  # off
+  with pytest.raises(DataError, match="'mixd'"):
+    packing.upsample(rows, "family", {"mixd": 2})  # a typo is not silently a no-op
+  with pytest.raises(DataError, match="whole numbers"):
+    packing.upsample(rows, "family", {"mixed": 0.5})

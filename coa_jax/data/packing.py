@@ -82,6 +82,23 @@ def _from_tfds(spec: str, counter: DropCounter, tool_tags: tuple[str, ...]) -> l
                                            counter, tool_tags))
 
 
+def upsample(trajectories: Sequence[Trajectory], key: str,
+             weights: dict[str, int]) -> list[Trajectory]:
+  """Returns the trajectories with each one repeated `weights[metadata[key]]` times (1 for a
+  value not in `weights`): a data mix that shows a rare kind of trajectory more often, in the
+  source's order, before the shuffle."""
+  if not key:
+    return list(trajectories)
+  if any(not isinstance(w, int) or w < 1 for w in weights.values()):
+    raise DataError(f"data.upsample weights must be whole numbers >= 1, got {dict(weights)}")
+  values = {t.metadata.get(key) for t in trajectories}
+  unknown = set(weights) - values
+  if unknown:
+    raise DataError(f"data.upsample names {sorted(unknown)}, which no trajectory's metadata "
+                    f"{key!r} holds (it holds {sorted(map(str, values))})")
+  return [t for t in trajectories for _ in range(weights.get(t.metadata.get(key), 1))]
+
+
 def _shifted(example) -> dict[str, np.ndarray]:
   ids, mask = example.input_ids, example.loss_mask
   return dict(inputs=ids[:-1], targets=ids[1:], loss_mask=mask[1:])

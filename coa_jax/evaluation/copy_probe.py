@@ -33,6 +33,9 @@ from coa_jax.data.coa_format import Trajectory
 from coa_jax.data.tokenizer import CoATokenizer
 
 COPY_TAG = "suggested_answer"
+# A copy the model writes exactly less often than this when sampling is unsure: a task whose
+# copy it is fails in one sample of ten or more (the tail that an average chance hides).
+UNSURE = 0.9
 # What a question copy is made of: a number, or a capitalized word (a name or a part of one).
 _ITEM_RE = re.compile(r"\d+|[A-Z][A-Za-z]+")
 
@@ -99,11 +102,13 @@ def copy_examples(trajectories: Sequence[Trajectory], tokenizer: CoATokenizer,
 def _score(predicted_T: np.ndarray, logp_T: np.ndarray, ids_T: np.ndarray,
            spans: Sequence[tuple[int, int]]) -> np.ndarray:
   """Returns [spans predicted exactly, tokens predicted, tokens, summed chance of sampling each
-  span exactly] of one row (the token at position t is predicted at position t - 1)."""
-  score = np.zeros(4)
+  span exactly, spans whose chance is below UNSURE] of one row (the token at position t is
+  predicted at position t - 1)."""
+  score = np.zeros(5)
   for begin, end in spans:
     hit = predicted_T[begin - 1:end - 1] == ids_T[begin:end]
-    score += (hit.all(), hit.sum(), len(hit), np.exp(logp_T[begin - 1:end - 1].sum()))
+    chance = np.exp(logp_T[begin - 1:end - 1].sum())
+    score += (hit.all(), hit.sum(), len(hit), chance, chance < UNSURE)
   return score
 
 
@@ -139,11 +144,12 @@ def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
   """Returns the fractions of copy steps predicted exactly (teacher-forced greedy), of their
   tokens, of tool calls and of question copies predicted exactly, and the chance that sampling
   at `temperature` (0: greedy) writes each exactly (`copy_sampled`, `call_sampled`,
-  `question_sampled`: the product of its tokens' probabilities, averaged)."""
+  `question_sampled`: the product of its tokens' probabilities, averaged), and the fraction of
+  question copies whose chance is below `UNSURE` (`question_unsure`)."""
   if not examples:
     raise ValueError("no copy examples: the trajectories have no answer copied from an "
                      "observation")
-  copies, calls, questions = np.zeros(4), np.zeros(4), np.zeros(4)
+  copies, calls, questions = np.zeros(5), np.zeros(5), np.zeros(5)
   for example, predicted_T, logp_T in teacher_forced(model, params, examples, batch_size,
                                                      temperature):
     copies += _score(predicted_T, logp_T, example.input_ids, example.spans)
@@ -157,13 +163,15 @@ def copy_accuracy(model: Any, params: Any, examples: Sequence[CopyExample],
           "call_exact": calls[0] / max(n_calls, 1), "call_sampled": calls[3] / max(n_calls, 1),
           "calls": float(n_calls), "question_exact": questions[0] / max(n_questions, 1),
           "question_sampled": questions[3] / max(n_questions, 1),
+          "question_unsure": questions[4] / max(n_questions, 1),
           "question_copies": float(n_questions)}
 
 
 # --- numbers from nowhere, in sampled responses ------------------------------------------------
 
 _NUMBER_RE = re.compile(r"\d+")
-_LIST_MARKER_RE = re.compile(r"(?m)^\s*\d+\.\s")  # "2. Find ..." in a plan
+# A plan's own numbering: "2. Find ..." and "the result of step 1".
+_PLAN_NUMBERING_RE = re.compile(r"(?m)^\s*\d+\.\s|\bstep \d+\b")
 
 
 def invented_numbers(question: str, steps: Sequence[coa_format.Step]) -> list[tuple[str, str]]:
@@ -174,7 +182,7 @@ def invented_numbers(question: str, steps: Sequence[coa_format.Step]) -> list[tu
   known = set(_NUMBER_RE.findall(question))
   invented = []
   for step in steps:
-    text = _LIST_MARKER_RE.sub(" ", step.content) if step.tag == "plan" else step.content
+    text = _PLAN_NUMBERING_RE.sub(" ", step.content) if step.tag == "plan" else step.content
     numbers = _NUMBER_RE.findall(text)
     if step.tag == "plan" or step.is_tool:
       invented += [(step.tag, n) for n in numbers if n not in known]

@@ -309,7 +309,8 @@ def run(config: Any) -> dict[str, Any]:
         f"question items a call writes): exact {probe['copy_exact']:.3f} / "
         f"{probe['call_exact']:.3f} / {probe['question_exact']:.3f}, sampled at "
         f"T={config.sampling.temperature} {probe['copy_sampled']:.3f} / "
-        f"{probe['call_sampled']:.3f} / {probe['question_sampled']:.3f}")
+        f"{probe['call_sampled']:.3f} / {probe['question_sampled']:.3f}; question copies "
+        f"sampled exactly less than 9 times in 10: {probe['question_unsure']:.3f}")
   say(format_table({config.system: metrics}, k))
   # Process 0 writes (atomically: a killed run leaves no half file that looks done); every
   # process waits for it, as callers read the files on every host, and a failed write ends all.

@@ -31,6 +31,11 @@ def _data(config: Any) -> tuple[Any, list, DropCounter]:
   trajectories = packing.load_source(config.data.path, counter, tokenizer.tool_tags)
   say(f"data {config.data.path}: {counter.summary()}")
   counter.check(config.data.max_drop_fraction)
+  if config.data.get("upsample_by"):
+    trajectories = packing.upsample(trajectories, config.data.upsample_by,
+                                    dict(config.data.upsample))
+    say(f"data upsampled by {config.data.upsample_by} {dict(config.data.upsample)}: "
+        f"{len(trajectories)} examples an epoch")
   return tokenizer, trajectories, counter
 
 
