@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
@@ -402,6 +402,23 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
   say("stage wall times (s): " + ", ".join(f"{name} {t:.0f}" for name, t in seconds.items()))
   say(f"pipeline done in {results['wall_s']:.0f}s; results in {config.output_dir}")
   return results
+
+
+def combine(runs: Sequence[dict[str, Any]], k: int) -> dict[str, Any]:
+  """Returns the results of several pipeline runs' results.json over the same distillation as
+  one: every seed's rows (a seed in two runs is an error), their summary, tables and family
+  means."""
+  per_seed: dict[int, dict[str, dict[str, Any]]] = {}
+  for results in runs:
+    for seed, rows in results["per_seed"].items():
+      if int(seed) in per_seed:
+        raise ValueError(f"seed {seed} is in more than one of the runs combined")
+      per_seed[int(seed)] = rows
+  per_seed = dict(sorted(per_seed.items()))
+  summary = aggregate(per_seed, k)
+  return {"seeds": list(per_seed), "per_seed": per_seed, "summary": summary,
+          "table": format_summary(summary, k), "per_seed_table": per_seed_table(per_seed),
+          "pass@1_by_family": family_means(per_seed)}
 
 
 def write_results_page(output_dir: str, table: str, seeds: int, by_seed: str = "") -> str:

@@ -211,6 +211,15 @@ def test_the_per_seed_table_gives_every_seed_family_and_the_worst():
   assert lines[5].startswith("| mean +- sd | 0.700 +- 0.283 | 1.000 +- 0.000 | 0.400 +- 0.566 |")
 
 
+def test_runs_of_disjoint_seeds_combine_into_one_result():
+  run = lambda seeds: {"per_seed": {str(s): {"sft": {"pass@1": s / 10}} for s in seeds}}
+  combined = pipeline.combine([run([5, 6]), run([0])], k=3)
+  assert combined["seeds"] == [0, 5, 6]
+  assert combined["summary"]["sft"]["pass@1"]["values"] == [0.0, 0.5, 0.6]
+  with pytest.raises(ValueError, match="seed 6"):
+    pipeline.combine([run([6]), run([6])], k=3)
+
+
 def test_family_pass_rates_are_averaged_over_seeds():
   per_seed = {seed: {"sft": {"pass@1_by_family": {"lookup": 1.0, "mixed": value}}}
               for seed, value in ((0, 0.2), (1, 0.6))}
