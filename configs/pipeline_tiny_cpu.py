@@ -59,21 +59,22 @@ def get_config() -> ml_collections.ConfigDict:
   # SFT pass@1 over seeds 0-2 was 0.790, 0.817, 0.902 (sd 0.058), the early seeds' answers
   # miscopied from their own suggested answers. 1,700 steps hold the peak 200 steps longer
   # after copying forms and then decay to zero: 0.850, 0.868, 0.902 (sd 0.026).
-  # Mixed tasks' trajectories are shown twice an epoch (`upsample`, by the distilled
-  # trajectories' metadata "family"). A mixed task copies the question's factor ("*20") into
-  # its plan and its code: two target tokens in a ~250-token trajectory, a quarter of the
-  # data, the rarest skill the data teaches. Whether SFT learns it at all was a coin toss that
-  # float rounding moved: with RoPE's theta at 1e6 instead of 1e4 (numerics only), seed 7's
-  # plan wrote a factor from nowhere in 98% of mixed samples and its code copied the question's
-  # factor 0.075 of the time, at chance (mixed pass@1 0.023 after SFT; the issue's seed 7 on
-  # another CPU: 0.07), while it copied names and values perfectly. Shown twice, the same seed
-  # and theta copied 0.994 of the question's items by step 1,020 (docs/pipeline.md, "Why a
-  # seed fails").
+  # `upsample_by="family"` shows mixed tasks' trajectories twice an epoch (`upsample`, by the
+  # distilled trajectories' metadata "family"); off ("") until its 10-seed result replaces the
+  # README's table. A mixed task copies the question's factor ("*20") into its plan and its
+  # code: 2 of its ~174 target tokens, in a quarter of the data, the rarest skill the data
+  # teaches, and whether SFT learns it at all is a coin toss that float rounding moves: with
+  # RoPE's theta at 1e6 instead of 1e4 (numerics only), seed 7's plans wrote a factor from
+  # nowhere in 98% of mixed samples and its code copied the question's factor at chance (mixed
+  # pass@1 0.023 after SFT; the same seed on another CPU, unchanged: 0.07), while it copied
+  # names and values perfectly. Shown twice, the same seed and theta copied 0.994 of the
+  # question's items by step 1,020 and all by step 1,700 (docs/pipeline.md, "Why a seed
+  # fails").
   config.sft = ml_collections.ConfigDict(dict(steps=1700, seq_len=512, batch_size=8,
                                               learning_rate=1e-3, warmup_steps=20,
                                               schedule="wsd", decay_steps=500,
                                               final_lr_fraction=0.0, weight_decay=0.0,
-                                              upsample_by="family", upsample={"mixed": 2}))
+                                              upsample_by="", upsample={"mixed": 2}))
   config.rollout = ml_collections.ConfigDict(dict(
       group_size=4, max_prompt_tokens=128, max_response_tokens=512, max_turns=12,
       max_observation_tokens=256, tool_workers=8, tool_timeout_s=30.0))
