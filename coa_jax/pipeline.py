@@ -155,9 +155,10 @@ def format_summary(summary: dict[str, dict[str, dict[str, Any]]], k: int) -> str
            "|---" * (len(columns) + 2) + "|"]
   for system, metrics in summary.items():
     cells = []
+    seeds = max((len(m["values"]) for m in metrics.values()), default=0)
     for column in columns:
-      if column not in metrics:
-        cells.append("-")
+      if column not in metrics or len(metrics[column]["values"]) < seeds:
+        cells.append("-")  # not measured on every seed (an older run's results)
         continue
       mean, sd = metrics[column]["mean"], metrics[column]["sd"]
       digits = 0 if mean >= 10 else 3

@@ -1,11 +1,13 @@
 """Pipeline runs of disjoint seeds over the same distillation, as one results file: every seed's
-rows, mean +- sd, the per-seed table (coa_jax.pipeline.combine).
+rows, mean +- sd, the per-seed table (coa_jax.pipeline.combine); writes the results file, a
+Markdown page of both tables and the plot beside it.
 
   python experiments/combine_results.py --out=docs/results/pipeline_10_seeds/before.json \
       --runs=docs/results/pipeline_5_seeds/after_07e6fff.json,runs/p10_before/results.json
 """
 
 import json
+import os
 
 from absl import app, flags
 
@@ -25,8 +27,14 @@ def main(argv):
       runs.append(json.load(f))
   results = pipeline.combine(runs, _K.value)
   results["sources"] = list(_RUNS.value)
+  stem = os.path.splitext(_OUT.value)[0]
+  results["plot"] = pipeline.plot(results["summary"], _K.value, len(results["seeds"]),
+                                  f"{stem}.png")
   write_json(_OUT.value, results)
-  print(f"{results['table']}\n\n{results['per_seed_table']}\n\nwrote {_OUT.value}")
+  with open(f"{stem}.md", "w") as f:
+    f.write(f"{results['table']}\n\n{results['per_seed_table']}\n")
+  print(f"{results['table']}\n\n{results['per_seed_table']}\n\nwrote {_OUT.value}, "
+        f"{stem}.md and {stem}.png")
 
 
 if __name__ == "__main__":

@@ -196,6 +196,9 @@ def test_results_over_seeds_are_mean_and_sample_sd():
   assert summary["sft"]["pass@1"]["sd"] == pytest.approx(0.2)  # ddof=1
   table = pipeline.format_summary(summary, k=3)
   assert "| AFM after SFT | 0.700 +- 0.200 | 0.500 | 70 +- 20 |" in table  # the worst seed
+  per_seed[2]["sft"]["copy_exact"] = 0.9  # measured on one seed of three: not a mean over seeds
+  table = pipeline.format_summary(pipeline.aggregate(per_seed, k=3), k=3)
+  assert "| AFM after SFT | 0.700 +- 0.200 | 0.500 | 70 +- 20 | - |" in table
 
 
 def test_the_per_seed_table_gives_every_seed_family_and_the_worst():
