@@ -37,13 +37,14 @@ def _minutes(seconds: float) -> str:
 def test_the_model_size_line_is_the_model_size_results():
   summary = _results("model-size", "results.json")["summary"]
   main, big = summary["3x128"], summary["6x256"]
-  table = _results("pipeline_tiny", "results.json")["summary"]
+  table = _results("pipeline_10_seeds", "before.json")["summary"]
   line = _readme("More, one line each")
   assert (f"a {big['params'] / main['params']:.1f}x student reaches "
           f"{_mean_sd(big['dapo']['pass@1'])} after DAPO against "
           f"{_mean_sd(main['dapo']['pass@1'])} for the main job's size in the same run") in line
   # the main job's own row there is an older run of it: the README names today's figure too
-  assert f"the table above has {table['dapo']['pass@1']['mean']:.3f}" in line
+  assert (f"the table above has {table['dapo']['pass@1']['mean']:.3f} over "
+          f"{len(table['dapo']['pass@1']['values'])} seeds") in line
   assert f"the teacher's {big['teacher']['pass@1']['mean']:.3f}" in line
 
 

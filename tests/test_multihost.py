@@ -101,6 +101,18 @@ def test_sft_resumes_from_a_checkpoint_both_processes_wrote(runs):
       "2", "4"]
 
 
+def _assert_equal_weights(a, b, largest_lr):
+  """Every tensor of `a` equals `b`'s to rtol 1e-4 / atol 2e-5, but for at most 1 element in
+  10,000, which must still lie within `largest_lr`: a gradient near zero that another reduction
+  order moves in its last bits can become an Adam step of another size (up to about the
+  learning rate), and which elements it hits depends on the CPU's kernels."""
+  assert a.keys() == b.keys()
+  for name in a:
+    close = np.isclose(a[name], b[name], rtol=1e-4, atol=2e-5)
+    assert (~close).mean() <= 1e-4, (name, int((~close).sum()), a[name].size)
+    np.testing.assert_allclose(a[name], b[name], rtol=0, atol=largest_lr, err_msg=name)
+
+
 def test_two_processes_equal_one(runs):
   two, one = map(_result, runs)
   np.testing.assert_allclose(two["sft_loss"], one["sft_loss"], rtol=1e-5)
@@ -119,11 +131,7 @@ def test_two_processes_equal_one(runs):
     np.testing.assert_allclose(ppo_two[key], ppo_one[key], rtol=1e-4, atol=1e-7, err_msg=key)
   for stage in ("sft", "dapo", "ppo", "ppo/hf_export_critic"):
     export = "" if stage.endswith("critic") else "hf_export"
-    a, b = (_weights(folder / stage / export) for folder in runs)
-    assert a.keys() == b.keys()
-    for name in a:
-      # Adam turns reduction-order noise in near-zero gradients into ~1e-6 steps.
-      np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=name)
+    _assert_equal_weights(*(_weights(folder / stage / export) for folder in runs), 3e-3)
 
 
 def test_asynchronous_dapo_trains_across_processes_while_each_host_decodes(runs):
@@ -147,7 +155,4 @@ def test_asynchronous_dapo_with_staleness_0_on_two_processes_equals_one(runs):
       assert row_two[key] == row_one[key], key  # the same samples, decoded per host
     for key in ("pg_loss", "entropy", "grad_norm"):
       np.testing.assert_allclose(row_two[key], row_one[key], rtol=1e-4, err_msg=key)
-  a, b = (_weights(folder / "async0" / "hf_export") for folder in runs)
-  assert a.keys() == b.keys()
-  for name in a:
-    np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=name)
+  _assert_equal_weights(*(_weights(folder / "async0" / "hf_export") for folder in runs), 3e-3)
