@@ -373,18 +373,16 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
     per_seed[seed] = rows
   say("== results")
   k = config.eval.k
-  summary = aggregate(per_seed, k)
   stages = ["distill", "eval teacher"] + [f"seed {seed} {stage}" for seed in per_seed
                                           for stage in ("sft", "eval sft", "dapo", "eval dapo")]
   seconds = {name: times.seconds[name] for name in stages if name in times.seconds}
-  table = format_summary(summary, k)
-  by_family = family_means(per_seed)
-  results = {"seeds": list(per_seed), "per_seed": per_seed, "summary": summary, "table": table,
-             "per_seed_table": per_seed_table(per_seed), "pass@1_by_family": by_family,
-             **({"pass@1_by_page": family_means(per_seed, "pass@1_by_page")}
-                if config.world.get("distractors") else {}),
-             "stage_seconds": seconds, "wall_s": round(time.perf_counter() - start, 1),
-             "plot": plot(summary, k, seeds, os.path.join(config.output_dir, "results.png"))}
+  results = results_of(per_seed, k)
+  table = results["table"]
+  if config.world.get("distractors"):
+    results["pass@1_by_page"] = family_means(per_seed, "pass@1_by_page")
+  results.update(stage_seconds=seconds, wall_s=round(time.perf_counter() - start, 1),
+                 plot=plot(results["summary"], k, seeds,
+                           os.path.join(config.output_dir, "results.png")))
   write_json(os.path.join(config.output_dir, "results.json"), results)
   if jax.process_index() == 0:  # pages to read (a failure is only printed): each seed's RL
     from coa_jax.evaluation import viewer  # run, then every evaluation side by side
@@ -405,21 +403,25 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
   return results
 
 
+def results_of(per_seed: dict[int, dict[str, dict[str, Any]]], k: int) -> dict[str, Any]:
+  """Returns the results of per-seed evaluation rows: the rows, their summary over seeds, the
+  table, the per-seed table and pass@1 by task family averaged over seeds."""
+  summary = aggregate(per_seed, k)
+  return {"seeds": list(per_seed), "per_seed": per_seed, "summary": summary,
+          "table": format_summary(summary, k), "per_seed_table": per_seed_table(per_seed),
+          "pass@1_by_family": family_means(per_seed)}
+
+
 def combine(runs: Sequence[dict[str, Any]], k: int) -> dict[str, Any]:
   """Returns the results of several pipeline runs' results.json over the same distillation as
-  one: every seed's rows (a seed in two runs is an error), their summary, tables and family
-  means."""
+  one (`results_of` every seed's rows); a seed in two runs is an error."""
   per_seed: dict[int, dict[str, dict[str, Any]]] = {}
   for results in runs:
     for seed, rows in results["per_seed"].items():
       if int(seed) in per_seed:
         raise ValueError(f"seed {seed} is in more than one of the runs combined")
       per_seed[int(seed)] = rows
-  per_seed = dict(sorted(per_seed.items()))
-  summary = aggregate(per_seed, k)
-  return {"seeds": list(per_seed), "per_seed": per_seed, "summary": summary,
-          "table": format_summary(summary, k), "per_seed_table": per_seed_table(per_seed),
-          "pass@1_by_family": family_means(per_seed)}
+  return results_of(dict(sorted(per_seed.items())), k)
 
 
 def write_results_page(output_dir: str, table: str, seeds: int, by_seed: str = "") -> str:
