@@ -28,7 +28,7 @@ MAIN_EXTRAS := plots
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile device-check view clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile device-check view benchmark clean
 
 # The main job's install: what `make pipeline` and the other jobs import (plots for their
 # figures), from the same lock; `make test`, the benchmarks and the ahead-of-time compiles add
@@ -155,9 +155,15 @@ device-check: $(STAMP)
 	$(PY) experiments/device_check.py $(ARGS)
 
 # The trajectory viewer's page of a run (an evaluation, RL or pipeline folder), written again:
-# make view RUN=runs/pipeline_tiny (prints the path of its trajectories.html).
+# make view RUN=runs/pipeline_tiny [ARGS="--tasks=<task file> --out=<page>"] (prints its path).
 view: $(MAIN_STAMP)
+	@test -n "$(RUN)" || { echo 'usage: make view RUN=<run folder> [ARGS="--tasks=<task file> --out=<page>"]' >&2; exit 2; }
 	$(PY) experiments/view.py --run=$(RUN) $(ARGS)
+
+# The paper's benchmarks from their local files, graded as the paper grades them
+# (docs/benchmarks_eval.md): make benchmark ARGS="--model=DIR --benchmarks=aime25,math500,lcb_v5"
+benchmark: $(MAIN_STAMP)
+	$(PY) experiments/benchmark.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

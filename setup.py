@@ -27,16 +27,22 @@ setup(
         "tensorboard>=2.20",  # its event-file writer (coa_jax.train.writers); no TensorFlow
         "ml_dtypes",
         "numpy",
+        # The benchmarks' graders and files (coa_jax.data.benchmark_files): math answers by
+        # math-verify, the reference release's parquet task files.
+        "math-verify>=0.9",
+        "pyarrow",
     ],
     extras_require={
         # torch must stay pinned: an unpinned torch pulls a multi-GB CUDA build.
-        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "pyarrow", "torch==2.13.0",
-                 "math-verify>=0.9", "peft>=0.13", "mcp==2.3.0"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "torch==2.13.0",
+                 "peft>=0.13", "mcp==2.3.0"],
         "tpu": ["jax[tpu]>=0.10.2"],
         "tfds": ["tensorflow-datasets>=4.9", "array_record", "tensorflow-cpu>=2.20"],
         "plots": ["matplotlib"],
         # tools_env.mcp_tools: MCP servers' tools as CoA tools (the 2.x client API).
         "mcp": ["mcp==2.3.0"],
+        # gs:// paths (runtime.paths) where TensorFlow is not installed.
+        "gcs": ["gcsfs"],
         # Ahead-of-time compiles for NVIDIA GPUs on a machine without one (`make pod-fit`):
         # XLA:GPU as a PJRT plugin, and cuDNN, which JAX asks for before it lowers cuDNN
         # attention. Not for running on GPUs: install jax[cuda12] there (docs/gpus.md).

@@ -26,6 +26,7 @@ import numpy as np
 
 from coa_jax import distill, evaluation, rl, sft
 from coa_jax.data import DropCounter, load_source, load_tasks, load_tokenizer
+from coa_jax.evaluation import model_settings
 from coa_jax.model import Transformer
 from coa_jax.rl import query_selection
 from coa_jax.runtime import distributed, load_model, paths, sharding
@@ -99,6 +100,9 @@ def _metrics(cfg: Any, times: StageTimes, name: str, world: Any) -> dict[str, An
   """Returns an evaluation's metrics (running it if needed); on a world with near-miss
   figures, with pass@1 by where the answer's page states one."""
   path = os.path.join(cfg.output_dir, "metrics.json")
+  if cfg.system == "model":  # what `experiments/evaluate.py --model` will evaluate it with
+    distributed.agreed(lambda: jax.process_index() or model_settings.save(cfg),
+                       f"saving the evaluation settings in {cfg.model.checkpoint}")
   times.run(name, path, lambda: evaluation.run(cfg))
 
   def read() -> dict[str, Any]:

@@ -1,20 +1,24 @@
-"""Evaluation on the embedded world's held-out tasks (run `make distill` first for the world)."""
+"""Evaluation on the embedded world's held-out tasks, by default the main job's model (run `make
+pipeline` first: it writes the world and the model), sampled as the main job samples.
+
+To evaluate a trained model on a task file of your own, use `experiments/evaluate.py --model=DIR
+--tasks=FILE` (docs/distill_and_eval.md): it reads the settings the model's run saved."""
 
 import ml_collections
 
 from coa_jax.data import World, WorldConfig, prompts
 from configs import common, distill_tiny
 
-_WORLD = "runs/distill_tiny/world"
+_WORLD = "runs/pipeline_tiny/distill/world"
 
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.system = "model"  # "model": the checkpoint below with tools; "teacher": the teacher
-  config.model = common.model("tiny", hidden_size=128, intermediate_size=256, num_layers=2,
-                              num_heads=4, num_kv_heads=2)
-  config.model.checkpoint = "runs/pipeline_tiny/sft/hf_export"
+  # The shape comes from the checkpoint: a field named here would have to agree with it.
+  config.model = common.model("tiny")
+  config.model.checkpoint = "runs/pipeline_tiny/seed-0/dapo/hf_export"
   config.tokenizer = common.tokenizer("default", "plain")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.tasks = f"{_WORLD}/heldout.jsonl"
@@ -25,10 +29,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.system_prompt = prompts.WORLD
   config.batch_size = 24  # decode rows (a multiple of k)
   config.chunk = 32
-  config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))
+  # The main job's sampling and limits (configs/pipeline_tiny_cpu.py).
+  config.sampling = ml_collections.ConfigDict(dict(temperature=0.6, top_k=0, top_p=1.0))
   config.rollout = ml_collections.ConfigDict(dict(
-      group_size=3, max_prompt_tokens=256, max_response_tokens=2048, max_turns=12,
-      max_observation_tokens=384, tool_workers=8, tool_timeout_s=30.0))
+      group_size=3, max_prompt_tokens=128, max_response_tokens=512, max_turns=12,
+      max_observation_tokens=256, tool_workers=8, tool_timeout_s=30.0))
   distill = distill_tiny.get_config()  # the world and the teacher that distillation used
   world = dict(distill.world, train_tasks=0, heldout_tasks=0)
   config.tools = World(WorldConfig(**world)).tools_spec(f"{_WORLD}/corpus.jsonl")

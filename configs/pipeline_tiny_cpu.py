@@ -70,6 +70,9 @@ def get_config() -> ml_collections.ConfigDict:
   # names and values perfectly. Shown twice, the same seed and theta copied 0.994 of the
   # question's items by step 1,020 and all by step 1,700 (docs/pipeline.md, "Why a seed
   # fails").
+  # The 20-step warm-up left seed 5's SFT unable to copy values out of observations (copy probe
+  # 0.07 at the end, pass@1 0.012); with `warmup_steps=200` the same seed copied 0.903 of them by
+  # step 900 (docs/pipeline.md, "Why a seed fails"). Both changes wait for their 10-seed result.
   config.sft = ml_collections.ConfigDict(dict(steps=1700, seq_len=512, batch_size=8,
                                               learning_rate=1e-3, warmup_steps=20,
                                               schedule="wsd", decay_steps=500,
@@ -144,9 +147,9 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
       world=config.world, teacher=config.teacher, filters=config.filters,
       system_prompt=config.system_prompt, workers=config.workers,
       output_dir=os.path.join(out, "distill")))
-  # A user's environment (tasks and tools, `distill.environment`) and rewards, when declared:
-  # configs/pipeline_sql_cpu.py.
-  for name in ("environment", "rewards"):
+  # A user's environment (tasks and tools, `distill.environment`), tools and rewards, when
+  # declared: configs/pipeline_sql_cpu.py.
+  for name in ("environment", "tools", "rewards"):
     if name in config:
       distill_config[name] = config[name]
 
@@ -168,10 +171,16 @@ def stage_configs(config: Any, seed: int | None = None) -> dict[str, ml_collecti
                                             every=config.sft.steps, max_to_keep=1)
   sft_config.workdir = os.path.join(run_dir, "sft")
   sft_config.export_dir = os.path.join(run_dir, "sft", "hf_export")
+  sft_config.sampling = config.sampling  # the export's generation_config.json
 
-  tools = ml_collections.ConfigDict()  # the world's tools, once distillation has written them
-  if os.path.exists(os.path.join(world_dir, "tools.json")):
+  # Every stage's tools: config.tools when the pipeline config declares them, else the world's
+  # or environment's, once distillation has written them.
+  tools = ml_collections.ConfigDict()
+  if config.get("tools"):
+    tools = ml_collections.ConfigDict(config.tools.to_dict())
+  elif os.path.exists(os.path.join(world_dir, "tools.json")):
     tools = ml_collections.ConfigDict(load_tools_spec(world_dir))
+  if tools:
     sft_config.tools = tools  # their tags are the tokenizer's
 
   def evaluation(system: str, checkpoint: str, name: str) -> ml_collections.ConfigDict:

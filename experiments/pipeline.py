@@ -59,6 +59,8 @@ def main(argv):
   recipe = _recipe()
   if _QUICK.value:
     config = recipe.quick(config)
+    say(f"--quick: a smoke test of every stage, written to {config.output_dir} (--quick adds "
+        f"_quick to config.output_dir; `make view RUN={config.output_dir}` shows it)")
   # Both evaluations of a seed, and every seed, compile the same programs: a persistent cache
   # beside the outputs compiles each once (the loaded program is the compiled one, bit for bit);
   # or the one JAX_COMPILATION_CACHE_DIR names (the test suite's, shared by its runs).

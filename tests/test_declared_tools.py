@@ -1,10 +1,13 @@
 """Tools declared in a config: a new tag through the tokenizer, masks, parser and rollout;
 config errors; MCP servers' tools as tags; rewards that see tool results."""
 
+import json
 import os
 import re
+import shlex
 import sys
 
+import ml_collections
 import pytest
 from test_rollout import SYSTEM, ScriptedSampler
 
@@ -18,6 +21,7 @@ from coa_jax.rollout.tool_loop import Rollout, RolloutConfig, stop_ids
 from tools_env import Tool, ToolFailure, registry
 
 SERVER = [sys.executable, os.path.join(os.path.dirname(__file__), "mcp_fixture_server.py")]
+ODD = SERVER + ["--odd-names"]  # adds the tools getWeather, get-time and answer
 
 
 class Reverse(Tool):
@@ -42,7 +46,7 @@ SPEC = {"reverse": {"kind": "python", "class": "test_declared_tools:Reverse",
 
 def test_a_declared_tag_flows_through_tokenizer_masks_parser_and_rollout():
   tags = declared_tags(SPEC)
-  assert tags == ("reverse", "code")
+  assert tags == ("code", "reverse")  # the entries sorted by name
   tokenizer = default_tokenizer("plain", tool_tags=tags)
   base = default_tokenizer("plain")
   # Two new special tokens past the base vocabulary; every other id unchanged.
@@ -96,8 +100,23 @@ def test_a_declared_tag_flows_through_tokenizer_masks_parser_and_rollout():
      "exactly one of `command` and `url`"),
     ({"srv": {"kind": "mcp", "command": ["/no/such/server"]}}, "tools.srv (mcp)"),
     ({"srv": {"kind": "mcp", "command": SERVER, "tools": ["nope"]}}, "no tool 'nope'"),
+    ({"odd": {"kind": "mcp", "command": ODD, "tools": ["answer"]}},
+     f"tools.odd (MCP server {shlex.join(ODD)}): tool 'answer': its name maps to the tag "
+     f"'answer', which is the role tag <answer>; give it another with `rename`"),
+    ({"odd": {"kind": "mcp", "command": ODD, "tools": ["getWeather"],
+              "rename": {"getWeather": "Weather!"}}},
+     f"tools.odd (MCP server {shlex.join(ODD)}): tool 'getWeather': tools.odd.rename gives it "
+     f"the tag 'Weather!', which is not a lower-case identifier"),
+    ({"odd": {"kind": "mcp", "command": ODD, "tools": ["echo"], "rename": {"getWeather": "w"}}},
+     "rename names ['getWeather'], not among its tools kept: ['echo']"),
+    ({"odd": {"kind": "mcp", "command": ODD, "tools": ["echo", "getWeather"],
+              "rename": {"getWeather": "echo"}}},
+     "tools 'echo' and 'getWeather' both map to the tag 'echo'"),
+    ({"srv": {"kind": "mcp", "command": SERVER, "tools": 3}},
+     "tools.srv.tools must be a list of the server's tool names (or one name), got 3"),
 ], ids=["malformed", "role", "clash", "kind", "import", "not-a-tool", "options", "mcp-both",
-        "mcp-cannot-start", "mcp-unknown-tool"])
+        "mcp-cannot-start", "mcp-unknown-tool", "mcp-role-name", "mcp-bad-rename",
+        "mcp-stray-rename", "mcp-same-tag", "mcp-tools-not-a-list"])
 def test_tool_config_errors_name_the_culprit(spec, culprit):
   with pytest.raises(ConfigError, match=re.escape(culprit)):
     declared_tags(spec)
@@ -114,6 +133,106 @@ def test_mcp_tools_are_tags_with_their_schemas_in_the_prompt():
     assert tools.call("add", '{"a": 2, "b": 3}').observation == "5"
     server = tools.servers[0]
   assert server.closed  # the registry stops its servers
+
+
+def test_mcp_tool_names_that_cannot_be_tags_are_mapped_to_tags():
+  spec = {"odd": {"kind": "mcp", "command": ODD, "tools": ["getWeather", "get-time"]}}
+  assert declared_tags(spec) == ("get_weather", "get_time")
+  with registry.build_registry(spec) as tools:
+    assert tools.call("get_weather", "Paris").observation == "sunny in Paris"
+    assert tools.call("get_time", "").observation == "12:00"
+
+
+def test_rename_gives_an_mcp_tool_the_tag_the_config_names():
+  spec = {"odd": {"kind": "mcp", "command": ODD, "tools": ["getWeather", "answer"],
+                  "rename": {"getWeather": "weather", "answer": "say"}}}
+  assert declared_tags(spec) == ("weather", "say")
+
+
+@pytest.mark.parametrize("name, tag", [
+    ("getWeather", "get_weather"), ("get-time", "get_time"), ("HTTPFetch", "http_fetch"),
+    ("search.web", "search_web"), ("2fa", "tool_2fa"), ("web_search", "web_search"),
+    ("a" * 40, "a" * 32)])
+def test_mcp_tag_maps_a_tool_name_to_a_tag(name, tag):
+  assert registry.mcp_tag(name) == tag
+  assert coa_format.check_tool_tags([tag]) == (tag,)
+
+
+def test_the_registry_checks_tags_as_the_format_does():
+  assert registry.TAG_RE.pattern == coa_format.TOOL_TAG_RE.pattern
+  assert registry.RESERVED_TAGS == coa_format.ROLE_TAGS + (coa_format.OBSERVATION,)
+
+
+def test_tools_given_as_a_string_is_one_tool_name():
+  assert declared_tags({"fixture": {"kind": "mcp", "command": SERVER, "tools": "echo"}}) == (
+      "echo",)
+
+
+def test_tags_are_in_one_order_whatever_holds_the_spec():
+  spec = {"zeta": {"kind": "python", "class": "test_declared_tools:Reverse"},
+          "srv": {"kind": "mcp", "command": SERVER},
+          "alpha": {"kind": "python", "class": "test_declared_tools:Reverse"}}
+  # The entries sorted by name; an MCP entry without `tools`, its tools sorted by tag.
+  expected = ("alpha", "add", "bad_result", "crash", "echo", "freeze", "garbage", "pid", "sleep",
+              "zeta")
+  assert declared_tags(spec) == expected
+  assert declared_tags(ml_collections.ConfigDict(spec)) == expected
+
+
+def test_an_mcp_entrys_tools_list_keeps_its_order():
+  spec = {"srv": {"kind": "mcp", "command": SERVER, "tools": ["sleep", "echo", "add"]}}
+  assert declared_tags(spec) == ("sleep", "echo", "add")
+
+
+def test_an_mcp_command_python_runs_this_interpreter(tmp_path, monkeypatch):
+  fake = tmp_path / "python"  # the first `python` on PATH, which cannot serve
+  fake.write_text("#!/bin/sh\nexit 1\n")
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+  spec = {"fixture": {"kind": "mcp", "command": ["python", SERVER[1]], "tools": ["echo"]}}
+  assert declared_tags(spec) == ("echo",)
+
+
+class PromptFollower:
+  """A chat model that does what each prompt says: the controller calls the agents of `order`
+  in turn; a tool agent writes its call's body in the form its prompt asks for."""
+
+  def __init__(self, order):
+    self.order = iter(order)
+
+  def complete(self, messages):
+    system = messages[0]["content"]
+    if system.startswith("You coordinate"):
+      return json.dumps({"agent": next(self.order), "instruction": "Go on."})
+    if system.endswith("Reply with only the body of the call: the city itself, as plain text "
+                       "(not JSON)."):
+      return "Paris"
+    if "Reply with only the body of the call: a JSON object of the arguments a (integer, " \
+       "required), b (integer, required), of this schema: {" in system:
+      return json.dumps({"a": 2, "b": 3})
+    if system.endswith("Reply with only the body of the call: empty (the tool takes no "
+                       "arguments)."):
+      return ""
+    return "sunny, 5, 12:00"  # a role agent
+
+
+def test_a_chat_teacher_that_follows_its_prompts_calls_every_form_of_tool_right():
+  spec = {"odd": {"kind": "mcp", "command": ODD, "tools": ["getWeather", "add", "get-time"]}}
+  client = PromptFollower(["get_weather_agent", "add_agent", "get_time_agent", "proposer"])
+  with registry.build_registry(spec) as tools:
+    teacher = ChatTeacher(tools, client, declared=registry.declare(spec))
+    trace = teacher.run({"id": "t", "question": "Weather, sum and time?"})
+  calls = [(a.step, a.tool_call, a.tool_result) for a in trace.activations
+           if a.tool_call is not None]
+  assert calls == [("get_weather", "Paris", "sunny in Paris"),
+                   ("add", '{"a": 2, "b": 3}', "5"), ("get_time", "", "12:00")]
+
+
+def test_the_system_prompt_says_what_each_body_holds():
+  spec = {"odd": {"kind": "mcp", "command": ODD, "tools": ["getWeather", "get-time"]}}
+  assert prompts.for_tools(spec).splitlines()[1:] == [
+      "get_weather: Returns the weather in a city. Body: the city itself, as plain text (not "
+      "JSON).", "get_time: Returns the time. Body: empty (the tool takes no arguments)."]
 
 
 def score_with_tools(response, bonus=0.0):

@@ -3,6 +3,7 @@
 import concurrent.futures
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from tools_env.mcp_tools import (  # noqa: E402
 )
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcp_fixture_server.py")
-FIXTURE_TOOLS = {"echo", "add", "sleep", "crash", "garbage", "bad_result", "pid"}
+FIXTURE_TOOLS = {"echo", "add", "sleep", "crash", "freeze", "garbage", "bad_result", "pid"}
 
 
 def fixture_server(**options) -> McpServer:
@@ -144,6 +145,72 @@ def test_server_that_cannot_start(command, reason):
     result = broken.call("echo", {"text": "x"})
     assert (result.ok, result.error_kind) == (False, base.TOOL_ERROR)
     assert reason in result.observation
+
+
+def failing_server(tmp_path, **options) -> McpServer:
+  """A server that exits 0.2 s after it starts, before any handshake; each start appends a line
+  to tmp_path/starts."""
+  program = (f"import sys, time; open({str(tmp_path / 'starts')!r}, 'a').write('start\\n'); "
+             f"time.sleep(0.2); sys.exit(2)")
+  return McpServer([sys.executable, "-c", program], start_timeout_s=10.0, **options)
+
+
+def starts(tmp_path) -> int:
+  return len((tmp_path / "starts").read_text().splitlines())
+
+
+def test_concurrent_calls_share_one_start_of_a_server_that_cannot_start(tmp_path):
+  with failing_server(tmp_path, start_backoff_s=30.0) as broken:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      results = list(pool.map(lambda i: broken.call("echo", {"text": str(i)}), range(8)))
+    assert starts(tmp_path) == 1
+  assert [(r.ok, r.error_kind) for r in results] == [(False, base.TOOL_ERROR)] * 8
+  assert all("did not start: it exited" in r.observation for r in results)
+
+
+def test_calls_in_the_cooldown_after_a_failed_start_fail_at_once_with_the_reason(tmp_path):
+  with failing_server(tmp_path, start_backoff_s=30.0) as broken:
+    broken.call("echo", {"text": "x"})
+    result = broken.call("echo", {"text": "x"})
+    assert starts(tmp_path) == 1
+  assert (result.ok, result.error_kind) == (False, base.TOOL_ERROR)
+  assert result.elapsed_s < 0.5
+  assert "did not start: it exited" in result.observation
+  assert re.search(r"not started again for (29|30)\.\d s: 1 failed start\(s\) in a row",
+                   result.observation)
+
+
+def test_after_the_cooldown_the_server_is_started_again_and_the_cooldown_doubles(tmp_path):
+  with failing_server(tmp_path, start_backoff_s=0.5, max_start_backoff_s=60.0) as broken:
+    broken.call("echo", {"text": "x"})
+    time.sleep(0.6)
+    broken.call("echo", {"text": "x"})
+    assert starts(tmp_path) == 2
+    result = broken.call("echo", {"text": "x"})
+  assert re.search(r"not started again for (0\.\d|1\.0) s: 2 failed start\(s\) in a row",
+                   result.observation)
+
+
+def test_a_hung_server_is_restarted_after_restart_after_timeouts_calls_in_a_row(tmp_path):
+  with fixture_server(call_timeout_s=0.5, restart_after_timeouts=2) as hung:
+    old_pid = server_pid(hung)
+    first = hung.call("freeze", {})  # the server stops: alive, answering nothing
+    second = hung.call("pid", {})
+    assert [first.error_kind, second.error_kind] == [base.TIMEOUT, base.TIMEOUT]
+    assert "restarted" not in first.observation and "answered none" not in first.observation
+    assert "answered none of the last 2 calls: it is stopped, and the next call starts it " \
+           "afresh" in second.observation
+    assert server_pid(hung) != old_pid
+    assert wait_gone(old_pid)
+
+
+def test_an_answer_between_timeouts_starts_the_count_again():
+  with fixture_server(call_timeout_s=0.5, restart_after_timeouts=2) as slow:
+    old_pid = server_pid(slow)
+    for _ in range(2):
+      assert slow.call("sleep", {"seconds": 30}).error_kind == base.TIMEOUT
+      assert slow.call("echo", {"text": "here"}).observation == "here"
+    assert server_pid(slow) == old_pid
 
 
 def test_server_answering_garbage_fails_to_start_saying_so():

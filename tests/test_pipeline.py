@@ -186,6 +186,24 @@ def test_experiments_run_on_the_main_job_outputs(quick_run):
   assert again["results"] == reports["rl"]["results"]
 
 
+def test_the_documented_evaluate_command_runs_on_the_main_jobs_export(quick_run, tmp_path):
+  """docs/distill_and_eval.md's "Your model on your tasks", as written (the interpreter and
+  the script by absolute path), in a folder where runs/pipeline_tiny is the quick main job."""
+  _, config, _ = quick_run
+  doc = open(os.path.join(ROOT, "docs", "distill_and_eval.md")).read()
+  section = doc[doc.index("## Your model on your tasks"):]
+  script = section.split("```bash\n", 1)[1].split("```", 1)[0]
+  script = script.replace(".venv/bin/python experiments/",
+                          f"{sys.executable} {os.path.join(ROOT, 'experiments')}/")
+  os.makedirs(tmp_path / "runs")
+  os.symlink(config.output_dir, tmp_path / "runs" / "pipeline_tiny")
+  done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "with the settings of the run that trained it" in done.stdout + done.stderr
+  metrics = json.load(open(tmp_path / "runs" / "evaluate_my_tasks" / "metrics.json"))
+  assert metrics["tasks"] == 3 and metrics["samples_per_task"] == config.eval.k
+
+
 def test_results_over_seeds_are_mean_and_sample_sd():
   per_seed = {seed: {system: {"pass@1": value, "tokens_per_task": 100.0 * value}
                      for system in pipeline.SYSTEMS}

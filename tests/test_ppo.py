@@ -3,6 +3,7 @@ the critic's export, one device against eight, and the two updates kept apart.""
 
 import dataclasses
 import json
+import os
 
 import flax
 import flax.linen as nn
@@ -111,6 +112,9 @@ def test_critic_export_loads_in_transformers_with_the_same_values(uninterrupted)
     theirs = hf(torch.as_tensor(ids)).logits[..., 0].numpy()
   np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
   assert np.abs(ours).max() > 0  # the trained head is not the zero it started as
+  # The policy's tokenizer beside it, without generation defaults: a value model generates none.
+  assert sorted(os.listdir(folder)) == ["coa_tags.json", "config.json", "model.safetensors",
+                                        "tokenizer.json", "tokenizer_config.json"]
 
 
 def test_lora_ppo_critic_trains_its_adapters_and_head_on_the_actors_base(tmp_path):

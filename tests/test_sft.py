@@ -237,7 +237,7 @@ def test_lora_sft_trains_the_adapters_and_new_rows_alone_and_resumes_exactly(tmp
   of the tokens the checkpoint lacks: its vocabulary of 96 grows to the tokenizer's 1,024), a
   resumed run (dropout on) ends where the uninterrupted one does, and both exports give the
   LoRA model's logits: adapters merged, in transformers, and the adapters alone (PEFT's
-  format), in peft onto the base, its vocabulary resized."""
+  format), in peft onto the base, its vocabulary resized; both carry the run's tokenizer."""
   import peft
   import transformers
   from hf_reference import hf_logits, make_hf_model
@@ -283,3 +283,9 @@ def test_lora_sft_trains_the_adapters_and_new_rows_alone_and_resumes_exactly(tmp
   base_model.resize_token_embeddings(model_config.vocab_size)
   peft_model = peft.PeftModel.from_pretrained(base_model, tmp_path / "a" / "export" / "adapter")
   np.testing.assert_allclose(hf_logits(peft_model, ids), np.asarray(ours), atol=1e-4)
+  # Both exports carry the run's tokenizer, tags included (the base model's has none).
+  tokenizer = load_tokenizer(config)
+  text = "<think>\nrun it\n</think>\n<code>\nprint(1)\n</code>"
+  for folder in ("export", "export/adapter"):
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path / "a" / folder)
+    assert hf.encode(text, add_special_tokens=False)[-1] == tokenizer.tag_id("code", close=True)

@@ -1,15 +1,18 @@
 """The worked example of a user's own tool (tools_env/examples/sqlite_shop.py): the tool's
 limits, its teacher and reward, the same runs through MCP and through the Python class, and the
-quick recipe on it (configs/pipeline_sql_cpu.py)."""
+quick recipe on it: tests/test_task_layouts.py."""
 
+import contextlib
 import dataclasses
 import json
+import os
+import re
+import sqlite3
 import sys
 
 import pytest
 from test_rollout import SYSTEM, ScriptedSampler
 
-from coa_jax import pipeline
 from coa_jax.data import coa_format, rewards
 from coa_jax.data.tasks import Task, load_tasks
 from coa_jax.data.tokenize import step_ids
@@ -17,7 +20,7 @@ from coa_jax.data.tokenizer import default_tokenizer
 from coa_jax.distill.job import to_trajectory
 from coa_jax.distill.teacher import TeacherConfig, build_teacher
 from coa_jax.rollout.tool_loop import Rollout, RolloutConfig, stop_ids
-from configs import common, pipeline_sql_cpu
+from configs import pipeline_sql_cpu
 from tools_env import registry
 from tools_env.examples import sqlite_shop
 
@@ -43,12 +46,65 @@ def test_the_sql_tool_reads_only_within_its_limits(shop):
   assert len(rows) == 4 and rows[-1] == "... (more than 3 rows)"
   assert tool("SELEC 1").error_kind == "bad_request"
   refused = tool("DELETE FROM orders")
-  assert refused.error_kind == "bad_request" and "readonly" in refused.observation
+  assert refused.error_kind == "bad_request" and "not authorized" in refused.observation
   endless = tool("WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
                  "SELECT COUNT(*) FROM n")
   assert endless.error_kind == "timeout" and endless.elapsed_s < 5
   with pytest.raises(ValueError, match="no database"):
     sqlite_shop.Sql("/no/such.db")
+
+
+def shop_db(directory, name: str = "shop.db") -> str:
+  """Writes a database of one order (customer 7 bought 2 pens at 3) and returns its path."""
+  path = os.path.join(directory, name)
+  with contextlib.closing(sqlite3.connect(path)) as db, db:
+    db.execute("CREATE TABLE orders (customer INTEGER, product TEXT, quantity INTEGER, "
+               "price INTEGER)")
+    db.execute("INSERT INTO orders VALUES (7, 'pens', 2, 3)")
+  return path
+
+
+def files(directory) -> dict[str, bytes]:
+  """Returns every file under `directory` with its bytes."""
+  return {str(path): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize("attack", [
+    "VACUUM INTO '{folder}/copy.db'", "ATTACH 'file:{folder}/new.db?mode=rwc' AS new",
+    "ATTACH '{folder}/new.db' AS new", "DETACH main", "VACUUM", "DELETE FROM orders",
+    "INSERT INTO orders VALUES (1, 'cups', 1, 1)", "UPDATE orders SET price = 0",
+    "DROP TABLE orders", "CREATE TABLE t (x)", "CREATE TEMP TABLE t AS SELECT 1",
+    "CREATE INDEX i ON orders (customer)", "ALTER TABLE orders ADD COLUMN note TEXT",
+    "PRAGMA user_version = 7", "PRAGMA journal_mode = WAL", "PRAGMA optimize", "ANALYZE",
+    "BEGIN IMMEDIATE", "SELECT load_extension('x')"])
+def test_the_sql_tool_denies_every_statement_that_could_write(tmp_path, attack):
+  database = shop_db(str(tmp_path))
+  before = files(tmp_path)
+  result = sqlite_shop.Sql(database)(attack.format(folder=tmp_path))
+  assert (result.ok, result.error_kind) == (False, "bad_request")
+  assert re.fullmatch(r"Error: SQL error: (not authorized|authorization denied)"
+                      r"( to use function: load_extension)?", result.observation)
+  assert files(tmp_path) == before  # no file written, created or changed
+
+
+@pytest.mark.parametrize("query, rows", [
+    ("SELECT customer, product, quantity * price FROM orders", "7 | pens | 6"),
+    ("PRAGMA table_info(orders)", "0 | customer | INTEGER | 0 | None | 0"),
+    ("WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3) "
+     "SELECT SUM(i) FROM n", "6"),
+    ("SELECT upper(product) FROM orders", "PENS")])
+def test_the_sql_tool_reads(tmp_path, query, rows):
+  result = sqlite_shop.Sql(shop_db(str(tmp_path)))(query)
+  assert (result.ok, result.observation.splitlines()[0]) == (True, rows)
+
+
+def test_the_database_path_is_escaped_in_the_uri(tmp_path):
+  database = shop_db(str(tmp_path), "odd?mode=rwc#x%41.db")  # unescaped: the file "odd", rwc
+  before = files(tmp_path)
+  tool = sqlite_shop.Sql(database)
+  assert tool("SELECT product FROM orders").observation == "pens"
+  assert "not authorized" in tool("DELETE FROM orders").observation
+  assert files(tmp_path) == before
 
 
 def test_the_teacher_queries_or_answers_from_memory_and_the_reward_reads_the_results(shop):
@@ -108,18 +164,3 @@ def test_the_tool_through_mcp_equals_the_tool_as_a_python_class(shop):
   assert by_class == by_mcp  # ids, masks, log-probs, versions, calls, errors
   assert traces[0] == traces[1]  # the teacher's: every message and tool result
   assert "SQL error" in tokenizer.decode(next(iter(by_mcp.values()))["ids"])
-
-
-def test_the_quick_recipe_on_the_worked_example(tmp_path):
-  config = pipeline_sql_cpu.quick(pipeline_sql_cpu.get_config())
-  config.output_dir = str(tmp_path / "run")
-  config.mesh = common.mesh(data=2, fsdp=2, tensor=2)  # the 8 fake devices
-  results = pipeline.run(config, pipeline_sql_cpu.stage_configs)
-  rows = results["per_seed"][config.seed]
-  assert rows["teacher"]["pass@1"] == 1.0  # the teacher knows the database
-  assert set(rows["teacher"]["tool_calls_by_kind"]) <= {"sql"}
-  trajectories = [json.loads(line) for line in open(tmp_path / "run/distill/trajectories.jsonl")]
-  assert any(step["tag"] == "sql" for t in trajectories for step in t["steps"])
-  assert json.load(open(tmp_path / "run/seed-0/sft/hf_export/config.json"))["vocab_size"] == 1026
-  assert (tmp_path / "run/seed-0/dapo/hf_export/config.json").exists()
-  assert list(results["stage_seconds"])[-1] == "seed 0 eval dapo"

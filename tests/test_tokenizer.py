@@ -1,9 +1,16 @@
-"""Tokenizers: tags are single special tokens, text never makes tags, the default is offline."""
+"""Tokenizers: tags are single special tokens, text never makes tags, the default is offline; the
+tag mapping is saved with a model, a saved model's tokenizer keeps it, and a moved tag is an
+error at load."""
 
+import json
+
+import ml_collections
 import pytest
 
 from coa_jax.data import coa_format
 from coa_jax.data import tokenizer as tk
+from coa_jax.data.tokenizer import declared_tags
+from tools_env import Tool
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +65,6 @@ def test_missing_folder_and_unknown_template_are_named(tmp_path, tok):
     tk.CoATokenizer(tk.tokenizers.Tokenizer.from_str(tok.backend.to_str()), "jinja")
 
 
-
 def test_the_embedded_world_tokenizes_compactly(tok):
   # Trained on a world of its own seed: the URL scheme and name syllables are tokens.
   from coa_jax.data.world import World, WorldConfig
@@ -77,3 +83,77 @@ def test_a_number_has_the_same_tokens_in_every_context(tok):
   for text in (" 4172", "(4172)", "\n4172\n", "result = 4172 * 3", "Company 4172."):
     ids = tok.encode(text)
     assert any(ids[i:i + 2] == number for i in range(len(ids))), text
+
+
+# --- the tag mapping: fixed at SFT, saved with the model, checked at every load ----------------
+
+
+class Echo(Tool):
+  """Echoes its text."""
+
+  name = "echo"
+
+  def _run(self, body, goal):
+    return body, {}
+
+
+ECHOES = {tag: {"kind": "python", "class": "test_tokenizer:Echo"} for tag in ("kv", "sql")}
+
+
+def _saved_model(folder, tool_tags):
+  """Writes the tag mapping of the default tokenizer with `tool_tags` into `folder`, as an
+  export does; returns that tokenizer."""
+  saved = tk.default_tokenizer("plain", tool_tags=tool_tags)
+  folder.mkdir(exist_ok=True)
+  (folder / tk.TAGS_FILE).write_text(json.dumps(saved.tag_map()))
+  return saved
+
+
+def _config(checkpoint, tools):
+  return ml_collections.ConfigDict(dict(
+      tokenizer=dict(path="default", template="plain"), tools=tools,
+      model=dict(preset="tiny", checkpoint=str(checkpoint), attention_impl="xla", remat="none")))
+
+
+def test_the_tag_map_holds_every_tag_and_template_token_with_its_id():
+  tokenizer = tk.default_tokenizer("plain", tool_tags=("code", "sql"))
+  assert tokenizer.tag_map() == {
+      "version": 1, "template": "plain", "tool_tags": ["code", "sql"],
+      "tags": {**dict(zip(tk.TAG_TOKENS, range(3, 25))), "<sql>": 1024, "</sql>": 1025},
+      "template_tokens": {"<|endoftext|>": 0}}
+
+
+def test_a_saved_model_keeps_its_tag_ids_when_its_tools_are_declared_in_another_order(tmp_path):
+  saved = _saved_model(tmp_path / "export", ("sql", "kv"))
+  assert declared_tags(ECHOES) == ("kv", "sql")  # the declaration lists them the other way
+  tokenizer = tk.load_tokenizer(_config(tmp_path / "export", ECHOES))
+  assert tokenizer.tool_tags == ("sql", "kv")
+  assert tokenizer.tag_map() == saved.tag_map()
+  assert (tokenizer.tag_id("sql"), tokenizer.tag_id("kv", close=True)) == (1024, 1027)
+
+
+def test_a_saved_model_s_tokenizer_starts_no_tool_server(tmp_path):
+  _saved_model(tmp_path / "export", ("web_search", "lookup"))
+  unreachable = {"srv": {"kind": "mcp", "command": ["/no/such/server"]}}  # fails if started
+  tokenizer = tk.load_tokenizer(_config(tmp_path / "export", unreachable))
+  assert tokenizer.tool_tags == ("web_search", "lookup")
+
+
+def test_loading_a_saved_model_with_tags_whose_ids_moved_is_an_error_naming_them(
+    tmp_path, single_device_mesh):
+  from coa_jax.runtime import hf_checkpoint
+
+  _saved_model(tmp_path / "export", ("sql", "kv"))
+  moved = tk.default_tokenizer("plain", tool_tags=("kv", "sql"))
+  with pytest.raises(tk.TagMapError) as raised:
+    hf_checkpoint.load_model(_config(tmp_path / "export", ECHOES), moved, single_device_mesh)
+  assert str(raised.value).startswith(
+      f"{tmp_path}/export/{tk.TAGS_FILE}: the tokenizer's tags differ from those the model was "
+      f"trained with: <sql> saved as id 1024, here 1026; </sql> saved as id 1025, here 1027; "
+      f"<kv> saved as id 1026, here 1024; </kv> saved as id 1027, here 1025. ")
+
+
+def test_a_file_that_is_not_a_tag_mapping_is_named(tmp_path):
+  (tmp_path / tk.TAGS_FILE).write_text(json.dumps({"tags": []}))
+  with pytest.raises(tk.TagMapError, match=f"{tk.TAGS_FILE}: not a tag mapping of version 1"):
+    tk.read_tag_map(str(tmp_path))

@@ -1,4 +1,5 @@
-"""The training step, its loss, optimizer pieces and the demo job."""
+"""The training step, its loss, optimizer pieces, the job loop (its checkpoints keep the tag
+mapping) and the demo job."""
 
 import json
 import subprocess
@@ -9,10 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from coa_jax.data.tokenizer import TagMapError, default_tokenizer
 from coa_jax.losses import token_cross_entropy
 from coa_jax.model import ConfigError, Transformer, get_preset
 from coa_jax.runtime import sharding
+from coa_jax.runtime.checkpointing import Checkpointer
 from coa_jax.train import LoopConfig, run_loop
 from coa_jax.train import lm_demo as demo
 from coa_jax.train import optimizer
@@ -168,6 +173,51 @@ def test_steps_without_a_trainable_token_do_not_count_toward_nonfinite_skips(
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [(r["step"], r["empty"], r["nonfinite_skipped"]) for r in rows] == [(1, 1, 0),
                                                                              (2, 1, 0)]
+
+
+class _Counter(StateJob):
+  """A job whose state counts its steps."""
+
+  def __init__(self):
+    self.state = {"w": jnp.zeros((4,), jnp.float32)}
+
+  def step(self, step):
+    self.state = {"w": self.state["w"] + 1.0}
+    return {"loss": float(step)}
+
+
+def _tagged(tmp_path, steps, tool_tags):
+  """The loop settings of a run with checkpoints whose tokenizer declares `tool_tags`."""
+  return LoopConfig(steps=steps, workdir=str(tmp_path / "work"), log_every=100,
+                    checkpoint=common.checkpoint(str(tmp_path / "ckpt"), every=2,
+                                                 async_save=False),
+                    tokenizer=default_tokenizer("plain", tool_tags=tool_tags))
+
+
+def _counter_abstract(mesh):
+  return {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(mesh, P()))}
+
+
+def test_every_checkpoint_keeps_the_tokenizer_s_tag_mapping(tmp_path, single_device_mesh):
+  config = _tagged(tmp_path, 2, ("sql", "kv"))
+  run_loop(_Counter(), config, _counter_abstract(single_device_mesh), None)
+  checkpointer = Checkpointer(str(tmp_path / "ckpt"))
+  step, _, data = checkpointer.restore_latest(_counter_abstract(single_device_mesh))
+  checkpointer.close()
+  assert (step, data["loop"]["tags"]) == (2, config.tokenizer.tag_map())
+
+
+def test_resuming_with_a_tokenizer_whose_tag_ids_moved_is_an_error_naming_them(
+    tmp_path, single_device_mesh):
+  run_loop(_Counter(), _tagged(tmp_path, 2, ("sql", "kv")), _counter_abstract(single_device_mesh),
+           None)
+  with pytest.raises(TagMapError) as raised:
+    run_loop(_Counter(), _tagged(tmp_path, 4, ("kv", "sql")),
+             _counter_abstract(single_device_mesh), None)
+  assert str(raised.value).startswith(
+      f"checkpoint step 2 in {tmp_path}/ckpt: the tokenizer's tags differ from those the model "
+      f"was trained with: <sql> saved as id 1024, here 1026; </sql> saved as id 1025, here 1027; "
+      f"<kv> saved as id 1026, here 1024; </kv> saved as id 1027, here 1025. ")
 
 
 def test_demo_trains_exports_and_reloads_on_a_2x2x2_mesh(tmp_path):

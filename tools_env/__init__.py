@@ -12,6 +12,8 @@
 - `sandbox`: the `code` tool, programs run isolated under resource limits by a bounded pool.
 - `mcp_tools`: the tools of a local MCP server (stdio or streamable HTTP) as CoA tools (the
   `mcp` extra).
+- `arguments`: a tag's body as the arguments of a tool with an input schema (an MCP tool), and
+  the words that tell a prompt how to write it.
 - `registry`: tag -> tool dispatch, building tools from a config spec, and per-trajectory
   state (repeated-call notices, counters).
 

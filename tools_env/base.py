@@ -10,6 +10,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
 import time
 import zlib
 from typing import Any
@@ -60,14 +64,39 @@ class ToolFailure(Exception):
     self.kind, self.output, self.metadata = kind, output, metadata
 
 
+def import_module(module: str) -> Any:
+  """Returns the imported `module`. One that is not on sys.path but in the working directory
+  (`my_shop.py`, or a package folder `my_shop/`) is imported from there, as `python -m` and
+  `python -c` would find it (a script such as `python experiments/pipeline.py` has its own
+  folder on sys.path instead of the working directory). sys.path is left as it is, so such a
+  module's own imports of other modules beside it are not found: a package's modules import
+  each other as `my_shop.helpers`."""
+  try:
+    return importlib.import_module(module)
+  except ModuleNotFoundError as e:
+    top = module.split(".")[0]
+    spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) if e.name == top else None
+    if spec is None:
+      raise
+  loaded = importlib.util.module_from_spec(spec)
+  sys.modules[top] = loaded
+  try:
+    spec.loader.exec_module(loaded)
+  except BaseException:
+    sys.modules.pop(top, None)
+    raise
+  return importlib.import_module(module)
+
+
 def import_object(path: str, where: str) -> Any:
-  """Returns the object at `path` ("package.module:Name" or "package.module.Name"); raises
-  ValueError naming `where` (the config field) when it is not an import path or fails."""
+  """Returns the object at `path` ("package.module:Name" or "package.module.Name"; the module
+  as `import_module` finds it, in the working directory too); raises ValueError naming `where`
+  (the config field) when it is not an import path or fails."""
   module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
   if not module or not name:
     raise ValueError(f"{where}: {path!r} is not an import path (package.module:Name)")
   try:
-    return getattr(importlib.import_module(module), name)
+    return getattr(import_module(module), name)
   except (ImportError, AttributeError) as e:
     raise ValueError(f"{where}: cannot import {path!r}: {e}") from None
 

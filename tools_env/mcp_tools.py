@@ -6,9 +6,13 @@ any thread may call, and calls run concurrently over the one session. `McpTool` 
 the server's tools behind the `Tool` interface; `server_tools` builds them from the listing.
 
 A call never raises; its failures become error results:
-- past its timeout: TIMEOUT; the server is sent a cancellation and the session stays up.
+- past its timeout: TIMEOUT; the server is sent a cancellation and the session stays up, unless
+  that makes `restart_after_timeouts` calls in a row without an answer: the server is taken
+  for hung and stopped, and the next call starts it afresh.
 - the server exits or hangs up (before or during the call): TOOL_ERROR "... exited ...";
   the next call starts a fresh server process (a fresh session for a URL).
+- the server cannot start: TOOL_ERROR saying why; for a cooldown after that (`start_backoff_s`,
+  doubling with each failed start in a row), calls fail at once with the same reason.
 - a response that is JSON-RPC but not a valid MCP result: BAD_RESPONSE.
 - a line on the server's stdout that is not JSON-RPC at all: the SDK logs it (logger
   `mcp.client.stdio`) and drops it; the call gets its real answer (no error kind).
@@ -45,8 +49,8 @@ import pydantic
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
+from tools_env.arguments import parse_body
 from tools_env.base import (
-           BAD_REQUEST,
            ERROR_KINDS,
            BAD_RESPONSE,
            TIMEOUT,
@@ -127,6 +131,7 @@ class _Connection:
     self.ended = threading.Event()  # the server exited or hung up
     self.garbage = ""  # the last line from the server that was not JSON-RPC
     self.owner: concurrent.futures.Future | None = None
+    self.timeouts = 0  # calls that timed out since the server last answered one
 
   async def note_message(self, message: Any) -> None:
     """The session's message handler: remembers the last line that was not JSON-RPC."""
@@ -186,26 +191,51 @@ class McpServer:
   The server starts on first use and restarts after it exits. Safe to call from many threads.
   `start_timeout_s` bounds the start and handshake; `call_timeout_s` is the default bound of a
   call (and of listing the tools).
+
+  One start runs at a time: a call that needs the server while another call is starting it
+  waits for that start (at most `start_timeout_s` and a shutdown) and shares its outcome; no
+  call starts the server after another's failed start. After a failed start, the server is not
+  started again for `start_backoff_s`, doubled after each further failure in a row up to
+  `max_start_backoff_s`: calls in that cooldown fail at once with the reason. A server that
+  leaves `restart_after_timeouts` calls in a row unanswered (each past its timeout, none
+  answered in between) is taken for hung: it is stopped, and the next call starts it afresh
+  (0: never).
   """
 
   def __init__(self, command: Sequence[str] | None = None, url: str | None = None,
                env: Mapping[str, str] | None = None, cwd: str | None = None,
-               start_timeout_s: float = 20.0, call_timeout_s: float = 30.0):
+               start_timeout_s: float = 20.0, call_timeout_s: float = 30.0,
+               start_backoff_s: float = 5.0, max_start_backoff_s: float = 60.0,
+               restart_after_timeouts: int = 3):
     if (command is None) == (url is None):
       raise ValueError("give exactly one of command (a stdio server) or url (streamable HTTP)")
     if command is not None and (isinstance(command, str) or not command):
       raise ValueError(f"command must be a non-empty list of arguments, got {command!r}")
     if url is not None and (env or cwd):
       raise ValueError("env and cwd apply to a command, not to a url")
+    if not 0 <= start_backoff_s <= max_start_backoff_s:
+      raise ValueError(f"need 0 <= start_backoff_s <= max_start_backoff_s, got "
+                       f"{start_backoff_s} and {max_start_backoff_s}")
+    if isinstance(restart_after_timeouts, bool) or not isinstance(restart_after_timeouts, int) \
+        or restart_after_timeouts < 0:
+      raise ValueError(f"restart_after_timeouts must be an integer >= 0 (0: never), got "
+                       f"{restart_after_timeouts!r}")
     self.command = list(command) if command is not None else None
     self.url = url
     self.env, self.cwd = dict(env or {}), cwd
     self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
+    self.start_backoff_s, self.max_start_backoff_s = start_backoff_s, max_start_backoff_s
+    self.restart_after_timeouts = restart_after_timeouts
     self.label = shlex.join(self.command) if self.command else url
-    self._lock = threading.Lock()
+    self._lock = threading.Lock()  # guards the state below; never held while a server starts
     self._loop: asyncio.AbstractEventLoop | None = None
     self._thread: threading.Thread | None = None
     self._connection: _Connection | None = None
+    self._starting: concurrent.futures.Future | None = None  # the start in progress
+    self._failed_starts = 0  # in a row
+    self._retry_at = 0.0  # time.monotonic() before which no start is tried
+    self._last_start_error: McpError | None = None
+    self._retired: list[_Connection] = []  # sessions being stopped; `close` waits for them
     self._closed = False
     atexit.register(self.close)
 
@@ -250,6 +280,7 @@ class McpServer:
     except Exception as e:  # noqa: BLE001 - a call never raises
       return self._call_error(connection, name, timeout_s, _first_error(e),
                               time.perf_counter() - start)
+    connection.timeouts = 0  # it answered
     elapsed_s = time.perf_counter() - start
     if result.is_error:
       return error_result(_error_kind(result), result_text(result) or f"{name} failed",
@@ -265,11 +296,12 @@ class McpServer:
         return
       self._closed = True
       connection, self._connection = self._connection, None
+      retired, self._retired = self._retired, []
     atexit.unregister(self.close)
     if self._loop is None:
       return
-    if connection is not None:
-      self._stop(connection)
+    for each in retired + ([connection] if connection is not None else []):
+      self._stop(each)
     with contextlib.suppress(Exception):
       self._submit(_cancel_other_tasks(), _STOP_TIMEOUT_S)
     self._loop.call_soon_threadsafe(self._loop.stop)
@@ -287,8 +319,12 @@ class McpServer:
       return error_result(TOOL_ERROR, f"MCP server {self.label} {what} (during {name})",
                           elapsed_s, server=self.label)
     if isinstance(error, TimeoutError):
-      return error_result(TIMEOUT, f"{name} did not answer within {timeout_s:g} s", elapsed_s,
-                          server=self.label)
+      message = f"{name} did not answer within {timeout_s:g} s"
+      if self._hung(connection):
+        message += (f"; the server answered none of the last {self.restart_after_timeouts} "
+                    f"calls: it is stopped, and the next call starts it afresh")
+      return error_result(TIMEOUT, message, elapsed_s, server=self.label)
+    connection.timeouts = 0  # it answered, if not with a tool result
     if isinstance(error, pydantic.ValidationError):
       return error_result(BAD_RESPONSE, f"MCP server {self.label} answered {name} with an "
                                         f"invalid result: {_summary(error)}", elapsed_s,
@@ -311,25 +347,78 @@ class McpServer:
       future.cancel()
       raise TimeoutError(f"no answer within {timeout_s:g} s") from None
 
+  def _hung(self, connection: _Connection) -> bool:
+    """Counts a call of `connection` that timed out; returns whether that makes
+    `restart_after_timeouts` in a row, in which case the session is retired (its server
+    stopped; the next call starts a fresh one)."""
+    with self._lock:
+      connection.timeouts += 1
+      hung = (0 < self.restart_after_timeouts <= connection.timeouts
+              and self._connection is connection)
+      if hung:
+        self._retire(connection)
+    return hung
+
   def _connect(self) -> _Connection:
-    """Returns the live session, starting the server first if there is none or it has ended;
-    raises McpError when it cannot start."""
+    """Returns the live session, starting the server first if there is none or it has ended
+    (or waiting for the start another call has begun); raises McpError when it cannot start,
+    at once during the cooldown after a failed start."""
     with self._lock:
       if self._closed:
         raise McpError(f"MCP server {self.label} is closed")
       if self._connection is not None and self._connection.ended.is_set():
-        self._stop(self._connection)
-        self._connection = None
-      if self._connection is None:
-        self._connection = self._start()
-      return self._connection
+        self._retire(self._connection)
+      if self._connection is not None:
+        return self._connection
+      starting, starter = self._starting, self._starting is None
+      if starter:
+        wait_s = self._retry_at - time.monotonic()
+        if wait_s > 0:
+          raise McpError(f"{self._last_start_error} (not started again for {wait_s:.1f} s: "
+                         f"{self._failed_starts} failed start(s) in a row)")
+        starting = self._starting = concurrent.futures.Future()
+    if not starter:
+      return starting.result()  # the other call's start: its session or its McpError
+    try:
+      connection = self._start()
+    except BaseException as e:
+      error = e if isinstance(e, McpError) else McpError(
+          f"MCP server {self.label} did not start: {type(e).__name__}: {e}")
+      with self._lock:
+        self._failed_starts += 1
+        backoff_s = min(self.start_backoff_s * 2 ** (self._failed_starts - 1),
+                        self.max_start_backoff_s)
+        self._retry_at = time.monotonic() + backoff_s
+        self._last_start_error, self._starting = error, None
+      starting.set_exception(error)
+      raise
+    with self._lock:
+      self._starting, closed = None, self._closed
+      if not closed:
+        self._connection, self._failed_starts = connection, 0
+    if closed:  # `close` ran during the start
+      self._stop(connection)
+      error = McpError(f"MCP server {self.label} is closed")
+      starting.set_exception(error)
+      raise error
+    starting.set_result(connection)
+    return connection
+
+  def _retire(self, connection: _Connection) -> None:
+    """Forgets a session (the lock held) and has its server stopped without waiting for it
+    (`close` waits); the next call starts a fresh one."""
+    if self._connection is connection:
+      self._connection = None
+    if self._closed:  # `close` stops every session it took
+      return
+    self._retired = [c for c in self._retired if not c.owner.done()] + [connection]
+    self._loop.call_soon_threadsafe(connection.stop.set)
 
   def _discard(self, connection: _Connection) -> None:
-    """Stops a session whose server is gone, so that the next call starts a fresh one."""
+    """Retires a session whose server is gone, so that the next call starts a fresh one."""
     with self._lock:
-      if self._connection is connection:
-        self._connection = None
-    self._stop(connection)
+      if connection not in self._retired:
+        self._retire(connection)
 
   def _start(self) -> _Connection:
     """Returns a new session with the server; raises McpError when it cannot start."""
@@ -411,22 +500,11 @@ async def _cancel_other_tasks() -> None:
   await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _json_type(spec: Any) -> str:
-  """Returns the JSON Schema type of a property ("any" when it names none)."""
-  return str(spec.get("type", "any")) if isinstance(spec, Mapping) else "any"
-
-
-def _describe_properties(schema: Mapping) -> str:
-  """Returns an input schema's properties as text: "a (integer, required), b (string)"."""
-  required = set(schema.get("required") or ())
-  return ", ".join(f"{name} ({_json_type(spec)}{', required' if name in required else ''})"
-                   for name, spec in (schema.get("properties") or {}).items()) or "none"
-
-
 class McpTool(Tool):
-  """One tool of an MCP server as a CoA tool; the tag body becomes the call's arguments:
-  the stripped body itself when the tool takes exactly one argument and it is a string,
-  else a JSON object (a blank body: no arguments, when none is required)."""
+  """One tool of an MCP server as a CoA tool; the tag body becomes the call's arguments
+  (`tools_env.arguments`): the stripped body itself when the tool takes exactly one argument
+  and it is a string, nothing for a tool without arguments, else a JSON object. Its `name` is
+  its tag (the registry's, which may differ from the server's name, `info.name`)."""
 
   def __init__(self, server: McpServer, info: McpToolInfo, max_output_chars: int = 8000):
     super().__init__(max_output_chars)
@@ -434,22 +512,10 @@ class McpTool(Tool):
     self.name = info.name
 
   def arguments(self, body: str) -> dict:
-    """Returns the call's arguments from a tag body; raises ToolFailure(BAD_REQUEST) for a
-    body that is not what the tool expects, saying what it expects."""
-    schema = self.info.input_schema
-    properties = schema.get("properties") or {}
-    if len(properties) == 1 and _json_type(next(iter(properties.values()))) == "string":
-      return {next(iter(properties)): body.strip()}
-    if not body.strip() and not schema.get("required"):
-      return {}
-    try:
-      arguments = json.loads(body)
-    except ValueError:
-      arguments = None
-    if not isinstance(arguments, dict):
-      raise ToolFailure(BAD_REQUEST, f"{self.name} takes a JSON object of arguments: "
-                                     f"{_describe_properties(schema)}; got {body.strip()[:200]!r}")
-    return arguments
+    """Returns the call's arguments from a tag body (`tools_env.arguments.parse_body`); raises
+    ToolFailure(BAD_REQUEST) for a body that is not what the tool expects, saying what it
+    expects."""
+    return parse_body(self.info.input_schema, body, self.name)
 
   def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
     result = self.server.call(self.info.name, self.arguments(body))

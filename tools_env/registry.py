@@ -2,19 +2,26 @@
 
 A config's `tools` maps names to specs (`declare`, `build_registry`): a built-in kind (the
 four CoA tools are the default set, `default_spec`), a Python class by import path, or an MCP
-server whose listed tools become tags. `ToolRegistry.call(tag, body)` dispatches to the tool
-of a tag (an unknown tag is an error observation). `TrajectoryTools` wraps a registry for one
-trajectory: a call identical to an earlier one (same tag, same normalized body) is answered
-with a notice instead of being run again, as the reference does, and calls are counted per tag.
+server whose listed tools become tags (`mcp_tag` maps a server's name that cannot be a tag,
+`rename` in the spec overrides it). Tags are declared in one order, whatever holds the spec (a
+dict, a JSON file, a ConfigDict, which sorts its keys): the entries sorted by name; an MCP
+entry's tools in the order of its `tools` list, else sorted by tag. `ToolRegistry.call(tag,
+body)` dispatches to the tool of a tag (an unknown tag is an error observation).
+`TrajectoryTools` wraps a registry for one trajectory: a call identical to an earlier one (same
+tag, same normalized body) is answered with a notice instead of being run again, as the
+reference does, and calls are counted per tag.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import re
+import sys
 import threading
 from typing import Any, Mapping
 
+from tools_env.arguments import describe_body
 from tools_env.base import (REPEATED, UNKNOWN_TOOL, Delayed, Tool, ToolResult, error_result,
                             import_object)
 
@@ -28,7 +35,17 @@ BUILTIN_DESCRIPTIONS = {"bm25": "a search query", "serper": "a search query",
 # The options of a `python` and an `mcp` spec beside `kind` (an MCP entry's name is the
 # server's, not a tag: each of its tools is one).
 PYTHON_OPTIONS = ("class", "description", "options")
-MCP_OPTIONS = ("command", "url", "tools", "env", "cwd", "start_timeout_s", "timeout_s")
+MCP_OPTIONS = ("command", "url", "tools", "rename", "env", "cwd", "start_timeout_s", "timeout_s",
+               "start_backoff_s", "max_start_backoff_s", "restart_after_timeouts")
+# What a tag can be, as coa_jax.data.coa_format checks it (tools_env imports nothing from
+# coa_jax; a test keeps the two the same): a lower-case identifier of at most 32 characters,
+# none of the role tags or the observation's.
+TAG_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+RESERVED_TAGS = ("think", "plan", "reflection", "suggested_answer", "double_check", "answer",
+                 "observation")
+# A stdio MCP server's command that names these runs this interpreter (sys.executable), not the
+# first `python` on PATH.
+PYTHON_COMMANDS = ("python", "python3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +55,13 @@ class ToolDecl:
   tag: str
   description: str
   input_schema: Mapping[str, Any] | None = None
+
+  @property
+  def body(self) -> str | None:
+    """Returns what the body of a call holds, for prompts (`arguments.describe_body`): the
+    one string argument as plain text, nothing, or a JSON object; None without a schema (a
+    built-in or Python tool takes the body as it is, as its description says)."""
+    return None if self.input_schema is None else describe_body(self.input_schema)
 
 
 class ToolRegistry:
@@ -116,8 +140,34 @@ def _python_class(name: str, spec: Mapping) -> type:
   return cls
 
 
+def mcp_tag(name: str) -> str:
+  """Returns the tag of an MCP tool named `name`: the name itself when it can be a tag, else
+  the name with its camelCase words split by `_`, lower-cased, every run of characters that
+  are not letters or digits made one `_` (trimmed at the ends), "tool_" before it when it does
+  not start with a letter, cut to 32 characters: "getWeather" -> "get_weather", "get-time" ->
+  "get_time", "HTTPFetch" -> "http_fetch", "2fa" -> "tool_2fa"."""
+  if TAG_RE.fullmatch(name):
+    return name
+  words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+  words = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", words)
+  tag = re.sub(r"[^a-z0-9]+", "_", words.lower()).strip("_")
+  if not re.match(r"[a-z]", tag):
+    tag = f"tool_{tag}".rstrip("_")
+  return tag[:32].rstrip("_")
+
+
+def tag_problem(tag: Any) -> str | None:
+  """Returns why `tag` cannot be a tool's tag, or None when it can."""
+  if not isinstance(tag, str) or not TAG_RE.fullmatch(tag):
+    return "is not a lower-case identifier of at most 32 characters ([a-z][a-z0-9_]*)"
+  if tag in RESERVED_TAGS:
+    return f"is the role tag <{tag}>"
+  return None
+
+
 def _mcp_server(name: str, spec: Mapping):
-  """Returns the McpServer of an `mcp` spec (not started)."""
+  """Returns the McpServer of an `mcp` spec (not started); a command `python` or `python3` runs
+  this interpreter."""
   try:
     from tools_env import mcp_tools
   except ImportError as e:
@@ -128,20 +178,85 @@ def _mcp_server(name: str, spec: Mapping):
     raise ValueError(f"tools.{name} (mcp): needs exactly one of `command` and `url`; unknown "
                      f"options {sorted(unknown)} (expected some of {list(MCP_OPTIONS)})")
   command = spec.get("command")
-  return mcp_tools.McpServer(
-      command=[command] if isinstance(command, str) else command, url=spec.get("url"),
-      env=spec.get("env"), cwd=spec.get("cwd"),
-      start_timeout_s=spec.get("start_timeout_s", 20.0), call_timeout_s=spec.get("timeout_s", 30.0))
+  command = [command] if isinstance(command, str) else command
+  if command and command[0] in PYTHON_COMMANDS:
+    command = [sys.executable, *command[1:]]
+  settings = {key: spec[key] for key in ("start_timeout_s", "start_backoff_s",
+                                         "max_start_backoff_s", "restart_after_timeouts")
+              if key in spec}
+  if "timeout_s" in spec:
+    settings["call_timeout_s"] = spec["timeout_s"]
+  try:
+    return mcp_tools.McpServer(command=command, url=spec.get("url"), env=spec.get("env"),
+                               cwd=spec.get("cwd"), **settings)
+  except ValueError as e:
+    raise ValueError(f"tools.{name} (mcp): {e}") from None
+
+
+def _kept_names(name: str, spec: Mapping) -> list[str] | None:
+  """Returns the tool names an `mcp` spec keeps (its `tools`: a list, or one name as a string;
+  None: all)."""
+  kept = spec.get("tools")
+  if kept is None:
+    return None
+  kept = [kept] if isinstance(kept, str) else kept
+  if not isinstance(kept, (list, tuple)) or not all(isinstance(n, str) for n in kept):
+    raise ValueError(f"tools.{name}.tools must be a list of the server's tool names (or one "
+                     f"name), got {spec.get('tools')!r}")
+  twice = sorted({n for n in kept if kept.count(n) > 1})
+  if twice:
+    raise ValueError(f"tools.{name}.tools lists {twice} twice")
+  return list(kept)
 
 
 def _mcp_tools(name: str, spec: Mapping, server) -> dict:
-  """Returns {tag: McpTool} of the server's tools that `spec` keeps (all by default)."""
+  """Returns {tag: McpTool} of the server's tools that `spec` keeps (all by default), each
+  under its tag (`rename`, else `mcp_tag`), in the order of `tools`, else sorted by tag."""
   from tools_env import mcp_tools
 
+  where = f"tools.{name} (MCP server {server.label})"
+  kept = _kept_names(name, spec)
+  rename = spec.get("rename") or {}
+  if not isinstance(rename, Mapping):
+    raise ValueError(f"tools.{name}.rename must map the server's tool names to tags, got "
+                     f"{rename!r}")
   try:
-    return mcp_tools.server_tools(server, spec.get("tools"))
+    tools = mcp_tools.server_tools(server, kept)
   except (mcp_tools.McpError, ValueError) as e:
     raise ValueError(f"tools.{name} (mcp): {e}") from None
+  stray = sorted(set(rename) - set(tools))
+  if stray:
+    raise ValueError(f"{where}: rename names {stray}, not among its tools "
+                     f"{'kept' if kept is not None else 'listed'}: {sorted(tools)}")
+  tagged: dict[str, Any] = {}
+  for tool_name, tool in tools.items():
+    tag = rename.get(tool_name, mcp_tag(tool_name))
+    problem = tag_problem(tag)
+    if problem:
+      how = (f"tools.{name}.rename gives it" if tool_name in rename else "its name maps to")
+      raise ValueError(f"{where}: tool {tool_name!r}: {how} the tag {tag!r}, which {problem}; "
+                       f"give it another with `rename`: {{{tool_name!r}: 'a_tag'}}")
+    if tag in tagged:
+      raise ValueError(f"{where}: tools {tagged[tag].info.name!r} and {tool_name!r} both map to "
+                       f"the tag {tag!r}; give one another with `rename`")
+    tool.name = tag
+    tagged[tag] = tool
+  return tagged if kept is not None else dict(sorted(tagged.items()))
+
+
+def _origin(name: str, tool: Any = None) -> str:
+  """Returns where a tag comes from: a config entry, or a tool of an entry's MCP server."""
+  if tool is None:
+    return f"tools.{name}"
+  return f"tools.{name} (MCP server {tool.server.label}, tool {tool.info.name!r})"
+
+
+def _check_once(origins: Mapping[str, list[str]]) -> None:
+  """Raises ValueError naming every tag declared more than once and where each came from."""
+  twice = sorted(tag for tag, where in origins.items() if len(where) > 1)
+  if twice:
+    raise ValueError(f"tool tag(s) {twice} declared twice (an MCP server's tools are tags "
+                     f"too): " + "; ".join(f"{tag}: {', '.join(origins[tag])}" for tag in twice))
 
 
 def _kind(name: str, spec: Any) -> str:
@@ -153,29 +268,44 @@ def _kind(name: str, spec: Any) -> str:
 
 
 def declare(spec: Mapping[str, Mapping]) -> list[ToolDecl]:
-  """Returns the tools `spec` declares, in order: one per entry, or each tool an `mcp` entry's
-  server lists (it is started, listed and stopped). Raises ValueError naming the entry whose
-  kind, class, options or server is wrong, or a tag declared twice (the tags themselves are
-  checked by `coa_jax.data.coa_format.check_tool_tags`)."""
+  """Returns the tools `spec` declares, in order: one per entry (entries sorted by name), or
+  each tool an `mcp` entry's server lists (it is started, listed and stopped) under its tag, in
+  the order of the entry's `tools`, else sorted by tag. Raises ValueError naming the entry
+  whose kind, class, options or server is wrong, an MCP tool whose tag cannot be one (naming
+  the entry and the server), or a tag declared twice (an entry's own name as a tag is checked
+  by `coa_jax.data.coa_format.check_tool_tags`)."""
   declared: list[ToolDecl] = []
-  for name, tool_spec in spec.items():
+  origins: dict[str, list[str]] = collections.defaultdict(list)
+  for name, tool_spec in _entries(spec):
     kind = _kind(name, tool_spec)
     if kind == "mcp":
       with ToolRegistry({}, (_mcp_server(name, tool_spec),)) as registry:
         tools = _mcp_tools(name, tool_spec, registry.servers[0])
-      declared.extend(ToolDecl(tag, tool.info.description, tool.info.input_schema)
-                      for tag, tool in tools.items())
+      for tag, tool in tools.items():
+        declared.append(ToolDecl(tag, tool.info.description, tool.info.input_schema))
+        origins[tag].append(_origin(name, tool))
       continue
     description = tool_spec.get("description")
     if kind == "python":
       cls = _python_class(name, tool_spec)
       description = description or " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
     declared.append(ToolDecl(name, description or BUILTIN_DESCRIPTIONS[kind]))
-  tags = [tool.tag for tool in declared]
-  twice = sorted({tag for tag in tags if tags.count(tag) > 1})
-  if twice:
-    raise ValueError(f"tool tag(s) {twice} declared twice (an MCP server's tools are tags too)")
+    origins[name].append(_origin(name))
+  _check_once(origins)
   return declared
+
+
+def _entries(spec: Any) -> list[tuple[str, Any]]:
+  """Returns a `tools` spec's (name, spec) entries sorted by name (a ConfigDict's as plain
+  dicts): a ConfigDict keeps its keys sorted, so that a spec declares the same tags in the same
+  order whether a dict, a JSON file or a config holds it. Raises ValueError for a spec that is
+  not a mapping of names to specs."""
+  if hasattr(spec, "to_dict"):  # an ml_collections ConfigDict, which is no Mapping
+    spec = spec.to_dict()
+  if not isinstance(spec, Mapping):
+    raise ValueError(f"tools must map names to tool specs ({{name: {{'kind': ...}}}}), got "
+                     f"{spec!r}")
+  return sorted(spec.items(), key=lambda entry: str(entry[0]))
 
 
 def _build_tool(tag: str, spec: Mapping) -> Tool:
@@ -217,19 +347,26 @@ def build_registry(spec: Mapping[str, Mapping]) -> ToolRegistry:
   `http_crawl` (HttpCrawl; `summarizer`: ChatSummarizer options), `sandbox` (CodeSandbox;
   `limits`: SandboxLimits fields); `python` (`class`: the import path of a Tool subclass,
   built with `options`); `mcp` (`command` or `url` of a server, `tools` to keep some of its
-  tools, `env`, `cwd`, `start_timeout_s`, `timeout_s`: each listed tool becomes a tag). Any
-  spec may have `description` (for the system prompt, `declare`). An `http` mapping holds
-  HttpLimits fields. Any tool may have `latency_s: [low, high]`, a modelled service latency
-  (`base.Delayed`) for benchmarks. The registry's `close` stops the MCP servers.
+  tools, `rename` ({server's tool name: tag}), `env`, `cwd`, `start_timeout_s`, `timeout_s`,
+  `start_backoff_s`, `max_start_backoff_s`, `restart_after_timeouts` (McpServer's): each listed
+  tool becomes a tag, `declare`'s). Any spec may have `description` (for the system prompt,
+  `declare`). An `http` mapping holds HttpLimits fields. Any tool may have `latency_s: [low,
+  high]`, a modelled service latency (`base.Delayed`) for benchmarks. The registry's `close`
+  stops the MCP servers.
   """
   tools, servers = {}, []
+  origins: dict[str, list[str]] = collections.defaultdict(list)
   try:
-    for name, tool_spec in spec.items():
+    for name, tool_spec in _entries(spec):
       if _kind(name, tool_spec) == "mcp":
         servers.append(_mcp_server(name, tool_spec))
-        tools.update(_mcp_tools(name, tool_spec, servers[-1]))
+        for tag, tool in _mcp_tools(name, tool_spec, servers[-1]).items():
+          tools[tag] = tool
+          origins[tag].append(_origin(name, tool))
       else:
         tools[name] = _build_tool(name, tool_spec)
+        origins[name].append(_origin(name))
+    _check_once(origins)
   except BaseException:
     for server in servers:
       server.close()

@@ -1,7 +1,6 @@
 """The system prompts, in one place: configs pick one by name (`config.system_prompt`), or
 build one from their declared tools (`for_tools`)."""
 
-import json
 from typing import Mapping
 
 # A Chain-of-Agents agent: its roles and tools. The shipped CoA sample is written with it, and
@@ -22,12 +21,13 @@ WORLD = "Solve the question with tools: web_search, crawl_page, code."
 def for_tools(tools_spec: Mapping[str, Mapping], preamble: str = "Solve the question with tools:"
               ) -> str:
   """Returns a system prompt listing the tools a config's `tools` spec declares, one line each:
-  its tag, what its tag holds and, for an MCP tool, its input schema (an MCP server is started
-  to list its tools)."""
+  its tag, what its tag holds and, for an MCP tool, what a call's body holds (`ToolDecl.body`,
+  the form its arguments are parsed in: its one string argument as plain text, nothing, or a
+  JSON object of its input schema; an MCP server is started to list its tools)."""
   from tools_env.registry import declare
 
   lines = [preamble]
   for tool in declare(tools_spec):
-    schema = f" Arguments: {json.dumps(tool.input_schema)}" if tool.input_schema else ""
-    lines.append(f"{tool.tag}: {tool.description.rstrip('.')}.{schema}")
+    body = f" Body: {tool.body}." if tool.body else ""
+    lines.append(f"{tool.tag}: {tool.description.rstrip('.')}.{body}")
   return "\n".join(lines)

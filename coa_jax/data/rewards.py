@@ -8,8 +8,10 @@ failure scores 0.0 with an "error" in details):
   under a wall-clock timeout that works from any thread.
 - `qa_reward`: SQuAD-normalized exact match (score) and token F1; `|`-separated gold parts
   must all be given.
-- `code_reward`: the last ```python block run on stdin/stdout tests in the code sandbox.
-- `judge_reward`: a verdict from an LLM judge behind an OpenAI-compatible endpoint.
+- `code_reward`: the last ```python block run on stdin/stdout tests, or with a test script after
+  it (`functional`), in the code sandbox.
+- `judge_reward`: a verdict from an LLM judge behind an OpenAI-compatible endpoint (a JSON
+  `correct` flag, or a `judgement` of "correct" / "incorrect" as the reference release asks).
 - a `python` domain: a user's function by import path that sees the whole trajectory
   (`Response`: answer, every tool call with its result, token counts, the task's data).
 
@@ -327,11 +329,14 @@ def _test_body(source: str, stdin: str) -> str:
   return _fenced("python", source) + ("\n" + _fenced("sh", stdin) if stdin else "")
 
 
-def _failure_of(result: Any, expected: str) -> dict[str, Any] | None:
+def _failure_of(result: Any, expected: str | None) -> dict[str, Any] | None:
   """Returns the failure of one test's ToolResult (kind and observation), or None if it
-  passed."""
+  passed: it ran without error and, unless `expected` is None (a functional test), printed
+  `expected`."""
   if not result.ok:
     return {"kind": result.error_kind, "observation": result.observation[:500]}
+  if expected is None:
+    return None
   output = "" if result.observation == _NO_OUTPUT else result.observation
   if result.truncated:
     return {"kind": WRONG_ANSWER, "observation": "output longer than the sandbox keeps"}
@@ -340,9 +345,20 @@ def _failure_of(result: Any, expected: str) -> dict[str, Any] | None:
   return None
 
 
+def _test_case(source: str, test: Mapping[str, Any]) -> tuple[str, str | None]:
+  """Returns (the `code` call, the expected output or None) of one test: {"stdin", "stdout"},
+  or {"functional": a script run after the program (with `prelude` before it), passing when
+  the whole exits without error}."""
+  if test.get("functional") is not None:
+    program = f"{test.get('prelude') or ''}{source}\n\n{test['functional']}"
+    return _test_body(program, ""), None
+  return _test_body(source, str(test.get("stdin") or "")), str(test.get("stdout") or "")
+
+
 def code_reward(answer: str, tests: Any, sandbox: CodeSandbox) -> tuple[float, dict[str, Any]]:
-  """Returns (1.0 if the answer's last python block passes every {"stdin", "stdout"} test in
-  the sandbox, else 0.0; details with the passed count and the first failure)."""
+  """Returns (1.0 if the answer's last python block passes every test in the sandbox, each
+  {"stdin", "stdout"} or {"functional", "prelude"} (see `_test_case`), else 0.0; details with
+  the passed count and the first failure)."""
   try:
     tests = json.loads(tests) if isinstance(tests, str) else tests
     if not tests:
@@ -351,9 +367,9 @@ def code_reward(answer: str, tests: Any, sandbox: CodeSandbox) -> tuple[float, d
       source, _ = extract_program(answer)
     except ToolFailure:
       return 0.0, {"error": "no python block in the answer", "passed": 0, "total": len(tests)}
-    bodies = [_test_body(source, str(test.get("stdin") or "")) for test in tests]
-    failures = [_failure_of(result, str(test.get("stdout") or ""))
-                for result, test in zip(sandbox.map(bodies), tests)]
+    cases = [_test_case(source, test) for test in tests]
+    failures = [_failure_of(result, expected) for result, (_, expected)
+                in zip(sandbox.map([body for body, _ in cases]), cases)]
     details: dict[str, Any] = {"passed": failures.count(None), "total": len(tests)}
     first = next(((i, f) for i, f in enumerate(failures) if f is not None), None)
     if first is not None:
@@ -378,12 +394,20 @@ class JudgeClient:
             "Predicted answer: {predicted}")
 
   def __init__(self, base_url: str, model: str, api_key_env: str | None = "OPENAI_API_KEY",
-               limits: HttpLimits | None = None, max_tokens: int = 256):
+               limits: HttpLimits | None = None, max_tokens: int = 256,
+               prompt: str | None = None):
+    self.prompt = self.PROMPT if prompt is None else prompt
+    try:
+      self.prompt.format(question="", gold="", predicted="")
+    except (KeyError, IndexError, ValueError) as e:
+      raise ValueError(f"prompt {self.prompt!r:.60}...: expected a format string whose only "
+                       f"fields are {{question}}, {{gold}} and {{predicted}} (literal braces "
+                       f"doubled); {type(e).__name__}: {e}") from None
     self.client = ChatClient(base_url, model, api_key_env, limits, max_tokens, what="judge")
 
   def __call__(self, question: str, gold: str, predicted: str) -> str:
     """Returns the judge's reply text; raises ToolFailure."""
-    prompt = self.PROMPT.format(question=question, gold=gold, predicted=predicted)
+    prompt = self.prompt.format(question=question, gold=gold, predicted=predicted)
     return self.client.complete([{"role": "user", "content": prompt}])
 
 
@@ -397,16 +421,21 @@ def _json_objects(text: str) -> list[str]:
   return [text, *fenced, *re.findall(r"\{[^{}]*\}", text)]
 
 
+_VERDICT_FIELDS = ("correct", "judgement", "judgment")
+
+
 def parse_verdict(reply: str) -> bool | None:
-  """Returns the judge's verdict: the "correct" field of a JSON object in the reply (bare,
-  fenced or amid text), else a reply that is only a verdict word; None if there is none."""
+  """Returns the judge's verdict: the "correct" (or the reference release's "judgement")
+  field of a JSON object in the reply (bare, fenced or amid text), else a reply that is only a
+  verdict word; None if there is none."""
   for candidate in _json_objects(reply):
     try:
       obj = json.loads(candidate)
     except json.JSONDecodeError:
       continue
-    if isinstance(obj, dict) and "correct" in obj:
-      value = obj["correct"]
+    field = next((f for f in _VERDICT_FIELDS if isinstance(obj, dict) and f in obj), None)
+    if field is not None:
+      value = obj[field]
       if isinstance(value, bool):
         return value
       return _VERDICT_WORDS.get(str(value).strip().lower())
@@ -505,7 +534,8 @@ class RewardSpec:
 
   `domains`: {name: {"kind": one of KINDS, **options}}; options: qa `metric` ("em" or "f1");
   math `use_math_verify`; code `limits` (SandboxLimits fields), `isolation`, `workers`; judge
-  `base_url`, `model`, `api_key_env`, `max_tokens`, `http` (HttpLimits fields); python
+  `base_url`, `model`, `api_key_env`, `max_tokens`, `http` (HttpLimits fields), `prompt` (a
+  format string with {question}, {gold} and {predicted}; default `JudgeClient.PROMPT`); python
   `function` (an import path: `function(response: Response, **options)` returns a score in
   [0, 1], or (score, details)) and `options`. `sources` maps a task's `data_source` (e.g.
   "hotpotqa") to a domain.
@@ -599,10 +629,14 @@ def _build_scorer(name: str, config: Mapping[str, Any], spec: RewardSpec) -> Sco
     if kind == "code":
       options = _options(name, config, ("limits", "isolation", "workers", "persistent"))
       return CodeScorer(CodeSandbox(SandboxLimits(**dict(options.pop("limits", {}))), **options))
-    options = _options(name, config, ("base_url", "model", "api_key_env", "max_tokens", "http"))
+    options = _options(name, config, ("base_url", "model", "api_key_env", "max_tokens", "http",
+                                      "prompt"))
     if "http" in options:
       options["limits"] = HttpLimits(**dict(options.pop("http")))
-    client = JudgeClient(**options)
+    try:
+      client = JudgeClient(**options)
+    except ValueError as e:
+      raise ValueError(f"rewards.domains.{name} (judge): {e}") from None
     return lambda answer, task: judge_reward(task.get("question", ""), answer,
                                              ground_truth_of(task), client)
   except TypeError as e:

@@ -7,8 +7,10 @@ Task files (local only), by extension and fields:
   "reward_model": {"ground_truth": '{"target": ...}'}, "data_source", "extra_info"});
 - benchmark files (AIME, MATH500, GAIA text, HLE, BrowseComp, WebWalker) as JSONL or parquet
   whose question and answer sit under any of the usual names (`problem`, `Question`, ...);
-- LiveCodeBench rows ({"question_content", "public_test_cases": JSON of stdin tests}), scored
-  by the code reward;
+- LiveCodeBench rows ({"question_content", "public_test_cases": JSON of stdin tests}), and the
+  reference release's LiveCodeBench parquet rows (a ground truth of JSON {"stdin": [...],
+  "expected_output": [...]} or {"functional": a test script}, `release_code_tests`), scored by
+  the code reward;
 - prepared TFDS datasets (`tfds:trivia_qa/rc.nocontext:validation`,
   `tfds:natural_questions_open:validation`), when the `tfds` extra is installed.
 """
@@ -37,6 +39,11 @@ class Task:
   question: str
   data: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+  def record(self) -> dict[str, Any]:
+    """Returns the task as a teacher reads it: {"id", "question", "metadata": its other data}."""
+    return {"id": self.id, "question": self.question,
+            "metadata": {k: v for k, v in self.data.items() if k not in ("id", "question")}}
+
 
 def _rows(path: str) -> Iterable[Any]:
   if path.endswith(".parquet"):
@@ -46,16 +53,60 @@ def _rows(path: str) -> Iterable[Any]:
   return importers.read_records(path)
 
 
+# What the release's LeetCode-style tests may use without importing it, as LeetCode's own judge
+# allows: put before the program of a functional test.
+FUNCTIONAL_PRELUDE = ("from typing import *\nfrom collections import *\n"
+                      "import bisect, collections, functools, heapq, itertools, math, re, string\n")
+
+
+def release_code_tests(ground_truth: Any) -> list[dict[str, str]] | None:
+  """Returns the code tests of a reference-release ground truth that holds them, or None: JSON
+  {"stdin": [...], "expected_output": [...]} gives one {"stdin", "stdout"} test per pair;
+  {"functional": script} one {"functional", "prelude"} test (the program, then the script's
+  asserts; `FUNCTIONAL_PRELUDE` first). Raises ValueError for tests that do not pair up."""
+  if not isinstance(ground_truth, str) or not ground_truth.lstrip().startswith("{"):
+    return None
+  try:
+    truth = json.loads(ground_truth)
+  except json.JSONDecodeError:
+    return None
+  if not isinstance(truth, dict):
+    return None
+  if isinstance(truth.get("functional"), str):
+    return [{"functional": truth["functional"], "prelude": FUNCTIONAL_PRELUDE}]
+  if "stdin" not in truth and "expected_output" not in truth:
+    return None
+  stdin, expected = truth.get("stdin"), truth.get("expected_output")
+  if not isinstance(stdin, list) or not isinstance(expected, list) or not stdin or \
+      len(stdin) != len(expected):
+    raise ValueError("its code tests need equally long, non-empty stdin and expected_output "
+                     "lists")
+  return [{"stdin": str(i), "stdout": str(o)} for i, o in zip(stdin, expected)]
+
+
 def task_from_row(row: dict[str, Any], number: int, require_answer: bool = True) -> Task:
   """Returns the Task of one task-file row in any of the supported layouts; without
-  `require_answer`, a row may have no answer (tasks that are only rolled out)."""
-  data = {k: v for k, v in row.items() if k not in ("steps", "system")}
-  data.update(row.get("metadata") or {})
+  `require_answer`, a row may have no answer (tasks that are only rolled out). The row's
+  fields and its `metadata`'s, lifted beside them, are the task's data: what every stage's
+  reward sees as `response.task`."""
+  data = {k: v for k, v in row.items() if k not in ("steps", "system", "metadata")}
+  metadata = row.get("metadata") or {}
+  if not isinstance(metadata, dict):
+    raise ConfigError(f"task {number}: metadata must be a JSON object, got "
+                      f"{type(metadata).__name__}")
+  data.update(metadata)
   prompt = row.get("prompt")
   if isinstance(prompt, (list, tuple)):  # the reference RL rows: chat messages
     question = next((m.get("content") for m in reversed(prompt) if m.get("role") == "user"), None)
     truth = (row.get("reward_model") or {}).get("ground_truth")
-    data["ground_truth"] = rewards.gold_answers(truth)
+    try:
+      tests = release_code_tests(truth)
+    except ValueError as e:
+      raise ConfigError(f"task {number}: {e}") from None
+    if tests is not None:  # the release's LiveCodeBench rows: code run on tests
+      data.update(domain="code", ground_truth="tests", tests=tests)
+    else:
+      data["ground_truth"] = rewards.gold_answers(truth)
   else:
     question = next((row[k] for k in _QUESTION_KEYS if isinstance(row.get(k), str)), None)
     if row.get("public_test_cases"):  # LiveCodeBench: stdin/stdout tests

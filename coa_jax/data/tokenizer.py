@@ -10,6 +10,13 @@ with the chat template the reference release uses) and `default_tokenizer` (a by
 that the project trains itself, deterministically and offline, on its shipped sample and an
 embedded world's pages).
 
+The tag-to-id mapping is fixed at SFT and travels with the model (docs/design.md, invariant
+12): `tag_map` (every tag token and its id, the tool tags in order, the template) is saved as
+`TAGS_FILE` in every HF export and in every orbax checkpoint's data, and checked at every load
+(`check_tag_map`, `check_saved`): a tag whose id moved is an error naming it. `load_tokenizer`
+builds the tokenizer of a saved model in the saved order, from the saved mapping alone: a tool
+server that now lists its tools in another order keeps their ids, and no server is started.
+
 The default tokenizer splits numbers into chunks of 1-2 digits, each one token, with the space
 before a number a token of its own: "709" is `70 9` wherever it stands (after a space, at the
 start of a line, after a bracket). A number then has the same tokens in a question, in code and
@@ -20,6 +27,7 @@ splits differently by context, and 3-digit chunks are tokens too rare to learn.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Any
 
@@ -28,16 +36,24 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trai
 
 from coa_jax.data import coa_format, prompts, sample_data, world
 from coa_jax.model.config import ConfigError
+from coa_jax.runtime import paths
 from tools_env import registry
 
 TAG_TOKENS = tuple(t for tag in coa_format.ALL_TAGS
                    for t in (coa_format.opening(tag), coa_format.closing(tag)))
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TEMPLATES = ("chatml", "plain")
+# The saved tag mapping (`CoATokenizer.tag_map`), in an HF export folder and a checkpoint's data.
+TAGS_FILE = "coa_tags.json"
+TAGS_VERSION = 1
 
 
 class TokenizerError(ValueError):
   """A tokenizer folder is missing or lacks a token the chosen template needs."""
+
+
+class TagMapError(TokenizerError):
+  """A tokenizer's tags differ from the ones a saved model was trained with."""
 
 
 class CoATokenizer:
@@ -60,6 +76,7 @@ class CoATokenizer:
     # The CoA tags always (their ids stay put whatever is declared), then declared tool tags.
     tag_tokens = TAG_TOKENS + tuple(t for tag in self.tool_tags if tag not in coa_format.TOOL_TAGS
                                     for t in (coa_format.opening(tag), coa_format.closing(tag)))
+    self.tag_tokens = tag_tokens
     missing = [t for t in tag_tokens if backend.token_to_id(t) is None]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t in tag_tokens])
@@ -77,6 +94,7 @@ class CoATokenizer:
         raise TokenizerError(f"the tokenizer has no {token!r} token, needed by the "
                              f"{template!r} template")
       self._ids[token] = token_id
+    self.template_tokens = needed
 
   @property
   def vocab_size(self) -> int:
@@ -104,6 +122,53 @@ class CoATokenizer:
     """Returns the text of `ids`, special tokens written out."""
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
+  def tag_map(self) -> dict[str, Any]:
+    """Returns the mapping saved with the model (`TAGS_FILE`): the template, the tool tags in
+    order, every tag token with its id (in id order) and the template's tokens with theirs."""
+    by_id = lambda tokens: dict(sorted(((t, self._ids[t]) for t in tokens),  # noqa: E731
+                                       key=lambda item: item[1]))
+    return {"version": TAGS_VERSION, "template": self.template,
+            "tool_tags": list(self.tool_tags), "tags": by_id(self.tag_tokens),
+            "template_tokens": by_id(self.template_tokens)}
+
+  def check_tag_map(self, saved: dict[str, Any], where: str) -> None:
+    """Raises TagMapError naming every tag (or template token) whose id differs between `saved`
+    (a `tag_map` read from `where`) and this tokenizer, a tag one side lacks, a tool tag one
+    side does not declare, or another template; returns when they agree. The tool tags' order
+    alone is no error: the ids are what the model learnt."""
+    mine = self.tag_map()
+    problems = []
+    if saved.get("template") != mine["template"]:
+      problems.append(f"template saved {saved.get('template')!r}, here {mine['template']!r}")
+    for key in ("tags", "template_tokens"):
+      have, want = mine[key], dict(saved.get(key) or {})
+      for token, token_id in want.items():
+        if token not in have:
+          problems.append(f"{token} saved as id {token_id}, missing here")
+        elif have[token] != token_id:
+          problems.append(f"{token} saved as id {token_id}, here {have[token]}")
+      problems += [f"{token} is id {token_id} here, not in the saved mapping"
+                   for token, token_id in have.items() if token not in want]
+    saved_tools = list(saved.get("tool_tags") or ())
+    for tag in saved_tools:
+      if tag not in mine["tool_tags"]:
+        problems.append(f"tool tag {tag!r} saved, not declared here")
+    problems += [f"tool tag {tag!r} declared here, not saved" for tag in mine["tool_tags"]
+                 if tag not in saved_tools]
+    if problems:
+      raise TagMapError(
+          f"{where}: the tokenizer's tags differ from those the model was trained with: "
+          f"{'; '.join(problems)}. Build the tokenizer with load_tokenizer on a config whose "
+          f"model.checkpoint is the saved model (it takes the saved tags), or declare the tools "
+          f"that were declared when the model was saved")
+
+  def check_saved(self, folder: str) -> None:
+    """Checks this tokenizer against the tag mapping saved in `folder` (an HF export, local or
+    a URL; `check_tag_map`); a folder without one (a model not exported by coa-jax) passes."""
+    saved = read_tag_map(folder)
+    if saved is not None:
+      self.check_tag_map(saved, os.path.join(folder, TAGS_FILE))
+
   def prompt_ids(self, system: str, question: str) -> list[int]:
     """Returns the ids before the assistant response: system and user turns, assistant header."""
     if self.template == "plain":
@@ -114,13 +179,31 @@ class CoATokenizer:
             [start] + self.encode("assistant\n"))
 
 
+def read_tag_map(folder: str) -> dict[str, Any] | None:
+  """Returns the tag mapping saved in `folder` (`TAGS_FILE`; local or a URL), or None when it
+  has none; raises TagMapError when the file is not a tag mapping."""
+  path = os.path.join(folder, TAGS_FILE)
+  file = paths.to_epath(path)
+  if not file.is_file():
+    return None
+  try:
+    saved = json.loads(file.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise TagMapError(f"{path}: not a tag mapping ({e})") from None
+  if (not isinstance(saved, dict) or saved.get("version") != TAGS_VERSION
+      or not isinstance(saved.get("tags"), dict) or not isinstance(saved.get("tool_tags"), list)):
+    raise TagMapError(f"{path}: not a tag mapping of version {TAGS_VERSION} (expected "
+                      f"version, template, tool_tags, tags and template_tokens)")
+  return saved
+
+
 def from_hf_folder(folder: str, template: str = "chatml",
                    tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> CoATokenizer:
-  """Returns the tokenizer of a local HF folder (tokenizer.json, or any format transformers
-  converts) with the CoA tags and `tool_tags`' added."""
+  """Returns the tokenizer of an HF folder (tokenizer.json, local or a URL, or any local format
+  transformers converts) with the CoA tags and `tool_tags`' added."""
   path = os.path.join(folder, "tokenizer.json")
-  if os.path.isfile(path):
-    backend = tokenizers.Tokenizer.from_file(path)
+  if paths.to_epath(path).is_file():
+    backend = tokenizers.Tokenizer.from_str(paths.to_epath(path).read_text())
   elif os.path.isdir(folder):
     import transformers
 
@@ -172,13 +255,34 @@ def default_tokenizer(template: str = "plain", vocab_size: int = 1024,
 
 
 def load_tokenizer(config: Any) -> CoATokenizer:
-  """Returns the tokenizer named by config.tokenizer ('default' or a local HF folder), with
-  the tags of the tools `config.tools` declares (`tools_env.registry.declare`; default: the
+  """Returns the tokenizer named by config.tokenizer ('default' or an HF folder) with the tags
+  of a saved model: the mapping saved in config.model.checkpoint (or in the tokenizer's
+  folder), its tool tags in their saved order, checked against the ids built (`TagMapError`);
+  without a saved mapping (a base model, a fresh one), the tags of the tools `config.tools`
+  declares (`tools_env.registry.declare`, which starts MCP servers to list theirs; default: the
   four CoA tools)."""
-  tool_tags = declared_tags(config.get("tools"))
+  saved, where = saved_tag_map(config)
+  tool_tags = tuple(saved["tool_tags"]) if saved else declared_tags(config.get("tools"))
   if config.tokenizer.path == "default":
-    return default_tokenizer(config.tokenizer.template, tool_tags=tool_tags)
-  return from_hf_folder(config.tokenizer.path, config.tokenizer.template, tool_tags)
+    tokenizer = default_tokenizer(config.tokenizer.template, tool_tags=tool_tags)
+  else:
+    tokenizer = from_hf_folder(config.tokenizer.path, config.tokenizer.template, tool_tags)
+  if saved:
+    tokenizer.check_tag_map(saved, where)
+  return tokenizer
+
+
+def saved_tag_map(config: Any) -> tuple[dict[str, Any] | None, str]:
+  """Returns (the tag mapping, its path) saved with config.model.checkpoint, else in the
+  tokenizer's HF folder, or (None, "") when neither holds one."""
+  model = config.get("model") or {}
+  folders = [model.get("checkpoint") or "",
+             "" if config.tokenizer.path == "default" else config.tokenizer.path]
+  for folder in filter(None, folders):
+    saved = read_tag_map(folder)
+    if saved is not None:
+      return saved, os.path.join(folder, TAGS_FILE)
+  return None, ""
 
 
 def declared_tags(tools_spec: Any) -> tuple[str, ...]:

@@ -22,11 +22,11 @@ import dataclasses
 import os
 import re
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from coa_jax.data import coa_format, rewards
 from coa_jax.data.coa_format import OBSERVATION, Step, Trajectory
-from coa_jax.data.importers import read_records
+from coa_jax.data.tasks import Task, load_tasks
 from coa_jax.data.tokenizer import declared_tags
 from coa_jax.data.world import World, WorldConfig, load_tools_spec
 from coa_jax.distill.teacher import TeacherConfig, Trace, build_teacher
@@ -94,15 +94,20 @@ class Distiller:
   """The four filter stages over trajectories; `filter` returns what survives and a report."""
 
   def __init__(self, filters: FilterConfig = FilterConfig(),
-               rewarder: rewards.Rewarder | None = None):
+               rewarder: rewards.Rewarder | None = None,
+               task_data: Mapping[str, Mapping[str, Any]] | None = None):
+    """`task_data`: each task's data by task id, what the `correct` stage's reward sees, as
+    RL's and the evaluation's do (default: each trajectory's metadata)."""
     self.filters = filters
     self.rewarder = rewarder or rewards.build_rewarder(DEFAULT_REWARDS)
+    self.task_data = task_data or {}
 
   def problem(self, stage: str, trajectory: Trajectory) -> str | None:
     """Returns why `trajectory` fails `stage`, or None when it passes."""
     text = trajectory.response_text()
     if stage == "correct":
-      reward = self.rewarder(text, trajectory.metadata)
+      data = self.task_data.get(trajectory.metadata.get("task_id"), trajectory.metadata)
+      reward = self.rewarder(text, data)
       return None if reward.correct else "wrong_answer"
     if stage == "format":
       _, errors = coa_format.parse_and_validate(text, True, self.rewarder.tool_tags)
@@ -142,6 +147,28 @@ class Distiller:
     return kept, report
 
 
+class DistillError(RuntimeError):
+  """Distillation kept no trajectory: there is nothing to train on."""
+
+
+def nothing_kept(report: dict, tasks: Sequence[Task], failures: int, task_file: str,
+                 traces_file: str) -> str:
+  """Returns why a distillation kept no trajectory: what the teacher solved, each stage's drop
+  reasons, and where the rewards looked for the truth."""
+  correct = report["stages"][0]
+  drops = "; ".join(f"{row['stage']}: {row['reasons']}" for row in report["stages"]
+                    if row["dropped"])
+  first = tasks[0]
+  return (f"distillation kept no trajectory of {len(tasks)} tasks ({task_file}): the teacher "
+          f"solved {correct['kept']} of {correct['in']} it answered ({failures} runs failed); "
+          f"dropped by stage: {drops or 'none'}. The rewards read a task's truth from its data's "
+          f"`ground_truth` (taken from a row's `answer`, `ground_truth` or "
+          f"`metadata.ground_truth`) and its domain from `domain` / `data_source`: task "
+          f"{first.id!r} has ground_truth={first.data.get('ground_truth')!r}, "
+          f"domain={first.data.get('domain', first.data.get('data_source'))!r}. The teacher's "
+          f"traces are in {traces_file}.")
+
+
 def format_report(report: dict) -> str:
   """Returns the stage-by-stage table of a filter report (counts and retention)."""
   lines = [f"{'stage':<11} {'in':>6} {'kept':>6} {'dropped':>8} {'retention':>10}  reasons"]
@@ -172,48 +199,60 @@ def solve(teacher: Any, tasks: Sequence[dict[str, Any]],
   return traces, failures
 
 
-def environment(config: Any) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]]]:
-  """Writes the tasks and the tool spec of the config's `environment` (`build`: the import path
-  of build(directory, **options) -> {"train", "heldout", "tools": paths}, the task files JSONL
-  of {"id", "question", "metadata": {"answer", ...}}), else of the embedded world, under
-  output_dir/world; returns (the paths, the task records by split)."""
+def environment(config: Any) -> tuple[dict[str, str], dict[str, list[Task]]]:
+  """Writes the task files and the tool spec of the config's `environment` (`build`: the import
+  path of build(directory, **options) -> {"train", "heldout", "tools": paths}, the task files in
+  any layout `coa_jax.data.tasks` reads), else of the embedded world, under output_dir/world;
+  returns (the paths, the tasks by split, read as every later stage reads them)."""
   directory = os.path.join(config.output_dir, "world")
   if not config.get("environment"):
     world = World(WorldConfig(**config.world))
     paths = world.write(directory)
     say(f"world: {len(world.by_name)} entities, {len(world.tasks['train'])} train / "
         f"{len(world.tasks['heldout'])} held-out tasks -> {directory}")
-    return paths, world.tasks
-  build = import_object(config.environment.build, "environment.build")
-  paths = build(directory, **dict(config.environment.get("options") or {}))
-  missing = {"train", "heldout", "tools"} - set(paths)
-  if missing:
-    raise ValueError(f"environment.build {config.environment.build!r} returned no "
-                     f"{sorted(missing)} path(s)")
-  tasks = {split: list(read_records(paths[split])) for split in ("train", "heldout")}
-  say(f"environment {config.environment.build}: {len(tasks['train'])} train / "
-      f"{len(tasks['heldout'])} held-out tasks -> {directory}")
+  else:
+    build = import_object(config.environment.build, "environment.build")
+    paths = build(directory, **dict(config.environment.get("options") or {}))
+    missing = {"train", "heldout", *(() if config.get("tools") else ("tools",))} - set(paths)
+    if missing:
+      raise ValueError(f"environment.build {config.environment.build!r} returned no "
+                       f"{sorted(missing)} path(s)")
+  tasks = {split: load_tasks(paths[split]) for split in ("train", "heldout")}
+  if config.get("environment"):
+    say(f"environment {config.environment.build}: {len(tasks['train'])} train / "
+        f"{len(tasks['heldout'])} held-out tasks -> {directory}")
   return paths, tasks
 
 
+def tool_spec(config: Any, paths: dict[str, str]) -> dict[str, Any]:
+  """Returns the tools the teacher calls: `config.tools` when the config declares them (they
+  replace the world's or environment's tools.json), else that tools.json."""
+  declared = config.get("tools")
+  if declared:
+    return declared.to_dict() if hasattr(declared, "to_dict") else dict(declared)
+  return load_tools_spec(os.path.dirname(paths["tools"]))
+
+
 def run(config: Any) -> dict[str, Any]:
-  """Builds the world (or environment), runs the teacher on its training tasks, filters,
-  writes the data."""
+  """Builds the world (or environment), runs the teacher on its training tasks with its tools
+  (`tool_spec`), filters, writes the data."""
   os.makedirs(local(config.output_dir, "output_dir"), exist_ok=True)
   paths, tasks = environment(config)
-  tools_spec = load_tools_spec(os.path.dirname(paths["tools"]))
+  tools_spec = tool_spec(config, paths)
   rewarder = rewards.build_rewarder(config.get("rewards") or DEFAULT_REWARDS,
                                     declared_tags(tools_spec))
   teacher_config = TeacherConfig(**config.teacher)
   with tools_registry.build_registry(tools_spec) as tools:
-    traces, failures = solve(build_teacher(tools, teacher_config), tasks["train"],
-                             config.workers)
+    traces, failures = solve(build_teacher(tools, teacher_config),
+                             [task.record() for task in tasks["train"]], config.workers)
     # The error-free teacher on the held-out tasks: the copy probe's data (coa_jax.copy_probe).
     clean = dataclasses.replace(teacher_config, vague_query_rate=0.0, misread_rate=0.0,
                                 skip_verify_rate=0.0, mental_math_rate=0.0)
-    heldout, _ = solve(build_teacher(tools, clean), tasks["heldout"], config.workers)
+    heldout, _ = solve(build_teacher(tools, clean), [task.record() for task in tasks["heldout"]],
+                       config.workers)
   trajectories = [to_trajectory(trace, config.system_prompt) for trace in traces]
-  kept, report = Distiller(FilterConfig(**config.filters), rewarder).filter(trajectories)
+  kept, report = Distiller(FilterConfig(**config.filters), rewarder,
+                           {task.id: task.data for task in tasks["train"]}).filter(trajectories)
   say(format_report(report))
   out = {"traces": os.path.join(config.output_dir, "traces.jsonl"),
          "trajectories": os.path.join(config.output_dir, "trajectories.jsonl"),
@@ -223,6 +262,9 @@ def run(config: Any) -> dict[str, Any]:
   write_jsonl(out["heldout_trajectories"],
               (to_trajectory(trace, config.system_prompt).to_json() for trace in heldout))
   write_jsonl(out["traces"], (trace.to_json() for trace in traces))
+  if not kept:
+    raise DistillError(nothing_kept(report, tasks["train"], failures, paths["train"],
+                                    out["traces"]))
   write_jsonl(out["trajectories"], (t.to_json() for t in kept))
   summary = {**report, "teacher_failures": failures, "world": paths, **out,
              "teacher_accuracy": report["stages"][0]["kept"] / max(len(traces), 1),

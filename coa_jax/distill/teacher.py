@@ -438,7 +438,8 @@ CONTROLLER_PROMPT = (
 def chat_agents(declared: Sequence[ToolDecl] | None = None) -> dict[str, tuple[str, str]]:
   """Returns the chat teacher's agents: the role agents, and one tool agent per declared tool
   (None: the built-in search, crawl and code agents); a declared tool's agent is prompted
-  with its description and, an MCP tool's, its input schema."""
+  with its description and, an MCP tool's, what the body of a call holds (`ToolDecl.body`:
+  the form the call's arguments are parsed in)."""
   if declared is None:
     return CHAT_AGENTS
   agents = {agent: value for agent, value in CHAT_AGENTS.items()
@@ -446,11 +447,10 @@ def chat_agents(declared: Sequence[ToolDecl] | None = None) -> dict[str, tuple[s
   builtin = {step: (agent, prompt) for agent, (step, prompt) in CHAT_AGENTS.items()
              if step not in coa_format.ROLE_TAGS}
   for tool in declared:
-    schema = (f", a JSON object of this schema: {json.dumps(tool.input_schema)}"
-              if tool.input_schema else "")
+    body = f": {tool.body}" if tool.body else ""
     agent, prompt = builtin.get(tool.tag) or (
-        f"{tool.tag}_agent", f"You are the {tool.tag} agent: {tool.description}. Reply with "
-                             f"only the body of the call{schema}.")
+        f"{tool.tag}_agent", f"You are the {tool.tag} agent: {tool.description.rstrip('.')}. "
+                             f"Reply with only the body of the call{body}.")
     agents[agent] = (tool.tag, prompt)
   return agents
 

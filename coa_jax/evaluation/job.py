@@ -12,13 +12,14 @@ import collections
 import dataclasses
 import json
 import os
+import time
 from typing import Any, Sequence
 
 import jax
 
 from coa_jax.data import World, WorldConfig, coa_format, rewards
 from coa_jax.data.tasks import Task, load_tasks
-from coa_jax.data.tokenizer import declared_tags, load_tokenizer
+from coa_jax.data.tokenizer import load_tokenizer
 from coa_jax.evaluation.scaling import curves, pass_at_k
 from coa_jax.model import ConfigError
 from coa_jax.rollout.tool_loop import check_prompt_lengths
@@ -37,6 +38,12 @@ class Sample:
   format_errors: int
   finish_reason: str = "answer"
   text: str = ""  # the response, for reading failures in samples.jsonl
+  # How the grader decided (`GRADING_KEYS` of the reward's details): its method, an error (a
+  # judge that could not be reached), QA's em and f1, code tests passed, the judge's reply.
+  grading: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+GRADING_KEYS = ("domain", "method", "error", "error_kind", "em", "f1", "passed", "total", "reply")
 
 
 def majority_correct(samples: Sequence[Sample]) -> bool:
@@ -167,24 +174,44 @@ def sample_from_response(text: str, tokens: int, tool_calls: dict[str, int],
                          tool_tags: tuple[str, ...] = coa_format.TOOL_TAGS) -> Sample:
   """Returns the outcome of one response text scored by `reward`."""
   _, errors = coa_format.parse_and_validate(text, True, tool_tags)
+  grading = {key: reward.details[key] for key in GRADING_KEYS if key in reward.details}
   return Sample(reward.correct, reward.details.get("answer"), tokens, dict(tool_calls),
-                len(errors), finish_reason, text)
+                len(errors), finish_reason, text, grading)
 
 
 # --- runners -------------------------------------------------------------------------------
 
 
+def progress_line(done: int, total: int, tokens: int, seconds: float) -> str:
+  """Returns a progress line: tasks done of total, tasks and tokens per second, and the ETA."""
+  rate = done / seconds if seconds > 0 else 0.0
+  eta = f"{(total - done) / rate:,.0f}s" if rate > 0 else "?"
+  return (f"tasks {done}/{total}  {rate:.2f} tasks/s  "
+          f"{tokens / seconds if seconds > 0 else 0.0:,.0f} tokens/s  ETA {eta}")
+
+
 def evaluate_rollouts(engine: Any, tokenizer: Any, tasks: Sequence[Task],
-                      rewarder: rewards.Rewarder) -> dict[str, list[Sample]]:
-  """Returns each task's samples from a Rollout engine (its group size is k)."""
+                      rewarder: rewards.Rewarder, every_s: float = 10.0
+                      ) -> dict[str, list[Sample]]:
+  """Returns each task's samples from a Rollout engine (its group size is k), printing a
+  progress line (`progress_line`) at most every `every_s` seconds and after the last task."""
   outcomes: dict[str, list[Sample]] = {}
-  for group in engine.run(tasks):
+  start = last = time.perf_counter()
+  tokens = 0
+  hosts = "" if jax.process_count() == 1 else " (host 0's share)"
+  for done, group in enumerate(engine.run(tasks), 1):
     for record in group:
       text = record.response_text(tokenizer)
       reward = rewarder(text, record.task_data, record.response_len, sum(record.loss_mask))
       outcomes.setdefault(record.task_id, []).append(sample_from_response(
           text, record.response_len, record.tool_calls, record.finish_reason, reward,
           rewarder.tool_tags))
+      tokens += record.response_len
+    now = time.perf_counter()
+    if now - last >= every_s or done == len(tasks):
+      distributed.say(f"evaluation{hosts}: "
+                      f"{progress_line(done, len(tasks), tokens, now - start)}")
+      last = now
   return outcomes
 
 
@@ -196,7 +223,7 @@ def evaluate_teacher(teachers: Sequence[Any], tasks: Sequence[Task], system_prom
 
   outcomes: dict[str, list[Sample]] = {}
   for task in tasks:
-    record = {"id": task.id, "question": task.question, "metadata": task.data}
+    record = task.record()
     for teacher in teachers:
       try:
         trace = teacher.run(record)
@@ -242,7 +269,8 @@ def run(config: Any) -> dict[str, Any]:
   paths.local(config.output_dir, "output_dir")
   def tasks_and_rewarder() -> tuple[list[Task], rewards.Rewarder]:
     tasks = load_tasks(config.tasks, config.max_tasks)
-    rewarder = rewards.build_rewarder(config.rewards.to_dict(), declared_tags(config.get("tools")))
+    # The model's saved tags (no tool server starts for them), else the declared tools'.
+    rewarder = rewards.build_rewarder(config.rewards.to_dict(), load_tokenizer(config).tool_tags)
     rewarder.check(tasks)
     return tasks, rewarder
 
@@ -293,7 +321,8 @@ def run(config: Any) -> dict[str, Any]:
   reward_isolation = sandbox.weakest(distributed.gather_json(rewarder.sandbox_isolation()))
   metrics = {**summarize(outcomes, k), "sandbox_isolation": isolation,
              "reward_sandbox_isolation": reward_isolation,
-             "curves": curves(outcomes, range(1, k + 1))}  # test-time scaling
+             "curves": curves(outcomes, range(1, k + 1)),  # test-time scaling
+             "tool_tags": list(rewarder.tool_tags)}  # what the responses were read with
   families = {task.id: task.data["family"] for task in tasks if "family" in task.data}
   if families:
     metrics["pass@1_by_family"] = pass_at_1_by(outcomes, families)

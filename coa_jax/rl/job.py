@@ -7,7 +7,8 @@ metrics.jsonl, TensorBoard events and dapo.png (async.png too when asynchronous)
 config.workdir, with rollouts.jsonl, the last step's samples token by token (for the trajectory
 viewer, `coa_jax.evaluation.viewer`), and exports the trained policy as an HF folder at
 config.export_dir, and a critic beside it (`critic_export_dir`) as a one-label token classifier
-(verl's format).
+(verl's format); both exports hold the tokenizer (`data.hf_tokenizer.export_files`), and every
+checkpoint the tokenizer's tag mapping.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from coa_jax.data import hf_tokenizer
 from coa_jax.model import lora
 from coa_jax.rl import async_trainer, dapo
 from coa_jax.rl import critic as critic_lib
@@ -38,9 +40,10 @@ def critic_export_dir(export_dir: str) -> str:
 
 
 def rollout_rows(step: int, groups: Sequence[dapo.ScoredGroup], advantages: Any, tokenizer: Any,
-                 tasks: Sequence[dapo.Task]) -> list[dict[str, Any]]:
+                 tasks: Sequence[dapo.Task], tool_tags: Sequence[str]) -> list[dict[str, Any]]:
   """Returns the rows of rollouts.jsonl for an RL step's scored groups (the first
-  ROLLOUT_GROUPS): per group its task (id, question, gold answer, family), per sample its
+  ROLLOUT_GROUPS): per group its task (id, question, gold answer, family) and the run's tool
+  tags (`tool_tags`, what the responses were read with), per sample its
   response text, reward (the shaped score), correctness, finish reason, tool calls and its
   response's per-token arrays: token texts, loss mask, the sampler's log-probs (to 1e-4) and
   policy versions; and the sample's advantage (`advantages`: flat over the step's samples, None
@@ -67,7 +70,7 @@ def rollout_rows(step: int, groups: Sequence[dapo.ScoredGroup], advantages: Any,
     rows.append({"step": step, "task_id": group.task_id,
                  "question": task.question if task is not None else "",
                  "gold": data.get("ground_truth"), "family": data.get("family", ""),
-                 "samples": samples})
+                 "tool_tags": list(tool_tags), "samples": samples})
   return rows
 
 
@@ -91,13 +94,15 @@ def run(config: Any) -> dict[str, Any]:
       f"{len(trainer.tasks)} tasks, {rl.batch_groups} groups x {trainer.n} samples per step in "
       f"{rl.batch_groups // rl.mini_batch_groups} mini-batch(es); "
       f"{len(trainer.eval_tasks)} held-out tasks")
+  files = hf_tokenizer.export_files(trainer.tokenizer, config.sampling)
   loop = LoopConfig(steps=rl.steps, workdir=config.workdir, checkpoint=config.checkpoint,
                     log_every=rl.log_every, stop_after=rl.stop_after,
                     nonfinite_skips=rl.nonfinite_skips,
                     export_dir=config.export_dir, export_dtype=config.export_dtype,
                     base_checkpoint=config.model.get("checkpoint", ""), unit="samples",
                     units_per_step=rl.batch_groups * trainer.n, shown=shown,
-                    plot_keys=plot_keys, plot_file="dapo.png", title=name)
+                    plot_keys=plot_keys, plot_file="dapo.png", title=name,
+                    tokenizer=trainer.tokenizer, export_files=files)
   try:
     result = run_loop(trainer, loop, trainer.abstract_checkpoint(), trainer.model_config)
   finally:
@@ -115,8 +120,9 @@ def run(config: Any) -> dict[str, Any]:
     params, model_config = trainer.critic.state.model_params(), trainer.model_config
     if model_config.lora_rank:  # the critic's adapters merged into its copy of the base
       params, model_config = lora.merge(params, model_config), model_config.replace(lora_rank=0)
-    hf_checkpoint.save_checkpoint(summary["critic_export_dir"], model_config, params,
-                                  dtype=config.export_dtype, head="value")
+    hf_checkpoint.save_checkpoint(  # a value model generates nothing: no generation defaults
+        summary["critic_export_dir"], model_config, params, dtype=config.export_dtype,
+        head="value", files={k: v for k, v in files.items() if k != hf_tokenizer.GENERATION_FILE})
     say(f"exported the critic to {summary['critic_export_dir']}")
   report = trainer.prompt_report() if rl.track_prompts else None  # a gather: before the writes
   if report is not None:
@@ -132,7 +138,8 @@ def run(config: Any) -> dict[str, Any]:
       paths.to_epath(summary["prompts"]).write_text(json.dumps(report, indent=1))
     if trainer.last_batch is not None:  # for reading: never fatal
       try:
-        rows = rollout_rows(*trainer.last_batch, trainer.tokenizer, trainer.tasks)
+        rows = rollout_rows(*trainer.last_batch, trainer.tokenizer, trainer.tasks,
+                            trainer.rewarder.tool_tags)
         paths.to_epath(os.path.join(config.workdir, ROLLOUTS)).write_text(
             "".join(json.dumps(row) + "\n" for row in rows))
       except Exception as e:  # noqa: BLE001

@@ -1,18 +1,23 @@
-"""Load local HF checkpoint folders into sharded params and export params back, without torch.
+"""Load HF checkpoint folders into sharded params and export params back, without torch.
 
 Loading places every parameter with its target sharding through
 `jax.make_array_from_callback`: each addressable device shard is read from the memory-mapped
 safetensors files on its own, so a host only ever reads the slices its devices hold and no
 tensor (let alone a 32B checkpoint) is materialized whole on one device.
+
+A folder is local or a URL (gs://bucket/run/export): every file is read and written through
+`runtime.paths`, so one stage's export in a bucket is the next stage's checkpoint. An export is
+a folder transformers loads whole: beside the weights and config.json, the files a job passes
+(`files`: the tokenizer, its chat template, the generation defaults and the tag mapping,
+`coa_jax.data.hf_tokenizer.export_files`); config.json is written last.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -99,13 +104,16 @@ def _names(t: _Tensor, cfg: ModelConfig) -> list[str]:
 
 
 def read_hf_config(folder: str) -> dict[str, Any]:
-  """Returns the parsed config.json of an HF checkpoint folder."""
+  """Returns the parsed config.json of an HF checkpoint folder (local or a URL)."""
   path = os.path.join(folder, "config.json")
-  if not os.path.isfile(path):
+  if not paths.to_epath(path).is_file():
     raise CheckpointError(f"{folder}: no config.json (is this an HF checkpoint folder?)")
+  return _read_json(path)
+
+
+def _read_json(path: str) -> Any:
   try:
-    with open(path) as f:
-      return json.load(f)
+    return json.loads(paths.to_epath(path).read_text())
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{path}: invalid JSON ({e})") from None
 
@@ -115,19 +123,20 @@ class _TensorSource:
 
   def __init__(self, folder: str):
     index_path = os.path.join(folder, INDEX_FILE)
-    if os.path.isfile(index_path):
-      with open(index_path) as f:
-        weight_map: dict[str, str] = json.load(f)["weight_map"]
+    if paths.to_epath(index_path).is_file():
+      weight_map: dict[str, str] = _read_json(index_path)["weight_map"]
       files = sorted(set(weight_map.values()))
     else:
-      files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+      root = paths.to_epath(folder)
+      files = sorted(p.name for p in (root.iterdir() if root.is_dir() else ())
+                     if p.name.endswith(".safetensors") and not p.name.startswith("."))
       if not files:
         raise CheckpointError(f"{folder}: no *.safetensors files and no {INDEX_FILE}")
       weight_map = None
     self._files: dict[str, SafetensorsFile] = {}
     for name in files:
       path = os.path.join(folder, name)
-      if not os.path.isfile(path):
+      if weight_map is not None and not paths.to_epath(path).is_file():
         raise CheckpointError(f"{folder}: {INDEX_FILE} lists {name}, which is missing")
       self._files[name] = SafetensorsFile(path)
     if weight_map is None:
@@ -264,8 +273,10 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def save_checkpoint(folder: str, config: ModelConfig, params: Any, dtype: str = "bfloat16",
-                    max_shard_bytes: int = 4 << 30, head: str = "lm") -> list[str]:
-  """Writes params as an HF folder (config.json + safetensors, sharded with an index if large).
+                    max_shard_bytes: int = 4 << 30, head: str = "lm",
+                    files: Mapping[str, str] | None = None) -> list[str]:
+  """Writes params as an HF folder (config.json + safetensors, sharded with an index if large),
+  with `files` ({name: text}: the tokenizer's, `hf_tokenizer.export_files`) beside them.
 
   head="value" writes a value model (`Transformer(head="value")`) as the family's
   `...ForTokenClassification` with one label and no bias, which transformers loads as verl's
@@ -291,21 +302,23 @@ def save_checkpoint(folder: str, config: ModelConfig, params: Any, dtype: str = 
       size = 0
     shards[-1].append(item)
     size += nbytes
-  files = ([SINGLE_FILE] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  shard_files = ([SINGLE_FILE] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                  for i in range(len(shards))])
   hf_config = to_hf_config(config, torch_dtype=dtype)
   if head == "value":
     hf_config.update(architectures=[hf_config["architectures"][0].replace(
         "ForCausalLM", "ForTokenClassification")], num_labels=1, id2label={"0": "VALUE"},
         label2id={"VALUE": 0}, token_classification_bias=False, classifier_dropout=0.0)
   jsons = {}
-  if len(files) > 1:
-    weight_map = {item[0]: file for file, shard in zip(files, shards) for item in shard}
+  if len(shard_files) > 1:
+    weight_map = {item[0]: file for file, shard in zip(shard_files, shards) for item in shard}
     total = sum(int(np.prod(item[1])) * np_dtype.itemsize for item in items)
     jsons[INDEX_FILE] = {"metadata": {"total_size": total}, "weight_map": weight_map}
   jsons["config.json"] = hf_config  # written last (`written_last`)
-  _write_on_process_0(folder, list(zip(files, shards)), jsons, f"hf export {folder}")
-  return files
+  _write_on_process_0(folder, list(zip(shard_files, shards)), jsons, f"hf export {folder}",
+                      files)
+  return shard_files
 
 
 def written_last(folder: str) -> str:
@@ -315,11 +328,13 @@ def written_last(folder: str) -> str:
 
 
 def _write_on_process_0(folder: str, safetensors: list[tuple[str, list]],
-                        jsons: dict[str, Any], where: str) -> None:
-  """Collective: process 0 writes `safetensors` ((file, tensors) pairs) and `jsons` (file:
-  value) into `folder` (local or a URL), while every process produces each tensor (the gathers
-  of sharded arrays). A write that fails on process 0 (a full disk, a read-only folder) lets
-  the gathers run to the end, then raises on every process (`FirstError`), so none waits."""
+                        jsons: dict[str, Any], where: str,
+                        texts: Mapping[str, str] | None = None) -> None:
+  """Collective: process 0 writes `safetensors` ((file, tensors) pairs), `texts` (file: text)
+  and `jsons` (file: value, the last one last) into `folder` (local or a URL), while every
+  process produces each tensor (the gathers of sharded arrays). A write that fails on process 0
+  (a full disk, a read-only folder) lets the gathers run to the end, then raises on every
+  process (`FirstError`), so none waits."""
   writer, errors = jax.process_index() == 0, distributed.FirstError()
   if writer:
     errors.run(lambda: paths.to_epath(folder).mkdir(parents=True, exist_ok=True))
@@ -336,6 +351,8 @@ def _write_on_process_0(folder: str, safetensors: list[tuple[str, list]],
                  [(*t[:3], lambda p=t[3]: counted(p)) for t in tensors], {"format": "pt"})
     for *_, produce in tensors[produced:]:  # the gathers a failed or absent write left
       produce()
+  for file, text in (texts or {}).items() if writer else ():
+    errors.run(lambda f=file, t=text: paths.to_epath(os.path.join(folder, f)).write_text(t))
   for file, value in jsons.items() if writer else ():
     errors.run(lambda f=file, v=value: paths.to_epath(os.path.join(folder, f)).write_text(
         json.dumps(v, indent=2)))
@@ -346,13 +363,14 @@ ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def save_adapters(folder: str, config: ModelConfig, adapters: Any, base_checkpoint: str = "",
-                  dtype: str = "float32") -> None:
+                  dtype: str = "float32", files: Mapping[str, str] | None = None) -> None:
   """Writes LoRA adapters (`lora.split`'s second tree) in PEFT's format: adapter_config.json
   and adapter_model.safetensors, which `peft.PeftModel.from_pretrained` puts onto the HF base
-  model. PEFT's lora_A.weight is (rank, in) and lora_B.weight (out, rank), in and out
-  flattened as the kernels' HF layouts flatten them; trained embedding and LM-head rows go as
-  PEFT stores them (`_token_row_tensors`). Every process takes part in the gathers; process 0
-  writes."""
+  model, with `files` beside them (the tokenizer's, as `save_checkpoint`'s: the base model's
+  tokenizer lacks the tags). PEFT's lora_A.weight is (rank, in) and lora_B.weight (out, rank),
+  in and out flattened as the kernels' HF layouts flatten them; trained embedding and LM-head
+  rows go as PEFT stores them (`_token_row_tensors`). Every process takes part in the gathers;
+  process 0 writes."""
   np_dtype = np.dtype(jax.numpy.dtype(dtype))
   items, token_rows_config = _token_row_tensors(config, adapters, np_dtype)
   for t in _tensor_map(config):
@@ -373,7 +391,7 @@ def save_adapters(folder: str, config: ModelConfig, adapters: Any, base_checkpoi
       target_modules=sorted(config.lora_targets), bias="none", fan_in_fan_out=False,
       use_rslora=False, inference_mode=True, **token_rows_config)
   _write_on_process_0(folder, [(ADAPTER_FILE, items)], {"adapter_config.json": adapter_config},
-                      f"adapter export {folder}")
+                      f"adapter export {folder}", files)
 
 
 def _token_row_tensors(config: ModelConfig, trained: Any,
@@ -420,10 +438,12 @@ def load_model(config: Any, tokenizer, mesh) -> tuple[ModelConfig, Any]:
   """Returns (model config, params) from the HF folder config.model.checkpoint, or (model
   config, None) for a fresh model built from config.model; the vocabulary covers the
   tokenizer's, and a LoRA model's trained token rows are the tokens the checkpoint lacks
-  (`with_trained_token_ids`)."""
+  (`with_trained_token_ids`). A folder that saved its tag mapping (a coa-jax export) is checked
+  against the tokenizer's first (`CoATokenizer.check_saved`: a tag whose id moved is an error)."""
   sharding_lib.check_backend(config.model.get("attention_impl", "xla"),
                              config.model.get("remat", "none"), mesh)
   if config.model.get("checkpoint"):
+    tokenizer.check_saved(config.model.checkpoint)
     overrides = {k: v for k, v in config.model.items() if k not in ("preset", "checkpoint")}
     model_config, params = load_checkpoint(config.model.checkpoint, mesh,
                                            vocab_size=tokenizer.vocab_size, **overrides)

@@ -6,6 +6,10 @@ Checkpoint directories, HF export folders and a training job's workdir go throug
 bucket. `os.path.abspath("gs://bucket/run")` would give `<cwd>/gs:/bucket/run`, a folder on each
 host's own disk. Outputs that only local files hold (evaluation samples, rollouts, distillation
 data) refuse a URL with a clear error (`local`).
+
+epath reaches gs:// through TensorFlow's gfile when TensorFlow is installed (the `tfds` extra),
+else through fsspec, which needs gcsfs (the `gcs` extra): without either, `to_epath` says which
+extra to install, before anything is read or written.
 """
 
 from __future__ import annotations
@@ -14,10 +18,17 @@ import os
 import re
 
 from etils import epath
+from etils.epath import backend as epath_backend
 
 from coa_jax.model.config import ConfigError
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# The fsspec protocol epath asks for, the package that serves it and the extra that installs it.
+_STORES = {"gs": ("gcs", "gcsfs", "gcs")}
+
+
+class StoreUnavailableError(ImportError):
+  """A URL names a store whose filesystem package is not installed."""
 
 
 def is_remote(path: str) -> bool:
@@ -31,8 +42,29 @@ def resolve(path: str) -> str:
 
 
 def to_epath(path: str) -> epath.Path:
-  """Returns `resolve(path)` as an `epath.Path` (local files, or the store the URL names)."""
-  return epath.Path(resolve(path))
+  """Returns `resolve(path)` as an `epath.Path` (local files, or the store the URL names);
+  raises StoreUnavailableError when the store's filesystem package is missing."""
+  out = epath.Path(resolve(path))
+  if is_remote(path):
+    _check_store(out)
+  return out
+
+
+def _check_store(path: epath.Path) -> None:
+  """Raises StoreUnavailableError when epath would serve `path` through fsspec and fsspec has no
+  filesystem for its scheme (gs:// without gcsfs), naming the extra that installs one."""
+  scheme = str(path).split("://", 1)[0]
+  if scheme not in _STORES or getattr(path, "_backend", None) is not epath_backend.fsspec_backend:
+    return  # a scheme of no extra, TensorFlow's gfile, or a test's stand-in serves it
+  protocol, package, extra = _STORES[scheme]
+  try:
+    import fsspec
+
+    fsspec.get_filesystem_class(protocol)
+  except ImportError:
+    raise StoreUnavailableError(
+        f"{path}: {scheme}:// paths need {package}, which is not installed: pip install "
+        f"'coa-jax[{extra}]' (or {package} itself)") from None
 
 
 def local(path: str, what: str) -> str:

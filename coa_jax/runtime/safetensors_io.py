@@ -1,7 +1,10 @@
 """Minimal, torch-free safetensors reader (memory-mapped, lazy) and streaming writer.
 
-Reading maps the file and returns NumPy views, so slicing a tensor reads only the bytes it
-touches; bfloat16 comes back as `ml_dtypes.bfloat16`. Writing streams one tensor at a time.
+Reading maps a local file and returns NumPy views, so slicing a tensor reads only the bytes it
+touches; bfloat16 comes back as `ml_dtypes.bfloat16`. A file in a store (gs://...) is read
+through `runtime.paths`, one tensor's byte range at a time (the last tensor read is kept: the
+device shards of one parameter read it in turn). Writing streams one tensor at a time, to a
+local file or a store.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ class SafetensorsFile:
 
   def __init__(self, path: str):
     self.path = path
+    self._remote = paths.is_remote(path)
     try:
-      size = os.path.getsize(path)
-      with open(path, "rb") as f:
+      size = paths.to_epath(path).stat().length if self._remote else os.path.getsize(path)
+      with self._open() as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         if header_len > min(size - 8, _MAX_HEADER):
           raise SafetensorsError(f"{path}: header length {header_len} exceeds the file")
@@ -54,7 +58,12 @@ class SafetensorsFile:
       expected = int(np.prod(entry["shape"], dtype=np.int64)) * _DTYPES[entry["dtype"]].itemsize
       if end - begin != expected or self._data_start + end > size:
         raise SafetensorsError(f"{path}: tensor {name!r} is truncated or has bad offsets")
-    self._map = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else None
+    local = size > 0 and not self._remote
+    self._map = np.memmap(path, dtype=np.uint8, mode="r") if local else None
+    self._last: tuple[str, np.ndarray] | None = None  # a store's last tensor read
+
+  def _open(self):
+    return paths.to_epath(self.path).open("rb") if self._remote else open(self.path, "rb")
 
   def names(self) -> list[str]:
     """Returns the tensor names stored in this file."""
@@ -68,8 +77,18 @@ class SafetensorsFile:
     """Returns tensor `name` as a read-only NumPy view of the mapped file."""
     entry = self._entries[name]
     begin, end = entry["data_offsets"]
-    raw = self._map[self._data_start + begin:self._data_start + end]
-    return raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    if not self._remote:
+      raw = self._map[self._data_start + begin:self._data_start + end]
+      return raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    if self._last is None or self._last[0] != name:
+      with self._open() as f:
+        f.seek(self._data_start + begin)
+        raw = f.read(end - begin)
+      if len(raw) != end - begin:
+        raise SafetensorsError(f"{self.path}: tensor {name!r} is truncated")
+      array = np.frombuffer(raw, _DTYPES[entry["dtype"]]).reshape(entry["shape"])
+      self._last = (name, array)
+    return self._last[1]
 
 
 def dtype_name(dtype: np.dtype) -> str:

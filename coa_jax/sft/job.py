@@ -3,7 +3,9 @@
 `run(config)` is the whole job behind `experiments/sft.py`; see configs/sft_tiny_cpu.py for
 every field. It resumes from the newest checkpoint in `checkpoint.directory` (train state and
 data position), stops cleanly on SIGTERM after a final save, and stops with a clear error on
-a non-finite loss, leaving the last good checkpoint as it was.
+a non-finite loss, leaving the last good checkpoint as it was. Its checkpoints keep the
+tokenizer's tag mapping, and its HF export is a folder transformers loads whole (weights,
+tokenizer with the tags, chat template, generation defaults: `data.hf_tokenizer`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import jax
 
-from coa_jax.data import DropCounter, load_tokenizer, packing
+from coa_jax.data import DropCounter, hf_tokenizer, load_tokenizer, packing
 from coa_jax.model import ConfigError, Transformer
 from coa_jax.runtime import distributed, sharding
 from coa_jax.runtime.distributed import say
@@ -120,7 +122,8 @@ def run(config: Any) -> dict[str, Any]:
                     base_checkpoint=config.model.get("checkpoint", ""),
                     units_per_step=config.batch_size * config.seq_len,
                     plot_keys=("loss", "grad_norm", "lr"), plot_file="loss.png",
-                    title="SFT (observation-masked)")
+                    title="SFT (observation-masked)", tokenizer=tokenizer,
+                    export_files=hf_tokenizer.export_files(tokenizer, config.get("sampling")))
   result = run_loop(job, loop, state_lib.abstract_state(model, tx, mesh).checkpointed(),
                     model_config)
   summary = dict(result.summary(), drops=dict(counter.dropped), state=job.state)

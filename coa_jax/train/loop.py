@@ -19,7 +19,10 @@ and what a checkpoint keeps beside the state) and a `LoopConfig`; `run_loop` doe
   is a no-op, not a fault: it is said and its metrics row shows it, but it is not counted
   toward `nonfinite_skips` and never stops the run;
 - plots the metrics (PNG) and, once all `steps` are done or the data ran out, exports an HF
-  checkpoint.
+  checkpoint with the job's `export_files` beside the weights (the tokenizer, its chat
+  template, the generation defaults and the tag mapping), and beside a LoRA run's adapters;
+- keeps the model's tag mapping (`tokenizer.tag_map()`) in every checkpoint's data, and at
+  restore checks it against the run's tokenizer: a tag whose id moved is an error naming it.
 
 Every decision that leads to a collective (save, stop, restore) is the same on every process:
 the step counts are, the non-finite flag comes out of one global program, and preemption and
@@ -86,6 +89,8 @@ class LoopConfig:
   plot_keys: Sequence[str] = ("loss",)
   plot_file: str = "metrics.png"  # in workdir
   title: str = ""
+  tokenizer: Any = None  # the model's CoATokenizer: its tag mapping is saved and checked
+  export_files: Any = None  # {file name: text} written beside the exported weights
 
 
 @dataclasses.dataclass
@@ -145,9 +150,17 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
   restored = checkpointer and checkpointer.restore_latest(abstract_state)
   if restored is not None:
     start, state, data_state = restored
-    skipped = data_state.pop("loop", {}).get("nonfinite_skipped", 0)
+    loop_state = data_state.pop("loop", {})
+    skipped = loop_state.get("nonfinite_skipped", 0)
+
+    def take() -> None:
+      if config.tokenizer is not None and loop_state.get("tags") is not None:
+        config.tokenizer.check_tag_map(loop_state["tags"],
+                                       f"checkpoint step {start} in {checkpointer.directory}")
+      job.restore(state, data_state)
+
     # The data position may not fit this host (a shard it lacks): every host hears of it.
-    distributed.agreed(lambda: job.restore(state, data_state), "restoring the job's data")
+    distributed.agreed(take, "restoring the job's data")
     say(f"resumed from step {start} in {checkpointer.directory}")
   last = min(config.steps, start + config.stop_after) if config.stop_after else config.steps
   active = jax.process_index() == 0
@@ -166,7 +179,10 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
   t0 = previous = time.perf_counter()
 
   def save(step: int, force: bool = False) -> None:
-    data_state = {**job.data_state(step), "loop": {"nonfinite_skipped": skipped}}
+    loop_state = {"nonfinite_skipped": skipped}
+    if config.tokenizer is not None:
+      loop_state["tags"] = config.tokenizer.tag_map()
+    data_state = {**job.data_state(step), "loop": loop_state}
     checkpointer.save(step, job.checkpoint_state(), data_state, force=force)
 
   try:
@@ -228,10 +244,11 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
     params = job.state.model_params()
     if model_config.lora_rank:  # the adapters alone (PEFT), then merged into the base weights
       hf_checkpoint.save_adapters(os.path.join(config.export_dir, "adapter"), model_config,
-                                  job.state.params, config.base_checkpoint)
+                                  job.state.params, config.base_checkpoint,
+                                  files=config.export_files)
       params, model_config = lora.merge(params, model_config), model_config.replace(lora_rank=0)
     hf_checkpoint.save_checkpoint(config.export_dir, model_config, params,
-                                  dtype=config.export_dtype)
+                                  dtype=config.export_dtype, files=config.export_files)
     result.export_dir = config.export_dir
     say(f"exported HF checkpoint to {config.export_dir}")
   if rows:  # after the export's gathers, which a plot failing on process 0 alone would hang

@@ -4,7 +4,7 @@ What a user writes to train an agent on a tool of their own (docs/tools_and_roll
 your own tool"), using only the standard library and `tools_env`:
 
 - `Sql`: the tool, a `tools_env.Tool` that runs one read-only SQLite query (a time limit, a row
-  limit, errors as observations);
+  limit, errors as observations) on a connection that cannot write (`connect_read_only`);
 - `build`: the environment, a seeded SQLite database of orders (orders(id, customer, product,
   quantity, price)) and its tasks: "How many pens did customer 4821 buy?" and "How much did
   customer 4821 spend?", each answered by one aggregate query;
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import random
 import sqlite3
 import time
@@ -31,6 +32,37 @@ from typing import Any
 from tools_env.base import BAD_REQUEST, TIMEOUT, Tool, ToolFailure
 
 PRODUCTS = ("pens", "cups", "lamps", "books", "chairs", "bags")
+# What a read-only query may do (sqlite3 authorizer actions): read tables and columns, call
+# functions (not load_extension), recurse in a CTE, and run the PRAGMA statements that only
+# describe the schema (not their table-valued functions). Everything else is denied: writes,
+# ATTACH (and so VACUUM INTO, which attaches its output), DETACH, transactions, schema changes,
+# ANALYZE and every other pragma.
+READ_ACTIONS = (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
+                sqlite3.SQLITE_RECURSIVE)
+READ_PRAGMAS = ("table_info", "table_xinfo", "table_list", "index_list", "index_info",
+                "index_xinfo", "foreign_key_list")
+
+
+def _authorize(action: int, arg1: str | None, arg2: str | None, database: str | None,
+               trigger: str | None) -> int:
+  """The authorizer of a read-only connection: SQLITE_OK for `READ_ACTIONS` and `READ_PRAGMAS`,
+  SQLITE_DENY for anything else."""
+  if action in READ_ACTIONS and not (action == sqlite3.SQLITE_FUNCTION
+                                     and arg2 == "load_extension"):
+    return sqlite3.SQLITE_OK
+  if action == sqlite3.SQLITE_PRAGMA and arg1 in READ_PRAGMAS:
+    return sqlite3.SQLITE_OK
+  return sqlite3.SQLITE_DENY
+
+
+def connect_read_only(database: str) -> sqlite3.Connection:
+  """Returns a connection to the SQLite file `database` that cannot write anything: opened with
+  mode=ro through a URI whose path is escaped (a `?`, `#` or `%` in it stays part of the
+  file name), and with an authorizer that denies every statement but reads (`_authorize`)."""
+  uri = pathlib.Path(os.path.abspath(database)).as_uri() + "?mode=ro"
+  db = sqlite3.connect(uri, uri=True)
+  db.set_authorizer(_authorize)
+  return db
 
 
 class Sql(Tool):
@@ -49,10 +81,10 @@ class Sql(Tool):
   def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
     deadline = time.monotonic() + self.timeout_s
     try:
-      with contextlib.closing(sqlite3.connect(f"file:{self.database}?mode=ro", uri=True)) as db:
+      with contextlib.closing(connect_read_only(self.database)) as db:
         db.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
         rows = db.execute(body.strip()).fetchmany(self.max_rows + 1)
-    except sqlite3.Error as e:  # a bad query, a write refused, or interrupted at the deadline
+    except sqlite3.Error as e:  # a bad query, a write denied, or interrupted at the deadline
       kind = TIMEOUT if time.monotonic() > deadline else BAD_REQUEST
       raise ToolFailure(kind, f"SQL error: {e}") from None
     lines = [" | ".join(str(value) for value in row) for row in rows[:self.max_rows]]
