@@ -41,3 +41,12 @@ def test_interactive_session_answers_each_question(config):
   assert out.getvalue().count("> ") == 2 and "tokens," in out.getvalue()
 
 
+
+
+def test_a_tool_whose_tag_the_model_lacks_is_refused(config):
+  from coa_jax.data.tokenizer import default_tokenizer
+  from coa_jax.model import ConfigError
+
+  tokenizer = default_tokenizer(config.tokenizer.template, tool_tags=("web_search", "crawl_page"))
+  with pytest.raises(ConfigError, match=r"tools \['code', 'wiki_search'\] are not among"):
+    rollout_job.build(config, tokenizer)

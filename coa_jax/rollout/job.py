@@ -59,8 +59,16 @@ def build(config: Any, tokenizer: Any = None) -> tuple[Rollout, Any]:
                     cache_size=rollout_config.cache_size,
                     chunk=config.chunk, stop_ids=rollout.stop_ids(tokenizer),
                     sampling=SamplingConfig(**config.sampling))
-  tools = distributed.agreed(lambda: tools_registry.build_registry(config.tools.to_dict()),
-                             "building the tools")
+  def tools_the_model_can_call() -> tools_registry.ToolRegistry:
+    tools = tools_registry.build_registry(config.tools.to_dict())
+    unknown = sorted(set(tools.tools) - set(tokenizer.tool_tags))
+    if unknown:  # the model's tokenizer has no tag tokens for them: it could never call them
+      tools.close()
+      raise ConfigError(f"tools {unknown} are not among the model's tool tags "
+                        f"{list(tokenizer.tool_tags)} (fixed at SFT, coa_tags.json)")
+    return tools
+
+  tools = distributed.agreed(tools_the_model_can_call, "building the tools")
   engine = Rollout(sampler, sampler.sampling_params(params), tokenizer, tools, rollout_config,
                    config.system_prompt, seed=config.seed)
   return engine, tokenizer
