@@ -72,7 +72,8 @@ def get_config() -> ml_collections.ConfigDict:
   # fails").
   # The 20-step warm-up left seed 5's SFT unable to copy values out of observations (copy probe
   # 0.07 at the end, pass@1 0.012); with `warmup_steps=200` the same seed copied 0.903 of them by
-  # step 900 (docs/pipeline.md, "Why a seed fails"). Both changes wait for their 10-seed result.
+  # step 900, but seed 1's then formed after the decay had begun (SFT pass@1 0.303): the fixed
+  # schedule is the fragile part (docs/pipeline.md, "Why a seed fails"). Both stay off.
   config.sft = ml_collections.ConfigDict(dict(steps=1700, seq_len=512, batch_size=8,
                                               learning_rate=1e-3, warmup_steps=20,
                                               schedule="wsd", decay_steps=500,
