@@ -96,6 +96,14 @@ class StageTimes:
                        f"writing {self.path}")
 
 
+def _distill(config: Any, configs: dict[str, Any], times: StageTimes) -> None:
+  """Runs the distillation stage unless it finished. Host-side work (a teacher, tools) that may
+  fail on one host alone, e.g. keeping nothing: agreed, so every host stops with it rather than
+  wait in the next collective."""
+  times.run("distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
+            lambda: distributed.agreed(lambda: distill.run(configs["distill"]), "distilling"))
+
+
 def _metrics(cfg: Any, times: StageTimes, name: str, world: Any) -> dict[str, Any]:
   """Returns an evaluation's metrics (running it if needed); on a world with near-miss
   figures, with pass@1 by where the answer's page states one."""
@@ -354,8 +362,7 @@ def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, A
   os.makedirs(paths.local(config.output_dir, "output_dir"), exist_ok=True)
   times = StageTimes(os.path.join(config.output_dir, "stage_seconds.json"))
   configs = stage_configs(config)
-  times.run("distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
-         lambda: distill.run(configs["distill"]))
+  _distill(config, configs, times)
   # rebuilt: the evaluations' tool spec is the one distillation wrote
   teacher = _metrics(stage_configs(config)["eval_teacher"], times, "eval teacher",
                      config.world)
@@ -451,8 +458,7 @@ def copy_curve(config: Any, stage_configs: StageConfigs, seeds: int,
     raise ValueError(f"seeds={seeds}, every={every}: expected at least 1 of each")
   times = StageTimes(os.path.join(config.output_dir, "stage_seconds.json"))
   os.makedirs(config.output_dir, exist_ok=True)
-  times.run("distill", os.path.join(config.output_dir, "distill", "distill_report.json"),
-            lambda: distill.run(stage_configs(config)["distill"]))
+  _distill(config, stage_configs(config), times)
   out_dir = os.path.join(config.output_dir, "copy_curve")
   configs = stage_configs(config)
   tokenizer = load_tokenizer(configs["sft"])

@@ -378,7 +378,11 @@ class McpServer:
                          f"{self._failed_starts} failed start(s) in a row)")
         starting = self._starting = concurrent.futures.Future()
     if not starter:
-      return starting.result()  # the other call's start: its session or its McpError
+      try:  # the other call's start: its session or its McpError
+        return starting.result(self.start_timeout_s + _STOP_TIMEOUT_S)
+      except concurrent.futures.TimeoutError:
+        raise McpError(f"MCP server {self.label}: another call's start took longer than "
+                       f"{self.start_timeout_s + _STOP_TIMEOUT_S:.0f} s") from None
     try:
       connection = self._start()
     except BaseException as e:

@@ -3,9 +3,11 @@
 `export_files` returns them: tokenizer.json (the CoA tags and declared tool tags as added special
 tokens), tokenizer_config.json (`PreTrainedTokenizerFast`, the template's end token as eos, and
 a Jinja chat template), generation_config.json (eos and the sampling defaults) and the saved
-tag mapping (`tokenizer.TAGS_FILE`). `AutoTokenizer.from_pretrained(export)` then encodes as
-`CoATokenizer` does, and the chat template renders a CoA trajectory to the ids SFT trained on
-(`tokenize.tokenize_trajectory`).
+tag mapping (`tokenizer.TAGS_FILE`). `PreTrainedTokenizerFast.from_pretrained(export)` then
+encodes text without tags as `CoATokenizer` does, and so does `AutoTokenizer` except where
+transformers imposes its own tokenizer class (a `qwen2` export of a tokenizer other than Qwen's,
+below); the chat template renders a CoA trajectory to the ids SFT trained on
+(`tokenize.tokenize_trajectory`; tests/test_hf_export.py).
 
 The chat template takes the messages `messages` returns: a system message (the system prompt,
 listing the declared tools), the user's question, then the response as assistant messages and

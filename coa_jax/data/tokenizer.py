@@ -12,8 +12,9 @@ embedded world's pages).
 
 The tag-to-id mapping is fixed at SFT and travels with the model (docs/design.md, invariant
 12): `tag_map` (every tag token and its id, the tool tags in order, the template) is saved as
-`TAGS_FILE` in every HF export and in every orbax checkpoint's data, and checked at every load
-(`check_tag_map`, `check_saved`): a tag whose id moved is an error naming it. `load_tokenizer`
+`TAGS_FILE` in every HF export and in every orbax checkpoint's data, and checked when
+`load_tokenizer` and `load_model` read a saved model and when a run resumes (`check_tag_map`,
+`check_saved`): a tag whose id moved is an error naming it. `load_tokenizer`
 builds the tokenizer of a saved model in the saved order, from the saved mapping alone: a tool
 server that now lists its tools in another order keeps their ids, and no server is started.
 

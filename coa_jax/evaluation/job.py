@@ -22,6 +22,7 @@ from coa_jax.data.tasks import Task, load_tasks
 from coa_jax.data.tokenizer import load_tokenizer
 from coa_jax.evaluation.scaling import curves, pass_at_k
 from coa_jax.model import ConfigError
+from coa_jax.rollout.job import progress_line
 from coa_jax.rollout.tool_loop import check_prompt_lengths
 from coa_jax.runtime import distributed, paths
 from coa_jax.runtime.cache import write_json, write_jsonl
@@ -182,14 +183,6 @@ def sample_from_response(text: str, tokens: int, tool_calls: dict[str, int],
 # --- runners -------------------------------------------------------------------------------
 
 
-def progress_line(done: int, total: int, tokens: int, seconds: float) -> str:
-  """Returns a progress line: tasks done of total, tasks and tokens per second, and the ETA."""
-  rate = done / seconds if seconds > 0 else 0.0
-  eta = f"{(total - done) / rate:,.0f}s" if rate > 0 else "?"
-  return (f"tasks {done}/{total}  {rate:.2f} tasks/s  "
-          f"{tokens / seconds if seconds > 0 else 0.0:,.0f} tokens/s  ETA {eta}")
-
-
 def evaluate_rollouts(engine: Any, tokenizer: Any, tasks: Sequence[Task],
                       rewarder: rewards.Rewarder, every_s: float = 10.0
                       ) -> dict[str, list[Sample]]:
@@ -267,14 +260,16 @@ def run(config: Any) -> dict[str, Any]:
   from tools_env import sandbox
 
   paths.local(config.output_dir, "output_dir")
-  def tasks_and_rewarder() -> tuple[list[Task], rewards.Rewarder]:
+  def tasks_rewarder_tokenizer() -> tuple[list[Task], rewards.Rewarder, Any]:
     tasks = load_tasks(config.tasks, config.max_tasks)
     # The model's saved tags (no tool server starts for them), else the declared tools'.
-    rewarder = rewards.build_rewarder(config.rewards.to_dict(), load_tokenizer(config).tool_tags)
+    tokenizer = load_tokenizer(config)
+    rewarder = rewards.build_rewarder(config.rewards.to_dict(), tokenizer.tool_tags)
     rewarder.check(tasks)
-    return tasks, rewarder
+    return tasks, rewarder, tokenizer
 
-  tasks, rewarder = distributed.agreed(tasks_and_rewarder, "loading the tasks and the rewards")
+  tasks, rewarder, tokenizer = distributed.agreed(tasks_rewarder_tokenizer,
+                                                  "loading the tasks, the rewards, the tokenizer")
   k = config.k
   say(f"evaluating {config.system} on {len(tasks)} tasks x {k} samples from {config.tasks}")
   if config.system == "teacher":  # host-side work only, the same on every host: agreed
@@ -282,19 +277,16 @@ def run(config: Any) -> dict[str, Any]:
       with tools_registry.build_registry(config.tools.to_dict()) as tools:
         teachers = [build_teacher(tools, TeacherConfig(**{**config.teacher, "seed": seed}))
                     for seed in range(k)]
-        return (evaluate_teacher(teachers, tasks, config.system_prompt, rewarder,
-                                 load_tokenizer(config)), sandbox.isolation_of(tools.tools))
+        return (evaluate_teacher(teachers, tasks, config.system_prompt, rewarder, tokenizer),
+                sandbox.isolation_of(tools.tools))
 
     outcomes, isolation = distributed.agreed(teacher, "the teacher's evaluation")
   elif config.system == "model":
     config.rollout.group_size = k
-    def tokenizer_for_the_tasks() -> Any:  # checked before the model loads
-      tokenizer = load_tokenizer(config)
-      check_prompt_lengths(tokenizer, config.system_prompt, tasks,
-                           config.rollout.max_prompt_tokens)
-      return tokenizer
-
-    tokenizer = distributed.agreed(tokenizer_for_the_tasks, "loading the tokenizer")
+    distributed.agreed(  # checked before the model loads
+        lambda: check_prompt_lengths(tokenizer, config.system_prompt, tasks,
+                                     config.rollout.max_prompt_tokens),
+        "checking the prompts' lengths")
     engine, _ = rollout_job.build(config, tokenizer)
     if config.get("copy_probe"):  # on the host's own devices, as the rollouts: agreed
       probe = distributed.agreed(lambda: _copy_probe(

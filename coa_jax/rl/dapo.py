@@ -50,6 +50,7 @@ from coa_jax.rollout import (
   RolloutRecord,
   Sampler,
   SamplingConfig,
+  callable_tools,
   check_prompt_lengths,
   stop_ids,
 )
@@ -160,7 +161,9 @@ class Trainer:
     sampler = Sampler(model_config, self.host, batch_size=config.batch_size // self.hosts,
                       cache_size=self.rollout_config.cache_size, chunk=config.chunk,
                       stop_ids=stop_ids(self.tokenizer), sampling=sampling)
-    tools = distributed.agreed(lambda: build_registry(config.tools.to_dict()), "building the tools")
+    tools = distributed.agreed(
+        lambda: callable_tools(build_registry(config.tools.to_dict()), self.tokenizer),
+        "building the tools")
     self.engine = Rollout(sampler, None, self.tokenizer, tools, self.rollout_config,
                           config.system_prompt, seed=config.seed)
     self.update = update.jit_dapo_step(self.model, self.tx, self.mesh,

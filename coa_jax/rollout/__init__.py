@@ -7,6 +7,7 @@ from coa_jax.rollout.tool_loop import (
                                        Rollout,
                                        RolloutConfig,
                                        RolloutRecord,
+                                       callable_tools,
                                        check_prompt_lengths,
                                        stop_ids,
 )

@@ -59,16 +59,8 @@ def build(config: Any, tokenizer: Any = None) -> tuple[Rollout, Any]:
                     cache_size=rollout_config.cache_size,
                     chunk=config.chunk, stop_ids=rollout.stop_ids(tokenizer),
                     sampling=SamplingConfig(**config.sampling))
-  def tools_the_model_can_call() -> tools_registry.ToolRegistry:
-    tools = tools_registry.build_registry(config.tools.to_dict())
-    unknown = sorted(set(tools.tools) - set(tokenizer.tool_tags))
-    if unknown:  # the model's tokenizer has no tag tokens for them: it could never call them
-      tools.close()
-      raise ConfigError(f"tools {unknown} are not among the model's tool tags "
-                        f"{list(tokenizer.tool_tags)} (fixed at SFT, coa_tags.json)")
-    return tools
-
-  tools = distributed.agreed(tools_the_model_can_call, "building the tools")
+  tools = distributed.agreed(lambda: rollout.callable_tools(
+      tools_registry.build_registry(config.tools.to_dict()), tokenizer), "building the tools")
   engine = Rollout(sampler, sampler.sampling_params(params), tokenizer, tools, rollout_config,
                    config.system_prompt, seed=config.seed)
   return engine, tokenizer
@@ -136,12 +128,19 @@ def _roll_out(engine: Any, tokenizer: Any, tasks: list, config: Any, paths: dict
         records.append(record)
       now = time.perf_counter()
       if now - last > 5 or done == len(tasks):
-        rate = done / (now - start)
-        say(f"tasks {done}/{len(tasks)}{' (host 0)' if hosts > 1 else ''}  {rate:.2f} tasks/s  "
-            f"{sum(r.response_len for r in records) / (now - start):,.0f} tokens/s  "
-            f"ETA {(len(tasks) - done) / rate:.0f}s")
+        tokens = sum(r.response_len for r in records)
+        say(f"{'host 0: ' if hosts > 1 else ''}"
+            f"{progress_line(done, len(tasks), tokens, now - start)}")
         last = now
   return records
+
+
+def progress_line(done: int, total: int, tokens: int, seconds: float) -> str:
+  """Returns a progress line: tasks done of total, tasks and tokens per second, and the ETA."""
+  rate = done / seconds if seconds > 0 else 0.0
+  eta = f"{(total - done) / rate:,.0f}s" if rate > 0 else "?"
+  return (f"tasks {done}/{total}  {rate:.2f} tasks/s  "
+          f"{tokens / seconds if seconds > 0 else 0.0:,.0f} tokens/s  ETA {eta}")
 
 
 def interactive(config: Any, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:

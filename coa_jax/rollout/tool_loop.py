@@ -160,6 +160,17 @@ class _Row:
   done: bool = False
 
 
+def callable_tools(tools: ToolRegistry, tokenizer: CoATokenizer) -> ToolRegistry:
+  """Returns `tools` when the model can call each of them (its tokenizer has every tool's tag,
+  fixed at SFT); else closes them and raises ConfigError naming the others."""
+  unknown = sorted(set(tools.tools) - set(tokenizer.tool_tags))
+  if unknown:
+    tools.close()
+    raise ConfigError(f"tools {unknown} are not among the model's tool tags "
+                      f"{list(tokenizer.tool_tags)} (fixed at SFT, coa_tags.json)")
+  return tools
+
+
 class Rollout:
   """Runs rollouts of one policy: `run(tasks)` yields each task's group of records."""
 

@@ -2,8 +2,9 @@
 
 Loading places every parameter with its target sharding through
 `jax.make_array_from_callback`: each addressable device shard is read from the memory-mapped
-safetensors files on its own, so a host only ever reads the slices its devices hold and no
-tensor (let alone a 32B checkpoint) is materialized whole on one device.
+safetensors files on its own, so from local files a host only ever reads the slices its devices
+hold, and no tensor (let alone a 32B checkpoint) is materialized whole on one device; from a
+bucket, each tensor's whole byte range is read once.
 
 A folder is local or a URL (gs://bucket/run/export): every file is read and written through
 `runtime.paths`, so one stage's export in a bucket is the next stage's checkpoint. An export is
