@@ -25,7 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.teacher.mental_math_rate = 0.0  # every answer is the number the code printed
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   config.model.update(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=2,
-                      attention_block=128)
+                      head_dim=16, attention_block=128)
   # Copying forms abruptly at a step that float rounding moves. Rows of 16 (60 ms a step here)
   # formed it by step 1,000 where rows of 8 needed 1,500. At twice the rate (2e-3) every seed
   # forms it by step 750: over seeds 0-2 the probe stood at 0.033, 0.617, 0.067 at step 600,

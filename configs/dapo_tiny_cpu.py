@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.model = common.model("tiny", hidden_size=128, intermediate_size=256, num_layers=2,
-                              num_heads=4, num_kv_heads=2)
+                              num_heads=4, num_kv_heads=2, head_dim=16)
   config.model.checkpoint = "runs/sft_tiny/hf_export"  # empty: a fresh (untrained) model
   config.tokenizer = common.tokenizer("default", "plain")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)

@@ -17,7 +17,7 @@ def _sized(size: dict) -> dict:
 
 
 # The main job's model (3 layers x 128, 0.46M parameters) and two larger ones of its shape
-# family (heads of 16, which the tiny preset fixes; MLP twice the width): 1.28M (2.8x) and
+# family (heads of 16, the main job's head_dim; MLP twice the width): 1.28M (2.8x) and
 # 3.28M (7.1x). Each trains the main job's 1,700 SFT steps of the same batches (equal tokens)
 # with the same schedule, then its DAPO stage (`model-size`). At equal tokens the larger models
 # copied later and worse (4x192's SFT loss 0.307 at step 800 against 3x128's 0.17), so

@@ -26,9 +26,9 @@ def get_config() -> ml_collections.ConfigDict:
   distill = distill_tiny.get_config()  # the world, the teacher's error rates, the filters
   config.world, config.teacher, config.filters = distill.world, distill.teacher, distill.filters
   config.model = ml_collections.ConfigDict(dict(
-      # 4 heads (of 16, the tiny preset's head_dim: queries and keys 64 wide, not the width's
-      # 128): attention's element-wise work was most of a step on a CPU, and 4 heads trained at
-      # 1.76x the speed of 8 (386 vs 679 ms a step on 2 cores).
+      # 4 heads of 16 (queries and keys 64 wide, not the width's 128): attention's element-wise
+      # work was most of a step on a CPU, and 4 heads trained at 1.76x the speed of 8 (386 vs
+      # 679 ms a step on 2 cores).
       # 3 layers (1.4x a step of 2), chosen while mixed questions still wrote "* k" (the
       # factor two tokens after " *"; world.times): on 60 held-out tasks, seed 2's SFT solved
       # 0 of 51 mixed samples with 2 layers and 42 of 51 with 3 (pass@1 0.644 -> 0.889), and
@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
       # blocks of 128 (median of 6 interleaved rounds of 8 steps): more of the causal mask's
       # upper triangle is skipped.
       preset="tiny", hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
-      num_kv_heads=4, attention_impl="blockwise", attention_block=64,
+      num_kv_heads=4, head_dim=16, attention_impl="blockwise", attention_block=64,
       rope_theta=10_000.0))  # the tiny preset's; named here so a command line can move it
   # Rows of 512 pack the same tokens per step as 4 x 1024 at 1.7x the speed (attention's cost
   # grows with the row); the 8% of trajectories longer than a row are truncated.

@@ -13,7 +13,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.seed = 0
   # The SFT demo's model; an empty checkpoint rolls out a fresh (untrained) one.
   config.model = common.model("tiny", hidden_size=128, intermediate_size=256, num_layers=2,
-                              num_heads=4, num_kv_heads=2)
+                              num_heads=4, num_kv_heads=2, head_dim=16)
   config.model.checkpoint = "runs/sft_tiny/hf_export"
   config.tokenizer = common.tokenizer("default", "plain")
   config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)

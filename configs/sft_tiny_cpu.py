@@ -11,7 +11,8 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.model = common.model("tiny", hidden_size=128, intermediate_size=256, num_layers=2,
-                              num_heads=4, num_kv_heads=2, attention_impl="blockwise")
+                              num_heads=4, num_kv_heads=2, head_dim=16,
+                              attention_impl="blockwise")
   config.model.checkpoint = ""  # a local HF folder to fine-tune instead of a fresh init
   config.tokenizer = common.tokenizer("default", "plain")
   config.data = common.data(SAMPLE_PATH, num_epochs=100)

@@ -59,7 +59,7 @@ def test_the_7b_sft_config_compiles_scaled_down_with_its_state_split_over_every_
   from configs import sft_qwen2_5_7b
 
   config = sft_qwen2_5_7b.get_config()
-  model = build_config(config.model).replace(num_layers=2, hidden_size=512,
+  model = build_config(config.model).replace(num_layers=2, hidden_size=512, head_dim=128,
                                              intermediate_size=1024, vocab_size=4096,
                                              attention_block=128)  # splash's smallest tile
   compiled, mesh, _, _ = aot.compile_train_step(
@@ -78,7 +78,7 @@ def test_the_32b_lora_sft_config_compiles_scaled_down_holding_bf16_base_and_f32_
   from configs import sft_qwen2_5_32b_lora
 
   config = sft_qwen2_5_32b_lora.get_config()
-  model = build_config(config.model).replace(num_layers=2, hidden_size=512,
+  model = build_config(config.model).replace(num_layers=2, hidden_size=512, head_dim=128,
                                              intermediate_size=1024, vocab_size=4096,
                                              attention_block=128)  # splash's smallest tile
   compiled, mesh, _, _ = aot.compile_train_step(
@@ -102,7 +102,7 @@ def test_the_32b_dapo_update_compiles_scaled_down():
   from configs import dapo_qwen2_5_32b
 
   config = dapo_qwen2_5_32b.get_config()
-  model = build_config(config.model).replace(num_layers=2, hidden_size=512,
+  model = build_config(config.model).replace(num_layers=2, hidden_size=512, head_dim=128,
                                              intermediate_size=1024, vocab_size=4096,
                                              attention_block=128)  # splash's smallest tile
   compiled, mesh, _, _ = aot.compile_train_step(
@@ -118,7 +118,7 @@ def test_the_32b_dapo_decode_step_compiles_scaled_down_on_one_host():
   from configs import dapo_qwen2_5_32b
 
   config = dapo_qwen2_5_32b.get_config()
-  model = build_config(config.model).replace(num_layers=2, hidden_size=512,
+  model = build_config(config.model).replace(num_layers=2, hidden_size=512, head_dim=128,
                                              intermediate_size=1024, vocab_size=4096)
   report = aot.decode_report("32b-scaled", model, "v5e:4x4", tensor=2, rows=8, cache_size=256,
                              chunk=8, prefill=(1, 64), extend=(8, 32))
@@ -177,7 +177,7 @@ def test_ppo_updates_compile_scaled_down_with_the_other_models_state_resident():
   from configs import ppo_qwen2_5_7b
 
   config = ppo_qwen2_5_7b.get_config()
-  model = build_config(config.model).replace(num_layers=2, hidden_size=512,
+  model = build_config(config.model).replace(num_layers=2, hidden_size=512, head_dim=128,
                                              intermediate_size=1024, vocab_size=4096,
                                              attention_block=128)  # splash's smallest tile
   critic = critic_lib.CriticConfig(**config.rl.critic)

@@ -213,6 +213,22 @@ def test_config_is_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     get_preset("tiny").num_layers = 3
 
+def test_head_dim_derives_from_the_overridden_width_and_heads():
+  assert get_preset("tiny").head_dim == 16  # 64 wide, 4 heads
+  assert get_preset("tiny", hidden_size=128).head_dim == 32
+  assert get_preset("tiny", hidden_size=128, num_heads=8, num_kv_heads=2).head_dim == 16
+  assert get_preset("tiny", hidden_size=128, head_dim=16).head_dim == 16  # named: kept
+  assert get_preset("llama3_2_1b", hidden_size=1024, num_heads=16).head_dim == 64
+
+
+def test_replacing_the_width_of_a_built_config_names_head_dim():
+  config = get_preset("tiny")
+  with pytest.raises(ConfigError, match=r"keeps head_dim=16; pass head_dim too"):
+    config.replace(hidden_size=128)
+  assert config.replace(hidden_size=128, head_dim=0).head_dim == 32
+  assert config.replace(num_heads=2, num_kv_heads=2, head_dim=16).head_dim == 16
+
+
 
 def _dots(jaxpr) -> int:
   """Counts the dot_general equations of a jaxpr and of every jaxpr nested in it."""

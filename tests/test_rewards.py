@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from coa_jax.data import rewards
-from coa_jax.data.rewards import Reward, build_rewarder
+from coa_jax.data.rewards import Reward, build_rewarder, math_scorer
 from tools_env.remote import HttpLimits
 from tools_env.sandbox import CodeSandbox, SandboxLimits
 
@@ -110,14 +110,14 @@ def test_math_falls_back_when_math_verify_raises(monkeypatch):
   def broken(predicted, gold):
     raise RecursionError("deep")
 
-  monkeypatch.setattr(rewards, "_math_verify_equal", broken)
+  monkeypatch.setattr(math_scorer, "_math_verify_equal", broken)
   assert rewards.math_reward("0.5", r"\frac{1}{2}") == (1.0, {
       "predicted": "0.5", "golds": [r"\frac{1}{2}"], "math_verify_error": "RecursionError: deep",
       "method": "fallback", "matched": r"\frac{1}{2}"})
 
 
 def test_math_without_math_verify_installed_uses_the_fallback(monkeypatch):
-  monkeypatch.setattr(rewards, "_math_verify", lambda: None)
+  monkeypatch.setattr(math_scorer, "_math_verify", lambda: None)
   assert rewards.math_reward(r"\boxed{\frac12}", "0.5") == (1.0, {
       "predicted": r"\frac12", "golds": ["0.5"], "method": "fallback", "matched": "0.5"})
 
@@ -134,7 +134,7 @@ def test_math_times_out_with_zero_and_says_so(monkeypatch):
     release.wait(10)
     return True, {"method": "stuck"}
 
-  monkeypatch.setattr(rewards, "math_equivalent", stuck)
+  monkeypatch.setattr(math_scorer, "math_equivalent", stuck)
   score, details = rewards.math_reward("1", "1", timeout_s=0.1)
   release.set()  # a reward that waited for the check would have scored 1.0
   assert (score, details) == (0.0, {"predicted": "1", "golds": ["1"], "error": "timeout"})

@@ -1,5 +1,6 @@
 """The code sandbox contains hostile programs and reports each with a clear error kind."""
 
+import contextlib
 import dataclasses
 import errno
 import gc
@@ -20,6 +21,8 @@ import pytest
 
 from tools_env import base, sandbox_boot
 from tools_env import sandbox as sandbox_module
+from tools_env.sandbox import pool as pool_module
+from tools_env.sandbox import policy, runner, tool
 from tools_env.registry import ToolRegistry
 from tools_env.sandbox import CodeSandbox, IsolationUnavailable, SandboxLimits, extract_program
 
@@ -299,7 +302,14 @@ def one_worker(request):
 
 def worker_processes(pool):
   """Returns the pids of the pool's workers and of every process in them."""
-  return {pid for root in pool._pool.pids() for pid in [root, *sandbox_module._descendants(root)]}
+  return {pid for root in pool._pool.pids() for pid in [root, *pool_module._descendants(root)]}
+
+
+def signal_all(pids, sig):
+  """Sends `sig` to each of `pids` that still exists (killing a worker may end its children)."""
+  for pid in pids:
+    with contextlib.suppress(ProcessLookupError):
+      os.kill(pid, sig)
 
 
 def alive(pids):
@@ -368,13 +378,12 @@ def test_a_worker_that_dies_or_hangs_is_replaced(one_worker):
   assert one_worker(ok).ok
   # Killed while idle: the next program gets a new worker.
   first = worker_processes(one_worker)
-  for pid in first:
-    os.kill(pid, signal.SIGKILL)
+  signal_all(first, signal.SIGKILL)
   assert one_worker(ok).observation == "ok\n"
   # Killed while it runs a program: that program's result is an error, not an exception.
   second = worker_processes(one_worker)
   assert not second & first
-  killer = threading.Timer(1.0, lambda: [os.kill(pid, signal.SIGKILL) for pid in second])
+  killer = threading.Timer(1.0, lambda: signal_all(second, signal.SIGKILL))
   killer.start()
   result = one_worker(program("import time\ntime.sleep(3)"))
   killer.join()
@@ -386,8 +395,7 @@ def test_a_worker_that_dies_or_hangs_is_replaced(one_worker):
                      workers=1)
   assert impatient(ok).ok
   hanging = worker_processes(impatient)
-  for pid in hanging:
-    os.kill(pid, signal.SIGSTOP)
+  signal_all(hanging, signal.SIGSTOP)
   result = impatient(ok)
   assert result.error_kind == base.TIMEOUT and not alive(hanging)
   assert impatient(ok).observation == "ok\n"
@@ -427,8 +435,8 @@ def test_close_collection_and_exit_leave_no_process(one_worker):
 
 def test_without_persistent_workers_each_program_starts_a_process(caplog, monkeypatch):
   assert not CodeSandbox(LIMITS, persistent=False).persistent
-  monkeypatch.setattr(sandbox_module, "_WARNED", set())
-  monkeypatch.setitem(sandbox_module._POOL_PROBED, ("bwrap", sys.executable), "no mounts")
+  monkeypatch.setattr(tool, "_WARNED", set())
+  monkeypatch.setitem(tool._POOL_PROBED, ("bwrap", sys.executable), "no mounts")
   try:
     with caplog.at_level(logging.WARNING, logger="tools_env.sandbox"):
       fallback = CodeSandbox(LIMITS, isolation="bwrap")
@@ -473,7 +481,7 @@ def rlimit_python():
 
 
 def test_rlimit_mode_warns_and_still_limits(caplog, monkeypatch):
-  monkeypatch.setattr(sandbox_module, "_WARNED", set())
+  monkeypatch.setattr(tool, "_WARNED", set())
   with caplog.at_level(logging.WARNING, logger="tools_env.sandbox"):
     weak = CodeSandbox(LIMITS, isolation="rlimit", python=rlimit_python())
   assert "resource limits only" in caplog.text
@@ -492,7 +500,7 @@ def test_bad_settings_are_rejected():
 
 def test_processes_on_one_host_lease_different_uids(tmp_path):
   # flock locks belong to an open file, so two pools in one process stand for two processes.
-  first, second = (sandbox_module._UidPool(base=2_000_000_000, size=2, lock_dir=str(tmp_path))
+  first, second = (runner._UidPool(base=2_000_000_000, size=2, lock_dir=str(tmp_path))
                    for _ in range(2))
   with first.lease() as a:
     with second.lease() as b:
@@ -509,9 +517,9 @@ def warnings_in(caplog):
 
 
 def test_auto_falls_back_with_a_warning_that_gives_the_reason(caplog, monkeypatch):
-  monkeypatch.setattr(sandbox_module, "_WARNED", set())
-  monkeypatch.setattr(sandbox_module, "_PROBED", {("bwrap", sys.executable): "no user namespaces",
-                                                  ("unshare", sys.executable): None})
+  monkeypatch.setattr(tool, "_WARNED", set())
+  monkeypatch.setattr(tool, "_PROBED", {("bwrap", sys.executable): "no user namespaces",
+                                        ("unshare", sys.executable): None})
   with caplog.at_level(logging.WARNING, logger="tools_env.sandbox"):
     assert CodeSandbox(LIMITS, isolation="auto").isolation == "unshare"
   assert warnings_in(caplog) == ["code sandbox: falling back to isolation 'unshare': 'bwrap' is "
@@ -520,7 +528,7 @@ def test_auto_falls_back_with_a_warning_that_gives_the_reason(caplog, monkeypatc
 
 @pytest.mark.parametrize("mode", ["bwrap", "unshare"])
 def test_a_named_mode_that_cannot_work_fails_closed(mode, monkeypatch, tmp_path):
-  monkeypatch.setattr(sandbox_module, "_PROBED", {})
+  monkeypatch.setattr(tool, "_PROBED", {})
   monkeypatch.setenv("PATH", str(tmp_path))  # neither bwrap nor unshare is found
   with pytest.raises(IsolationUnavailable) as raised:
     CodeSandbox(LIMITS, isolation=mode)
@@ -532,11 +540,11 @@ def test_a_named_mode_that_cannot_work_fails_closed(mode, monkeypatch, tmp_path)
 @pytest.mark.parametrize("keep, missing", [("nothing", "decimal"), ("stdlib", "numpy")])
 def test_self_test_rejects_a_mode_whose_programs_cannot_import(sandbox, keep, missing,
                                                                monkeypatch):
-  prefixes, path, _ = sandbox_module._interpreter_paths(sys.executable)
+  prefixes, path, _ = policy.interpreter_paths(sys.executable)
   kept = [] if keep == "nothing" else [p for p in path if "-packages" not in p]
-  monkeypatch.setattr(sandbox_module, "_interpreter_paths",
+  monkeypatch.setattr(tool, "interpreter_paths",
                       lambda python: (prefixes, kept, True))  # numpy is expected
-  monkeypatch.setattr(sandbox_module, "_PROBED", {})
+  monkeypatch.setattr(tool, "_PROBED", {})
   mode = sandbox.isolation
   with pytest.raises(IsolationUnavailable) as raised:
     CodeSandbox(LIMITS, isolation=mode)
@@ -550,13 +558,13 @@ def test_as_root_the_rlimit_mode_refuses_an_interpreter_its_uid_cannot_reach(mon
   if os.geteuid() != 0:
     pytest.skip("the rlimit mode runs programs under another uid only as root")
   python = rlimit_python()
-  prefixes, path, numpy = sandbox_module._interpreter_paths(python)
+  prefixes, path, numpy = policy.interpreter_paths(python)
   private = os.path.realpath(tempfile.mkdtemp())  # mode 700, as /root usually is
   try:
     os.mkdir(f"{private}/lib")
-    monkeypatch.setattr(sandbox_module, "_interpreter_paths",
+    monkeypatch.setattr(tool, "interpreter_paths",
                         lambda python: (prefixes, path + [f"{private}/lib"], numpy))
-    monkeypatch.setattr(sandbox_module, "_PROBED", {})
+    monkeypatch.setattr(tool, "_PROBED", {})
     with pytest.raises(IsolationUnavailable) as raised:
       CodeSandbox(LIMITS, isolation="rlimit", python=python)
   finally:
@@ -572,16 +580,16 @@ def test_as_root_a_namespace_mode_names_the_folder_that_hides_the_venv(sandbox, 
     pytest.skip("namespace modes run programs under another uid only as root")
   if not os.path.isdir("/var/tmp"):
     pytest.skip("no /var/tmp (the bwrap mode makes every folder of /tmp anew)")
-  prefixes, path, _ = sandbox_module._interpreter_paths(sys.executable)
+  prefixes, path, _ = policy.interpreter_paths(sys.executable)
   private = os.path.realpath(tempfile.mkdtemp(dir="/var/tmp"))  # mode 700, as `mktemp -d` makes
   try:
     site = f"{private}/venv/lib/site-packages"
     os.makedirs(site)
     os.symlink(os.path.dirname(numpy.__file__), f"{site}/numpy")  # numpy is there, for root
     stdlib = [p for p in path if "-packages" not in p]
-    monkeypatch.setattr(sandbox_module, "_interpreter_paths",
+    monkeypatch.setattr(tool, "interpreter_paths",
                         lambda python: (prefixes + [f"{private}/venv"], stdlib + [site], True))
-    monkeypatch.setattr(sandbox_module, "_PROBED", {})
+    monkeypatch.setattr(tool, "_PROBED", {})
     mode = sandbox.isolation
     with pytest.raises(IsolationUnavailable) as raised:
       CodeSandbox(LIMITS, isolation=mode)
@@ -597,12 +605,12 @@ def test_as_root_a_namespace_mode_names_the_folder_that_hides_the_venv(sandbox, 
 
 def test_folders_a_mode_makes_anew_are_not_blamed_for_blocking():
   hidden, exposed = ["/root", "/home"], ["/root/.pyenv/versions/3.11", "/tmp/tmp.x/venv"]
-  assert sandbox_module._remade_dirs("bwrap", hidden, exposed) == {
+  assert policy.remade_dirs("bwrap", hidden, exposed) == {
       "/root", "/home", "/tmp", "/root/.pyenv", "/root/.pyenv/versions", "/tmp/tmp.x"}
   # The unshare mode keeps the host's /tmp, whose folders keep their modes.
-  assert sandbox_module._remade_dirs("unshare", hidden, exposed) == {
+  assert policy.remade_dirs("unshare", hidden, exposed) == {
       "/root", "/home", "/root/.pyenv", "/root/.pyenv/versions"}
-  assert sandbox_module._remade_dirs("rlimit", hidden, exposed) == set()
+  assert policy.remade_dirs("rlimit", hidden, exposed) == set()
 
 
 def fake_mounts(monkeypatch, before, after, fail=None):

@@ -9,7 +9,9 @@
   retries, size caps).
 - `faulty_http`: a local HTTP service that resets, cuts short or drips its answers (tests and
   benchmarks of the remote tools).
-- `sandbox`: the `code` tool, programs run isolated under resource limits by a bounded pool.
+- `sandbox`: the `code` tool, programs run isolated under resource limits by a bounded pool
+  (`policy`: limits and isolation modes; `runner`: one sandboxed process; `pool`: persistent
+  workers; `tool`: `CodeSandbox`); `sandbox_boot` and `sandbox_worker` run inside it.
 - `mcp_tools`: the tools of a local MCP server (stdio or streamable HTTP) as CoA tools (the
   `mcp` extra).
 - `arguments`: a tag's body as the arguments of a tool with an input schema (an MCP tool), and

@@ -157,10 +157,13 @@ class ModelConfig:
                         f"[0, vocab_size={self.vocab_size})")
 
   def replace(self, **changes: Any) -> "ModelConfig":
-    """Returns a copy with `changes` applied (and validated)."""
-    unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-    if unknown:
-      raise ConfigError(f"unknown ModelConfig field(s): {sorted(unknown)}")
+    """Returns a copy with `changes` applied (and validated). head_dim derives from the width
+    and the heads, so a change of either names head_dim too (0: derive it again)."""
+    _check_fields(changes)
+    if {"hidden_size", "num_heads"} & set(changes) and "head_dim" not in changes:
+      raise ConfigError(f"changing {sorted({'hidden_size', 'num_heads'} & set(changes))} of a "
+                        f"built ModelConfig keeps head_dim={self.head_dim}; pass head_dim too "
+                        f"(0: hidden_size // num_heads)")
     return dataclasses.replace(self, **changes)
 
   @property
@@ -243,19 +246,28 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2_5_14b": _qwen2_5(152_064, 5120, 13824, 48, 40, 8, False),
     "qwen2_5_32b": _qwen2_5(152_064, 5120, 27648, 64, 40, 8, False),
     "llama3_2_1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_layers=16,
-                        num_heads=32, num_kv_heads=8, head_dim=64, tie_embeddings=True,
+                        num_heads=32, num_kv_heads=8, tie_embeddings=True,
                         rope_scaling=Llama3RopeScaling(factor=32.0)),
     "llama3_1_8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                        num_heads=32, num_kv_heads=8, head_dim=128, tie_embeddings=False,
+                        num_heads=32, num_kv_heads=8, tie_embeddings=False,
                         rope_scaling=Llama3RopeScaling(factor=8.0)),
 }
 
 
+def _check_fields(values: dict[str, Any]) -> None:
+  unknown = set(values) - {f.name for f in dataclasses.fields(ModelConfig)}
+  if unknown:
+    raise ConfigError(f"unknown ModelConfig field(s): {sorted(unknown)}")
+
+
 def get_preset(name: str, **overrides: Any) -> ModelConfig:
-  """Returns the named preset's ModelConfig with `overrides` applied."""
+  """Returns the named preset's ModelConfig with `overrides` applied before anything derives
+  from them: head_dim is hidden_size // num_heads of the overridden width and heads unless the
+  overrides name it."""
   if name not in PRESETS:
     raise ConfigError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
-  return ModelConfig(**PRESETS[name]).replace(**overrides)
+  _check_fields(overrides)
+  return ModelConfig(**{**PRESETS[name], **overrides})
 
 
 _HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -319,7 +331,8 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     raise ConfigError("the model config contradicts the checkpoint's config.json: " + ", ".join(
         f"{k}={mine!r} (checkpoint: {theirs!r})" for k, (mine, theirs) in conflicts.items()) +
                       "; remove these fields or use the matching checkpoint")
-  return config.replace(**overrides)
+  return config.replace(**{k: v for k, v in overrides.items()
+                           if k not in fields or k == "vocab_size"})
 
 
 def _first(value):
