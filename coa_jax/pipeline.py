@@ -25,9 +25,9 @@ import ml_collections
 import numpy as np
 
 from coa_jax import distill, evaluation, rl, sft
-from coa_jax.data import DropCounter, load_source, load_tasks, load_tokenizer
+from coa_jax.data import DropCounter, load_source, load_tasks, tokenizer_of
 from coa_jax.evaluation import model_settings
-from coa_jax.model import Transformer
+from coa_jax.model import ModelSettings, Transformer
 from coa_jax.rl import query_selection
 from coa_jax.runtime import distributed, load_model, paths, sharding
 from coa_jax.runtime.cache import exists, file_fingerprint, fingerprint, write_json
@@ -461,8 +461,8 @@ def copy_curve(config: Any, stage_configs: StageConfigs, seeds: int,
   _distill(config, stage_configs(config), times)
   out_dir = os.path.join(config.output_dir, "copy_curve")
   configs = stage_configs(config)
-  tokenizer = load_tokenizer(configs["sft"])
-  model_config, _ = load_model(configs["sft"], tokenizer,
+  tokenizer = tokenizer_of(configs["sft"])
+  model_config, _ = load_model(ModelSettings.from_section(configs["sft"].model), tokenizer,
                                sharding.make_mesh(sharding.MeshConfig(**config.mesh)))
   model = Transformer(model_config)
   heldout = load_source(configs["eval_sft"].copy_probe, DropCounter())

@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from coa_jax.model import ConfigError, Transformer, get_preset
+from coa_jax.model import ConfigError, ModelSettings, Transformer, get_preset
 from coa_jax.model import lora
 from coa_jax.model.config import LORA_TARGETS
 from coa_jax.runtime import sharding
@@ -232,7 +232,8 @@ def _lora_sft(folder, tokenizer, embeddings: str, steps: int = 10):
   config = ml_collections.ConfigDict(dict(model=common.model(
       "tiny", checkpoint=folder, lora_rank=4, lora_alpha=8.0, lora_train_embeddings=embeddings)))
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  model_config, params = hf_checkpoint.load_model(config, tokenizer, mesh)
+  model_config, params = hf_checkpoint.load_model(ModelSettings.from_section(config.model),
+                                                  tokenizer, mesh)
   model = Transformer(model_config)
   tx = optimizer.make_optimizer(common.optimizer(learning_rate=1e-2, schedule="constant",
                                                  weight_decay=0.0))
@@ -311,7 +312,7 @@ def test_the_pod_fit_counts_the_tag_rows_and_their_adamw_moments():
   from configs import sft_qwen2_5_32b_lora
 
   preset = build_config(sft_qwen2_5_32b_lora.get_config().model).replace(
-      num_layers=2, hidden_size=512, intermediate_size=1024, vocab_size=4096)
+      num_layers=2, hidden_size=512, head_dim=128, intermediate_size=1024, vocab_size=4096)
   with_rows = aot.with_tag_rows(preset)
   assert len(with_rows.trained_token_ids) == len(TAG_TOKENS) == 22
   assert with_rows.lora_embedding_params() == 22 * 512 * 2

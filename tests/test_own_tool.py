@@ -111,4 +111,5 @@ def test_a_pipeline_configs_tools_are_every_stages(tmp_path):
   expected = config.tools.to_dict()
   for stage in ("distill", "sft", "eval_teacher", "eval_sft", "dapo", "eval_dapo", "ppo"):
     assert stages[stage].tools.to_dict() == expected, stage
-  assert distill_job.tool_spec(stages["distill"], {}) == expected  # not the environment's
+  settings = distill_job.distill_settings(stages["distill"])
+  assert distill_job.tool_spec(settings, {}) == expected  # not the environment's

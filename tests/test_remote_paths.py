@@ -19,7 +19,7 @@ from hf_reference import make_hf_model
 
 from coa_jax.data import hf_tokenizer
 from coa_jax.data import tokenizer as tk
-from coa_jax.model import ConfigError, Transformer, build_config
+from coa_jax.model import ConfigError, ModelSettings, Transformer, build_config
 from coa_jax.runtime import hf_checkpoint, paths
 from coa_jax.runtime.sharding import init_params
 from coa_jax.train import writers
@@ -126,9 +126,10 @@ def test_an_export_in_a_bucket_is_the_next_stage_s_checkpoint(fsspec_gs, single_
   stage = ml_collections.ConfigDict(dict(
       tokenizer=dict(path="default", template="plain"),
       model=dict(preset="tiny", checkpoint="gs://bucket/run/export")))
-  loaded = tk.load_tokenizer(stage)
+  loaded = tk.tokenizer_of(stage)
   assert loaded.tag_map() == tokenizer.tag_map()
-  reloaded, got = hf_checkpoint.load_model(stage, loaded, single_device_mesh)
+  reloaded, got = hf_checkpoint.load_model(ModelSettings.from_section(stage.model), loaded,
+                                           single_device_mesh)
   assert reloaded == config
   for want, have in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(got)):
     np.testing.assert_array_equal(np.asarray(have), np.asarray(want))

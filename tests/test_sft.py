@@ -13,7 +13,7 @@ from conftest import FAST_COMPILE
 
 from coa_jax.data.importers import DataError
 from coa_jax.losses import token_cross_entropy_and_z
-from coa_jax.model import Transformer, get_preset
+from coa_jax.model import ModelSettings, Transformer, get_preset
 from coa_jax.runtime import sharding
 from coa_jax.sft import job as sft
 from coa_jax.train import optimizer
@@ -102,7 +102,7 @@ def test_non_finite_step_leaves_the_state_unchanged(single_device_mesh):
 
 def _config(tmp_path, steps, **changes):
   config = sft_tiny_cpu.get_config()
-  config.model.update(hidden_size=32, intermediate_size=64, num_layers=1)
+  config.model.update(hidden_size=32, head_dim=8, intermediate_size=64, num_layers=1)
   config.batch_size, config.seq_len = 4, 512
   config.mesh = common.mesh(data=2, fsdp=2, tensor=2)
   config.optimizer.total_steps = config.train.steps = steps
@@ -242,7 +242,7 @@ def test_lora_sft_trains_the_adapters_and_new_rows_alone_and_resumes_exactly(tmp
   import transformers
   from hf_reference import hf_logits, make_hf_model
 
-  from coa_jax.data import load_tokenizer
+  from coa_jax.data import tokenizer_of
   from coa_jax.runtime import hf_checkpoint
 
   make_hf_model("qwen2", vocab=96, heads=4, kv_heads=2, layers=1).save_pretrained(tmp_path / "hf")
@@ -267,7 +267,8 @@ def test_lora_sft_trains_the_adapters_and_new_rows_alone_and_resumes_exactly(tmp
   shapes = {leaf.shape for _, leaf in adapters}
   assert {m.shape for m in jax.tree_util.tree_leaves(state.opt_state) if m.ndim} <= shapes
   mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
-  model_config, base = hf_checkpoint.load_model(config, load_tokenizer(config), mesh)
+  model_config, base = hf_checkpoint.load_model(ModelSettings.from_section(config.model),
+                                                tokenizer_of(config), mesh)
   for got, want in zip(jax.tree_util.tree_leaves(state.frozen), jax.tree_util.tree_leaves(base)):
     np.testing.assert_array_equal(got, want)  # untouched by 6 updates
   saved = ocp.StandardCheckpointer().restore(tmp_path / "a" / "ckpt" / "6" / "state")
@@ -284,7 +285,7 @@ def test_lora_sft_trains_the_adapters_and_new_rows_alone_and_resumes_exactly(tmp
   peft_model = peft.PeftModel.from_pretrained(base_model, tmp_path / "a" / "export" / "adapter")
   np.testing.assert_allclose(hf_logits(peft_model, ids), np.asarray(ours), atol=1e-4)
   # Both exports carry the run's tokenizer, tags included (the base model's has none).
-  tokenizer = load_tokenizer(config)
+  tokenizer = tokenizer_of(config)
   text = "<think>\nrun it\n</think>\n<code>\nprint(1)\n</code>"
   for folder in ("export", "export/adapter"):
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path / "a" / folder)

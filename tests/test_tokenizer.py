@@ -10,6 +10,7 @@ import pytest
 from coa_jax.data import coa_format
 from coa_jax.data import tokenizer as tk
 from coa_jax.data.tokenizer import declared_tags
+from coa_jax.model import ModelSettings
 from tools_env import Tool
 
 
@@ -126,7 +127,7 @@ def test_the_tag_map_holds_every_tag_and_template_token_with_its_id():
 def test_a_saved_model_keeps_its_tag_ids_when_its_tools_are_declared_in_another_order(tmp_path):
   saved = _saved_model(tmp_path / "export", ("sql", "kv"))
   assert declared_tags(ECHOES) == ("kv", "sql")  # the declaration lists them the other way
-  tokenizer = tk.load_tokenizer(_config(tmp_path / "export", ECHOES))
+  tokenizer = tk.tokenizer_of(_config(tmp_path / "export", ECHOES))
   assert tokenizer.tool_tags == ("sql", "kv")
   assert tokenizer.tag_map() == saved.tag_map()
   assert (tokenizer.tag_id("sql"), tokenizer.tag_id("kv", close=True)) == (1024, 1027)
@@ -135,7 +136,7 @@ def test_a_saved_model_keeps_its_tag_ids_when_its_tools_are_declared_in_another_
 def test_a_saved_model_s_tokenizer_starts_no_tool_server(tmp_path):
   _saved_model(tmp_path / "export", ("web_search", "lookup"))
   unreachable = {"srv": {"kind": "mcp", "command": ["/no/such/server"]}}  # fails if started
-  tokenizer = tk.load_tokenizer(_config(tmp_path / "export", unreachable))
+  tokenizer = tk.tokenizer_of(_config(tmp_path / "export", unreachable))
   assert tokenizer.tool_tags == ("web_search", "lookup")
 
 
@@ -145,8 +146,9 @@ def test_loading_a_saved_model_with_tags_whose_ids_moved_is_an_error_naming_them
 
   _saved_model(tmp_path / "export", ("sql", "kv"))
   moved = tk.default_tokenizer("plain", tool_tags=("kv", "sql"))
+  model = ModelSettings.from_section(_config(tmp_path / "export", ECHOES).model)
   with pytest.raises(tk.TagMapError) as raised:
-    hf_checkpoint.load_model(_config(tmp_path / "export", ECHOES), moved, single_device_mesh)
+    hf_checkpoint.load_model(model, moved, single_device_mesh)
   assert str(raised.value).startswith(
       f"{tmp_path}/export/{tk.TAGS_FILE}: the tokenizer's tags differ from those the model was "
       f"trained with: <sql> saved as id 1024, here 1026; </sql> saved as id 1025, here 1027; "

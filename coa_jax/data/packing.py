@@ -24,9 +24,34 @@ import numpy as np
 from coa_jax.data import coa_format, importers
 from coa_jax.data.coa_format import Trajectory
 from coa_jax.data.importers import DataError, DropCounter
-from coa_jax.data.tokenize import DroppedExample, tokenize_trajectory
+from coa_jax.data.tokenize import OVERLONG_POLICIES, DroppedExample, tokenize_trajectory
 from coa_jax.data.tokenizer import CoATokenizer
+from coa_jax.model.config import ConfigError
 from coa_jax.train.batch import TokenBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+  """An SFT job's data: the source (a JSON/JSONL or parquet file, or `tfds:NAME[:SPLIT]`), epochs,
+  what to do with a trajectory longer than a row (`OVERLONG_POLICIES`), the share of invalid
+  records tolerated, the shards (0: one per process; set it to keep the same batches on any
+  number of processes), and the data mix: `upsample_by`, a metadata key whose values `upsample`
+  repeats ({"mixed": 2}: each such trajectory twice an epoch; "": off)."""
+
+  path: str
+  num_epochs: int = 1
+  overlong: str = "truncate"
+  max_drop_fraction: float = 0.05
+  shards: int = 0
+  upsample_by: str = ""
+  upsample: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.overlong not in OVERLONG_POLICIES:
+      raise ConfigError(f"overlong={self.overlong!r}: expected one of {OVERLONG_POLICIES}")
+    if self.num_epochs < 1 or self.shards < 0 or not 0 <= self.max_drop_fraction <= 1:
+      raise ConfigError(f"num_epochs={self.num_epochs}, shards={self.shards}, max_drop_fraction="
+                        f"{self.max_drop_fraction}: expected >= 1, >= 0 and in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ splits differently by context, and 3-digit chunks are tokens too rare to learn.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -38,6 +39,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trai
 from coa_jax.data import coa_format, prompts, sample_data, world
 from coa_jax.model.config import ConfigError
 from coa_jax.runtime import paths
+from coa_jax.runtime.settings import build
 from tools_env import registry
 
 TAG_TOKENS = tuple(t for tag in coa_format.ALL_TAGS
@@ -255,30 +257,53 @@ def default_tokenizer(template: str = "plain", vocab_size: int = 1024,
                       template, tool_tags)
 
 
-def load_tokenizer(config: Any) -> CoATokenizer:
-  """Returns the tokenizer named by config.tokenizer ('default' or an HF folder) with the tags
-  of a saved model: the mapping saved in config.model.checkpoint (or in the tokenizer's
-  folder), its tool tags in their saved order, checked against the ids built (`TagMapError`);
-  without a saved mapping (a base model, a fresh one), the tags of the tools `config.tools`
-  declares (`tools_env.registry.declare`, which starts MCP servers to list theirs; default: the
-  four CoA tools)."""
-  saved, where = saved_tag_map(config)
-  tool_tags = tuple(saved["tool_tags"]) if saved else declared_tags(config.get("tools"))
-  if config.tokenizer.path == "default":
-    tokenizer = default_tokenizer(config.tokenizer.template, tool_tags=tool_tags)
+@dataclasses.dataclass(frozen=True)
+class TokenizerSettings:
+  """A job's tokenizer section: "default" (the built-in BPE) or a local HF folder, and the chat
+  template."""
+
+  path: str = "default"
+  template: str = "plain"
+
+  def __post_init__(self):
+    if self.template not in TEMPLATES:
+      raise ConfigError(f"template={self.template!r}: expected one of {TEMPLATES}")
+    if not self.path:
+      raise ConfigError("path is empty: expected 'default' or a tokenizer folder")
+
+
+def load_tokenizer(settings: TokenizerSettings, checkpoint: str = "",
+                   tools: Any = None) -> CoATokenizer:
+  """Returns the tokenizer `settings` name ('default' or an HF folder) with the tags of a saved
+  model: the mapping saved in the HF folder `checkpoint` (or in the tokenizer's folder), its
+  tool tags in their saved order, checked against the ids built (`TagMapError`); without a
+  saved mapping (a base model, a fresh one), the tags of the tools the `tools` spec declares
+  (`tools_env.registry.declare`, which starts MCP servers to list theirs; None: the four CoA
+  tools)."""
+  saved, where = saved_tag_map(settings, checkpoint)
+  tool_tags = tuple(saved["tool_tags"]) if saved else declared_tags(tools)
+  if settings.path == "default":
+    tokenizer = default_tokenizer(settings.template, tool_tags=tool_tags)
   else:
-    tokenizer = from_hf_folder(config.tokenizer.path, config.tokenizer.template, tool_tags)
+    tokenizer = from_hf_folder(settings.path, settings.template, tool_tags)
   if saved:
     tokenizer.check_tag_map(saved, where)
   return tokenizer
 
 
-def saved_tag_map(config: Any) -> tuple[dict[str, Any] | None, str]:
-  """Returns (the tag mapping, its path) saved with config.model.checkpoint, else in the
+def tokenizer_of(config: Any) -> CoATokenizer:
+  """Returns `load_tokenizer` on a job config's tokenizer, model checkpoint and tools sections:
+  for the jobs that do not type their settings yet (the SFT job does, `coa_jax.sft.settings`)."""
+  settings = build(TokenizerSettings, config.tokenizer, "tokenizer")
+  return load_tokenizer(settings, (config.get("model") or {}).get("checkpoint") or "",
+                        config.get("tools"))
+
+
+def saved_tag_map(settings: TokenizerSettings,
+                  checkpoint: str = "") -> tuple[dict[str, Any] | None, str]:
+  """Returns (the tag mapping, its path) saved with the HF folder `checkpoint`, else in the
   tokenizer's HF folder, or (None, "") when neither holds one."""
-  model = config.get("model") or {}
-  folders = [model.get("checkpoint") or "",
-             "" if config.tokenizer.path == "default" else config.tokenizer.path]
+  folders = [checkpoint, "" if settings.path == "default" else settings.path]
   for folder in filter(None, folders):
     saved = read_tag_map(folder)
     if saved is not None:

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import re
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from coa_jax.data import coa_format, rewards
 from coa_jax.data.coa_format import OBSERVATION, Step, Trajectory
@@ -30,15 +30,26 @@ from coa_jax.data.tasks import Task, load_tasks
 from coa_jax.data.tokenizer import declared_tags
 from coa_jax.data.world import World, WorldConfig, load_tools_spec
 from coa_jax.distill.teacher import TeacherConfig, Trace, build_teacher
+from coa_jax.model.config import ConfigError
 from coa_jax.runtime.cache import write_json, write_jsonl
 from coa_jax.runtime.distributed import say
 from coa_jax.runtime.paths import local
+from coa_jax.runtime.settings import build
 from tools_env import registry as tools_registry
 from tools_env.base import import_object
 
 STAGES = ("correct", "format", "complexity", "quality")
 DEFAULT_REWARDS = {"domains": {"math": {"kind": "math"}, "qa": {"kind": "qa"}},
                    "default_domain": "qa"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvironmentSettings:
+  """A user's environment: `build`, the import path of build(directory, **options) -> {"train",
+  "heldout", "tools": paths}."""
+
+  build: str
+  options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +64,34 @@ class FilterConfig:
     if not 0 <= self.min_tool_calls <= self.max_tool_calls or self.max_steps < 1:
       raise ValueError(f"filters: need 0 <= min_tool_calls <= max_tool_calls and "
                        f"max_steps >= 1, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillSettings:
+  """Everything a distillation reads (configs/distill_tiny.py shows every key): the embedded
+  world, or a user's `environment`, its tasks and tools; the teacher; the filters; `tools`, a
+  tool spec that replaces the world's or environment's tools.json (None: that file);
+  `rewards`, the spec of the `correct` stage's rewards (None: math and QA by domain)."""
+
+  output_dir: str
+  system_prompt: str
+  world: WorldConfig = WorldConfig()
+  teacher: TeacherConfig = TeacherConfig()
+  filters: FilterConfig = FilterConfig()
+  workers: int = 4
+  environment: EnvironmentSettings | None = None
+  tools: dict[str, Any] | None = None
+  rewards: dict[str, Any] | None = None
+
+  def __post_init__(self):
+    if self.workers < 1:
+      raise ConfigError(f"workers={self.workers}: expected >= 1")
+
+
+def distill_settings(config: Any, where: str = "distill") -> DistillSettings:
+  """Returns a distillation config's settings; raises ConfigError naming `where`.key for an
+  unknown key, a wrong type or a bad value."""
+  return build(DistillSettings, config, where)
 
 
 def to_trajectory(trace: Trace, system_prompt: str) -> Trajectory:
@@ -199,68 +238,64 @@ def solve(teacher: Any, tasks: Sequence[dict[str, Any]],
   return traces, failures
 
 
-def environment(config: Any) -> tuple[dict[str, str], dict[str, list[Task]]]:
-  """Writes the task files and the tool spec of the config's `environment` (`build`: the import
-  path of build(directory, **options) -> {"train", "heldout", "tools": paths}, the task files in
+def environment(settings: DistillSettings) -> tuple[dict[str, str], dict[str, list[Task]]]:
+  """Writes the task files and the tool spec of the settings' `environment` (the task files in
   any layout `coa_jax.data.tasks` reads), else of the embedded world, under output_dir/world;
   returns (the paths, the tasks by split, read as every later stage reads them)."""
-  directory = os.path.join(config.output_dir, "world")
-  if not config.get("environment"):
-    world = World(WorldConfig(**config.world))
+  directory, env = os.path.join(settings.output_dir, "world"), settings.environment
+  if env is None:
+    world = World(settings.world)
     paths = world.write(directory)
     say(f"world: {len(world.by_name)} entities, {len(world.tasks['train'])} train / "
         f"{len(world.tasks['heldout'])} held-out tasks -> {directory}")
   else:
-    build = import_object(config.environment.build, "environment.build")
-    paths = build(directory, **dict(config.environment.get("options") or {}))
-    missing = {"train", "heldout", *(() if config.get("tools") else ("tools",))} - set(paths)
+    paths = import_object(env.build, "environment.build")(directory, **env.options)
+    missing = {"train", "heldout", *(() if settings.tools else ("tools",))} - set(paths)
     if missing:
-      raise ValueError(f"environment.build {config.environment.build!r} returned no "
-                       f"{sorted(missing)} path(s)")
+      raise ValueError(f"environment.build {env.build!r} returned no {sorted(missing)} "
+                       f"path(s)")
   tasks = {split: load_tasks(paths[split]) for split in ("train", "heldout")}
-  if config.get("environment"):
-    say(f"environment {config.environment.build}: {len(tasks['train'])} train / "
-        f"{len(tasks['heldout'])} held-out tasks -> {directory}")
+  if env is not None:
+    say(f"environment {env.build}: {len(tasks['train'])} train / {len(tasks['heldout'])} "
+        f"held-out tasks -> {directory}")
   return paths, tasks
 
 
-def tool_spec(config: Any, paths: dict[str, str]) -> dict[str, Any]:
-  """Returns the tools the teacher calls: `config.tools` when the config declares them (they
+def tool_spec(settings: DistillSettings, paths: dict[str, str]) -> dict[str, Any]:
+  """Returns the tools the teacher calls: the settings' `tools` when they declare them (they
   replace the world's or environment's tools.json), else that tools.json."""
-  declared = config.get("tools")
-  if declared:
-    return declared.to_dict() if hasattr(declared, "to_dict") else dict(declared)
-  return load_tools_spec(os.path.dirname(paths["tools"]))
+  return settings.tools or load_tools_spec(os.path.dirname(paths["tools"]))
 
 
 def run(config: Any) -> dict[str, Any]:
   """Builds the world (or environment), runs the teacher on its training tasks with its tools
-  (`tool_spec`), filters, writes the data."""
-  os.makedirs(local(config.output_dir, "output_dir"), exist_ok=True)
-  paths, tasks = environment(config)
-  tools_spec = tool_spec(config, paths)
-  rewarder = rewards.build_rewarder(config.get("rewards") or DEFAULT_REWARDS,
+  (`tool_spec`), filters, writes the data. `config`: a ConfigDict (checked by
+  `distill_settings`) or DistillSettings."""
+  settings = config if isinstance(config, DistillSettings) else distill_settings(config)
+  os.makedirs(local(settings.output_dir, "output_dir"), exist_ok=True)
+  paths, tasks = environment(settings)
+  tools_spec = tool_spec(settings, paths)
+  rewarder = rewards.build_rewarder(settings.rewards or DEFAULT_REWARDS,
                                     declared_tags(tools_spec))
-  teacher_config = TeacherConfig(**config.teacher)
+  teacher_config, workers, prompt = settings.teacher, settings.workers, settings.system_prompt
   with tools_registry.build_registry(tools_spec) as tools:
     traces, failures = solve(build_teacher(tools, teacher_config),
-                             [task.record() for task in tasks["train"]], config.workers)
+                             [task.record() for task in tasks["train"]], workers)
     # The error-free teacher on the held-out tasks: the copy probe's data (coa_jax.copy_probe).
     clean = dataclasses.replace(teacher_config, vague_query_rate=0.0, misread_rate=0.0,
                                 skip_verify_rate=0.0, mental_math_rate=0.0)
     heldout, _ = solve(build_teacher(tools, clean), [task.record() for task in tasks["heldout"]],
-                       config.workers)
-  trajectories = [to_trajectory(trace, config.system_prompt) for trace in traces]
-  kept, report = Distiller(FilterConfig(**config.filters), rewarder,
+                       workers)
+  trajectories = [to_trajectory(trace, prompt) for trace in traces]
+  kept, report = Distiller(settings.filters, rewarder,
                            {task.id: task.data for task in tasks["train"]}).filter(trajectories)
   say(format_report(report))
-  out = {"traces": os.path.join(config.output_dir, "traces.jsonl"),
-         "trajectories": os.path.join(config.output_dir, "trajectories.jsonl"),
-         "heldout_trajectories": os.path.join(config.output_dir, "heldout_trajectories.jsonl"),
-         "report": os.path.join(config.output_dir, "distill_report.json")}
+  out = {name: os.path.join(settings.output_dir, file) for name, file in (
+      ("traces", "traces.jsonl"), ("trajectories", "trajectories.jsonl"),
+      ("heldout_trajectories", "heldout_trajectories.jsonl"), ("report", "distill_report.json"))}
   # Each file atomically, the report last: a killed run leaves no half file, and no report.
   write_jsonl(out["heldout_trajectories"],
-              (to_trajectory(trace, config.system_prompt).to_json() for trace in heldout))
+              (to_trajectory(trace, prompt).to_json() for trace in heldout))
   write_jsonl(out["traces"], (trace.to_json() for trace in traces))
   if not kept:
     raise DistillError(nothing_kept(report, tasks["train"], failures, paths["train"],

@@ -22,9 +22,9 @@ from coa_jax.data.coa_format import Trajectory
 from coa_jax.data.importers import DropCounter
 from coa_jax.data.packing import load_source
 from coa_jax.data.tasks import load_tasks
-from coa_jax.data.tokenizer import load_tokenizer
+from coa_jax.data.tokenizer import tokenizer_of
 from coa_jax.evaluation import copy_probe
-from coa_jax.model import Transformer
+from coa_jax.model import ModelSettings, Transformer
 from coa_jax.runtime import sharding
 from coa_jax.runtime.hf_checkpoint import load_model
 
@@ -110,9 +110,9 @@ def diagnose(stage_configs: Callable[..., dict[str, ml_collections.ConfigDict]],
       cfg = configs[f"eval_{name}"]
       if not os.path.exists(os.path.join(cfg.output_dir, "samples.jsonl")):
         continue
-      tokenizer = load_tokenizer(cfg)
+      tokenizer = tokenizer_of(cfg)
       mesh = sharding.make_mesh(sharding.MeshConfig(**cfg.mesh))
-      model_config, params = load_model(cfg, tokenizer, mesh)
+      model_config, params = load_model(ModelSettings.from_section(cfg.model), tokenizer, mesh)
       trajectories = load_source(cfg.copy_probe, DropCounter(), tokenizer.tool_tags)
       max_len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
       tasks = {t.id: t for t in load_tasks(cfg.tasks, cfg.max_tasks)}

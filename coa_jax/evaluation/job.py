@@ -19,7 +19,7 @@ import jax
 
 from coa_jax.data import World, WorldConfig, coa_format, rewards
 from coa_jax.data.tasks import Task, load_tasks
-from coa_jax.data.tokenizer import load_tokenizer
+from coa_jax.data.tokenizer import tokenizer_of
 from coa_jax.evaluation.scaling import curves, pass_at_k
 from coa_jax.model import ConfigError
 from coa_jax.rollout.job import progress_line
@@ -263,7 +263,7 @@ def run(config: Any) -> dict[str, Any]:
   def tasks_rewarder_tokenizer() -> tuple[list[Task], rewards.Rewarder, Any]:
     tasks = load_tasks(config.tasks, config.max_tasks)
     # The model's saved tags (no tool server starts for them), else the declared tools'.
-    tokenizer = load_tokenizer(config)
+    tokenizer = tokenizer_of(config)
     rewarder = rewards.build_rewarder(config.rewards.to_dict(), tokenizer.tool_tags)
     rewarder.check(tasks)
     return tasks, rewarder, tokenizer

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from coa_jax import evaluation, pipeline, rl
-from coa_jax.data import load_tokenizer
+from coa_jax.data import tokenizer_of
 from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
                                         shared_dir)
 from coa_jax.model import ConfigError, Transformer
@@ -111,7 +111,7 @@ def _training_rows(folder: str, steps: int) -> list[dict[str, float]]:
 def _near_miss_probe(config: Any, evaluate: ml_collections.ConfigDict):
   """Returns checkpoint folder -> the near-miss probe of its model (`evaluation.near_miss_chance`)
   on the held-out tasks and the teacher's held-out trajectories of `evaluate`."""
-  tokenizer = load_tokenizer(evaluate)
+  tokenizer = tokenizer_of(evaluate)
 
   def probe(checkpoint: str) -> dict[str, float]:
     model_config, params = hf_checkpoint.load_checkpoint(checkpoint,

@@ -5,6 +5,7 @@ from coa_jax.model.config import (
                                   ConfigError,
                                   Llama3RopeScaling,
                                   ModelConfig,
+                                  ModelSettings,
                                   build_config,
                                   from_hf_config,
                                   get_preset,

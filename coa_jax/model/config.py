@@ -377,11 +377,50 @@ def to_hf_config(config: ModelConfig, torch_dtype: str = "float32") -> dict[str,
   return hf
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+  """A job's model section, typed: a fresh model (`preset` plus ModelConfig fields by name) or an
+  HF folder to start from (`checkpoint`) with the fields that may change on top of it (numerics,
+  a vocabulary grown for added tags; `from_hf_config` rejects the others)."""
+
+  preset: str = ""
+  checkpoint: str = ""
+  fields: tuple[tuple[str, Any], ...] = ()  # (name, value) of each ModelConfig field set
+
+  @classmethod
+  def from_section(cls, section: Any, where: str = "model") -> "ModelSettings":
+    """Returns the settings of a config's model section; raises ConfigError naming
+    `where`.key for a field ModelConfig lacks, and, for a fresh model, any invalid value."""
+    values = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+    preset, checkpoint = values.pop("preset", ""), values.pop("checkpoint", "") or ""
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(ModelConfig)})
+    if unknown:
+      raise ConfigError(f"{where}: unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
+                        f"a model section holds preset, checkpoint and ModelConfig fields")
+    settings = cls(preset, checkpoint, tuple(sorted(values.items())))
+    if not checkpoint:
+      try:
+        settings.fresh_config()
+      except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return settings
+
+  @property
+  def overrides(self) -> dict[str, Any]:
+    return dict(self.fields)
+
+  def get(self, name: str, default: Any = None) -> Any:
+    """Returns the field `name` as the section set it, else `default`."""
+    return self.overrides.get(name, default)
+
+  def fresh_config(self) -> ModelConfig:
+    """Returns the ModelConfig of a fresh model: the preset with the fields applied."""
+    if not self.preset:
+      raise ConfigError("the model config section needs a 'preset' name (or a 'checkpoint')")
+    return get_preset(self.preset, **self.overrides)
+
+
 def build_config(spec: Any) -> ModelConfig:
   """Returns the ModelConfig of a config section: `preset` plus any field overrides (a
   `checkpoint` entry, the HF folder that training starts from, is not a field and is ignored)."""
-  values = dict(spec)
-  values.pop("checkpoint", None)
-  if "preset" not in values:
-    raise ConfigError("the model config section needs a 'preset' name")
-  return get_preset(values.pop("preset"), **values)
+  return ModelSettings.from_section(spec).fresh_config()

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from coa_jax.data import Task, build_rewarder, load_tasks, load_tokenizer
+from coa_jax.data import Task, build_rewarder, load_tasks, tokenizer_of
 from coa_jax.losses.dapo import PolicyLossConfig
-from coa_jax.model import ConfigError, Transformer
+from coa_jax.model import ConfigError, ModelSettings, Transformer
 from coa_jax.rl import critic as critic_lib
 from coa_jax.rl import update
 from coa_jax.rl.advantages import (ADVANTAGE_ESTIMATORS, group_advantages, needs_critic,
@@ -101,7 +101,7 @@ class Trainer:
     self.config, rl = config, config.rl
     # Host-side loading (files, the sandbox's set-up, tools) is agreed: a host that cannot
     # would otherwise leave the others waiting in the first collective.
-    self.tokenizer = distributed.agreed(lambda: load_tokenizer(config), "loading the tokenizer")
+    self.tokenizer = distributed.agreed(lambda: tokenizer_of(config), "loading the tokenizer")
     self.mesh, self.host = self._meshes()
     self.rollout_config = RolloutConfig(**config.rollout)
     self.n = self.rollout_config.group_size
@@ -127,8 +127,9 @@ class Trainer:
                           f"with advantage='gae' it must be 1")
     self.tasks, self.eval_tasks, self.rewarder = distributed.agreed(
         lambda: self._tasks_and_rewarder(config), "loading the tasks and the rewards")
+    model = ModelSettings.from_section(config.model)
     model_config, params = distributed.agreed(
-        lambda: load_model(config, self.tokenizer, self.mesh), "loading the model")
+        lambda: load_model(model, self.tokenizer, self.mesh), "loading the model")
     self.model_config, self.model = model_config, Transformer(model_config)
     # The KL term's reference with LoRA: the base model on the frozen weights (adapters off).
     self.base_model = Transformer(model_config.replace(lora_rank=0))

@@ -22,8 +22,8 @@ import jax
 
 from coa_jax.data import coa_format
 from coa_jax.data.tasks import Task, load_tasks
-from coa_jax.data.tokenizer import load_tokenizer
-from coa_jax.model import ConfigError, Transformer
+from coa_jax.data.tokenizer import tokenizer_of
+from coa_jax.model import ConfigError, ModelSettings, Transformer
 from coa_jax.rollout import tool_loop as rollout
 from coa_jax.rollout.sampler import Sampler, SamplingConfig
 from coa_jax.rollout.tool_loop import Rollout, RolloutConfig, RolloutRecord, summarize
@@ -40,13 +40,14 @@ def build(config: Any, tokenizer: Any = None) -> tuple[Rollout, Any]:
   """Returns (the Rollout engine, the tokenizer) that `config` describes (`tokenizer`: the one
   already loaded from it). On several hosts, the engine decodes on this host's devices with
   config.batch_size / hosts rows."""
-  tokenizer = tokenizer or distributed.agreed(lambda: load_tokenizer(config),
+  tokenizer = tokenizer or distributed.agreed(lambda: tokenizer_of(config),
                                               "loading the tokenizer")
   mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
   if config.batch_size % jax.process_count():
     raise ConfigError(f"batch_size={config.batch_size} does not split over "
                       f"{jax.process_count()} hosts")
-  model_config, params = distributed.agreed(lambda: load_model(config, tokenizer, mesh),
+  model = ModelSettings.from_section(config.model)
+  model_config, params = distributed.agreed(lambda: load_model(model, tokenizer, mesh),
                                            "loading the model")
   if params is None:
     say("model.checkpoint is empty: rolling out a freshly initialized (untrained) model")

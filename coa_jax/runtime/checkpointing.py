@@ -35,6 +35,7 @@ A SIGTERM (TPU VM preemption) asks the loop to save and stop at a step every pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import time
@@ -46,6 +47,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from coa_jax.model.config import ConfigError
 from coa_jax.runtime import distributed, paths
 
 
@@ -76,6 +78,23 @@ def is_damage(error: BaseException) -> bool:
   if isinstance(error, OSError) or not isinstance(error, ValueError):
     return False
   return str(error).startswith(_DAMAGE_CODES)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+  """Where checkpoints go (a folder or a gs://... URL), how often (steps), how many are kept,
+  whether saves are asynchronous, and whether a folder whose every step is damaged may be set
+  aside for a run from step 0 (otherwise an error)."""
+
+  directory: str
+  every: int = 200
+  max_to_keep: int = 3
+  async_save: bool = True
+  start_over_if_all_damaged: bool = False
+
+  def __post_init__(self):
+    if self.every < 1 or self.max_to_keep < 1:
+      raise ConfigError(f"every={self.every}, max_to_keep={self.max_to_keep}: expected >= 1")
 
 
 class Checkpointer:

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from coa_jax.model.config import ModelConfig, build_config, from_hf_config, to_hf_config
+from coa_jax.model.config import ModelConfig, ModelSettings, from_hf_config, to_hf_config
 from coa_jax.model.transformer import Transformer
 from coa_jax.runtime import distributed, paths
 from coa_jax.runtime import sharding as sharding_lib
@@ -435,22 +435,21 @@ def with_trained_token_ids(config: ModelConfig, tokenizer, source_vocab: int) ->
   return config.replace(lora_trained_token_ids=tuple(sorted(ids)))
 
 
-def load_model(config: Any, tokenizer, mesh) -> tuple[ModelConfig, Any]:
-  """Returns (model config, params) from the HF folder config.model.checkpoint, or (model
-  config, None) for a fresh model built from config.model; the vocabulary covers the
-  tokenizer's, and a LoRA model's trained token rows are the tokens the checkpoint lacks
-  (`with_trained_token_ids`). A folder that saved its tag mapping (a coa-jax export) is checked
-  against the tokenizer's first (`CoATokenizer.check_saved`: a tag whose id moved is an error)."""
-  sharding_lib.check_backend(config.model.get("attention_impl", "xla"),
-                             config.model.get("remat", "none"), mesh)
-  if config.model.get("checkpoint"):
-    tokenizer.check_saved(config.model.checkpoint)
-    overrides = {k: v for k, v in config.model.items() if k not in ("preset", "checkpoint")}
-    model_config, params = load_checkpoint(config.model.checkpoint, mesh,
-                                           vocab_size=tokenizer.vocab_size, **overrides)
-    source_vocab = int(read_hf_config(config.model.checkpoint)["vocab_size"])
+def load_model(model: ModelSettings, tokenizer, mesh) -> tuple[ModelConfig, Any]:
+  """Returns (model config, params) from the HF folder `model.checkpoint`, or (model config,
+  None) for a fresh model built from `model`; the vocabulary covers the tokenizer's, and a LoRA
+  model's trained token rows are the tokens the checkpoint lacks (`with_trained_token_ids`). A
+  folder that saved its tag mapping (a coa-jax export) is checked against the tokenizer's first
+  (`CoATokenizer.check_saved`: a tag whose id moved is an error)."""
+  sharding_lib.check_backend(model.get("attention_impl", "xla"), model.get("remat", "none"),
+                             mesh)
+  if model.checkpoint:
+    tokenizer.check_saved(model.checkpoint)
+    model_config, params = load_checkpoint(model.checkpoint, mesh,
+                                           vocab_size=tokenizer.vocab_size, **model.overrides)
+    source_vocab = int(read_hf_config(model.checkpoint)["vocab_size"])
     return with_trained_token_ids(model_config, tokenizer, source_vocab), params
-  model_config = build_config(config.model)
+  model_config = model.fresh_config()
   if model_config.vocab_size < tokenizer.vocab_size:
     model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   sharding_lib.check_model_fits_mesh(model_config, mesh)

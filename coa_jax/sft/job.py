@@ -1,9 +1,10 @@
 """Observation-masked SFT: data -> packed batches -> jitted sharded steps -> checkpoints -> HF.
 
 `run(config)` is the whole job behind `experiments/sft.py`; see configs/sft_tiny_cpu.py for
-every field. It resumes from the newest checkpoint in `checkpoint.directory` (train state and
-data position), stops cleanly on SIGTERM after a final save, and stops with a clear error on
-a non-finite loss, leaving the last good checkpoint as it was. Its checkpoints keep the
+every field, which `sft_settings` checks once, at the top. It resumes from the newest
+checkpoint in `checkpoint.directory` (train state and data position), stops cleanly on SIGTERM
+after a final save, and stops with a clear error on a non-finite loss, leaving the last good
+checkpoint as it was. Its checkpoints keep the
 tokenizer's tag mapping, and its HF export is a folder transformers loads whole (weights,
 tokenizer with the tags, chat template, generation defaults: `data.hf_tokenizer`).
 """
@@ -19,31 +20,31 @@ from coa_jax.model import ConfigError, Transformer
 from coa_jax.runtime import distributed, sharding
 from coa_jax.runtime.distributed import say
 from coa_jax.runtime.hf_checkpoint import load_model
+from coa_jax.sft.settings import SFTSettings, sft_settings
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
 from coa_jax.train.loop import LoopConfig, run_loop
 
 
-def _data(config: Any) -> tuple[Any, list, DropCounter]:
-  """Returns (tokenizer, trajectories, their drop counter), the drops within the config's
+def _data(settings: SFTSettings) -> tuple[Any, list, DropCounter]:
+  """Returns (tokenizer, trajectories, their drop counter), the drops within the settings'
   bound."""
-  tokenizer = load_tokenizer(config)
-  counter = DropCounter()
-  trajectories = packing.load_source(config.data.path, counter, tokenizer.tool_tags)
-  say(f"data {config.data.path}: {counter.summary()}")
-  counter.check(config.data.max_drop_fraction)
-  if config.data.get("upsample_by"):
-    trajectories = packing.upsample(trajectories, config.data.upsample_by,
-                                    dict(config.data.upsample))
-    say(f"data upsampled by {config.data.upsample_by} {dict(config.data.upsample)}: "
-        f"{len(trajectories)} examples an epoch")
+  tokenizer = load_tokenizer(settings.tokenizer, settings.model.checkpoint, settings.tools)
+  data, counter = settings.data, DropCounter()
+  trajectories = packing.load_source(data.path, counter, tokenizer.tool_tags)
+  say(f"data {data.path}: {counter.summary()}")
+  counter.check(data.max_drop_fraction)
+  if data.upsample_by:
+    trajectories = packing.upsample(trajectories, data.upsample_by, data.upsample)
+    say(f"data upsampled by {data.upsample_by} {data.upsample}: {len(trajectories)} examples "
+        f"an epoch")
   return tokenizer, trajectories, counter
 
 
-def _model_and_params(config: Any, tokenizer, mesh, tx, rng):
+def _model_and_params(settings: SFTSettings, tokenizer, mesh, tx, rng):
   """Returns (model config, TrainState): from an HF checkpoint folder or a fresh init."""
-  model_config, params = distributed.agreed(lambda: load_model(config, tokenizer, mesh),
+  model_config, params = distributed.agreed(lambda: load_model(settings.model, tokenizer, mesh),
                                            "loading the model")
   model = Transformer(model_config)
   if params is not None:
@@ -87,43 +88,44 @@ class SFTJob:
 
 
 def run(config: Any) -> dict[str, Any]:
-  """Trains per `config`; returns a summary (losses, steps, paths)."""
-  tokenizer, trajectories, counter = distributed.agreed(lambda: _data(config),
+  """Trains per `config` (a ConfigDict, checked by `sft_settings`, or SFTSettings); returns a
+  summary (losses, steps, paths)."""
+  settings = config if isinstance(config, SFTSettings) else sft_settings(config)
+  tokenizer, trajectories, counter = distributed.agreed(lambda: _data(settings),
                                                         "loading the SFT data")
 
-  mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
-  if config.batch_size % jax.process_count():
-    raise ConfigError(f"batch_size={config.batch_size} does not split over "
-                      f"{jax.process_count()} processes")
-  sharding.check_batch_fits_mesh(config.batch_size, config.train.micro_batches, mesh)
-  schedule = optimizer.learning_rate_schedule(config.optimizer)
-  tx = optimizer.make_optimizer(config.optimizer)
-  rng = jax.random.key(config.seed)
-  model_config, state = _model_and_params(config, tokenizer, mesh, tx, rng)
+  mesh = sharding.make_mesh(settings.mesh)
+  batch_size, seq_len, train = settings.batch_size, settings.seq_len, settings.train
+  if batch_size % jax.process_count():
+    raise ConfigError(f"batch_size={batch_size} does not split over {jax.process_count()} "
+                      f"processes")
+  sharding.check_batch_fits_mesh(batch_size, train.micro_batches, mesh)
+  schedule = optimizer.learning_rate_schedule(settings.optimizer)
+  tx = optimizer.make_optimizer(settings.optimizer)
+  rng = jax.random.key(settings.seed)
+  model_config, state = _model_and_params(settings, tokenizer, mesh, tx, rng)
   model = Transformer(model_config)
-  say(f"model {config.model.get('checkpoint') or config.model.preset}: "
+  say(f"model {settings.model.checkpoint or settings.model.preset}: "
       f"{model_config.num_params():,} params, vocab {model_config.vocab_size}; "
-      f"mesh {dict(mesh.shape)}; batch {config.batch_size} x {config.seq_len}")
+      f"mesh {dict(mesh.shape)}; batch {batch_size} x {seq_len}")
 
   pipeline = packing.PipelineConfig(
-      seq_len=config.seq_len, batch_size=config.batch_size // jax.process_count(),
-      seed=config.seed, num_epochs=config.data.num_epochs, overlong=config.data.overlong)
+      seq_len=seq_len, batch_size=batch_size // jax.process_count(), seed=settings.seed,
+      num_epochs=settings.data.num_epochs, overlong=settings.data.overlong)
   batches = packing.ShardedBatches(trajectories, tokenizer, pipeline, counter,
-                                   config.data.get("shards", 0), jax.process_index(),
+                                   settings.data.shards, jax.process_index(),
                                    jax.process_count())
-  step_fn = step_lib.jit_train_step(model, tx, mesh, micro_batches=config.train.micro_batches,
-                                    z_loss=config.train.z_loss, schedule=schedule)
+  step_fn = step_lib.jit_train_step(model, tx, mesh, micro_batches=train.micro_batches,
+                                    z_loss=train.z_loss, schedule=schedule)
   job = SFTJob(state, batches, step_fn, mesh)
-  loop = LoopConfig(steps=config.train.steps, workdir=config.workdir,
-                    checkpoint=config.checkpoint, log_every=config.train.log_every,
-                    stop_after=config.train.stop_after,
-                    nonfinite_skips=config.train.nonfinite_skips, export_dir=config.export_dir,
-                    export_dtype=config.export_dtype,
-                    base_checkpoint=config.model.get("checkpoint", ""),
-                    units_per_step=config.batch_size * config.seq_len,
+  loop = LoopConfig(steps=train.steps, workdir=settings.workdir, checkpoint=settings.checkpoint,
+                    log_every=train.log_every, stop_after=train.stop_after,
+                    nonfinite_skips=train.nonfinite_skips, export_dir=settings.export_dir,
+                    export_dtype=settings.export_dtype, base_checkpoint=settings.model.checkpoint,
+                    units_per_step=batch_size * seq_len,
                     plot_keys=("loss", "grad_norm", "lr"), plot_file="loss.png",
                     title="SFT (observation-masked)", tokenizer=tokenizer,
-                    export_files=hf_tokenizer.export_files(tokenizer, config.get("sampling")))
+                    export_files=hf_tokenizer.export_files(tokenizer, settings.sampling))
   result = run_loop(job, loop, state_lib.abstract_state(model, tx, mesh).checkpointed(),
                     model_config)
   summary = dict(result.summary(), drops=dict(counter.dropped), state=job.state)

@@ -39,7 +39,7 @@ from typing import Any, Protocol, Sequence
 
 import jax
 
-from coa_jax.model import ModelConfig, lora
+from coa_jax.model import ConfigError, ModelConfig, lora
 from coa_jax.runtime import distributed, hf_checkpoint, paths
 from coa_jax.runtime.checkpointing import Checkpointer, PreemptionFlag
 from coa_jax.runtime.distributed import say
@@ -67,6 +67,27 @@ class Job(Protocol):
 
   def restore(self, state: Any, data_state: dict[str, Any]) -> None:
     """Takes a restored checkpoint (`checkpoint_state`'s arrays and `data_state`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+  """A training job's loop settings: steps, gradient accumulation (`micro_batches`), the z-loss
+  coefficient, how often to log; stop_after=N ends one invocation after N steps (0: never);
+  nonfinite_skips: steps whose update was not finite that the run skips before it stops."""
+
+  steps: int
+  micro_batches: int = 1
+  z_loss: float = 0.0
+  log_every: int = 10
+  stop_after: int = 0
+  nonfinite_skips: int = 0
+
+  def __post_init__(self):
+    if self.steps < 1 or self.micro_batches < 1 or self.log_every < 1:
+      raise ConfigError(f"steps={self.steps}, micro_batches={self.micro_batches}, log_every="
+                        f"{self.log_every}: expected >= 1")
+    if self.stop_after < 0 or self.nonfinite_skips < 0 or self.z_loss < 0:
+      raise ConfigError("stop_after, nonfinite_skips and z_loss must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

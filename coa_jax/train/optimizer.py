@@ -3,6 +3,7 @@ clipping, decay on weights."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -13,10 +14,32 @@ from coa_jax.model.config import ConfigError
 SCHEDULES = ("constant", "cosine", "wsd")
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+  """AdamW and its learning-rate schedule (`learning_rate_schedule`); decay_steps: how many of
+  the last steps the "wsd" schedule decays over (unused otherwise)."""
+
+  learning_rate: float = 1e-5
+  warmup_steps: int = 0
+  schedule: str = "cosine"
+  total_steps: int = 1000
+  final_lr_fraction: float = 0.1
+  decay_steps: int = 0
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+
+  def __post_init__(self):
+    learning_rate_schedule(self)  # its checks name the field
+
+
 def learning_rate_schedule(cfg: Any, where: str = "optimizer") -> optax.Schedule:
   """Returns the schedule: linear warm-up to `learning_rate`, then "constant"; "cosine" decay to
   `final_lr_fraction` of the peak by `total_steps`; or "wsd" (warm-up, stable, decay): constant
-  at the peak, then that cosine decay over the last `decay_steps` steps only. Errors name the
+  at the peak, then that cosine decay over the last `decay_steps` steps only. `cfg`:
+  OptimizerSettings or settings with its schedule fields (the critic's). Errors name the
   settings as `where`.<field>."""
   if cfg.schedule not in SCHEDULES:
     raise ConfigError(f"{where}.schedule={cfg.schedule!r}: expected one of {SCHEDULES}")
@@ -30,7 +53,7 @@ def learning_rate_schedule(cfg: Any, where: str = "optimizer") -> optax.Schedule
   if cfg.schedule == "constant":
     after = optax.constant_schedule(lr)
   else:
-    decay = after_warmup if cfg.schedule == "cosine" else cfg.get("decay_steps", 0)
+    decay = after_warmup if cfg.schedule == "cosine" else getattr(cfg, "decay_steps", 0)
     if not 0 < decay <= after_warmup:
       raise ConfigError(f"{where}.decay_steps={decay}: expected 1..total_steps - warmup_steps "
                         f"({after_warmup}) for a wsd schedule")
