@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
+from ml_collections.config_flags import config_path
 
 from coa_jax import pipeline
 from coa_jax.runtime import cli, distributed
@@ -57,8 +58,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   recipe = _recipe()
-  if _QUICK.value:
+  if _QUICK.value:  # the command line's settings win over the smoke test's, but its folder
     config = recipe.quick(config)
+    for path, value in config_flags.get_override_values(flags.FLAGS["config"]).items():
+      if path != "output_dir":  # quick() named it after the command line's
+        config_path.set_value(path, config, value)
     say(f"--quick: a smoke test of every stage, written to {config.output_dir} (--quick adds "
         f"_quick to config.output_dir; `make view RUN={config.output_dir}` shows it)")
   # Both evaluations of a seed, and every seed, compile the same programs: a persistent cache
