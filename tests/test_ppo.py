@@ -104,7 +104,7 @@ def test_critic_export_loads_in_transformers_with_the_same_values(uninterrupted)
   critic = summary["critic_state"].params
   config = json.load(open(f"{folder}/config.json"))
   model = Transformer(build_config(dict(preset="tiny", hidden_size=128, intermediate_size=256,
-                                        num_layers=2, num_heads=4, num_kv_heads=2,
+                                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                                         vocab_size=config["vocab_size"])), head="value")
   ids = np.random.default_rng(0).integers(0, config["vocab_size"], (2, 12))
   ours = np.asarray(model.apply({"params": jax.device_get(critic)}, jnp.asarray(ids)))
