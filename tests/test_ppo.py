@@ -264,7 +264,9 @@ def _programs(mesh, seed=0):
   model_config = build_config(dict(preset="tiny", hidden_size=32, intermediate_size=64,
                                    num_layers=2, num_heads=4, num_kv_heads=4, vocab_size=64))
   model = Transformer(model_config)
-  opt = common.optimizer(learning_rate=1e-2, schedule="constant", weight_decay=0.0)
+  # Adam's eps of 1e-3 keeps its first step a smooth function of the gradient: with 1e-8, a
+  # weight whose gradient is near 0 moves by lr * g / |g|, a sign that reduction order can flip.
+  opt = common.optimizer(learning_rate=1e-2, schedule="constant", weight_decay=0.0, eps=1e-3)
   tx = optimizer.make_optimizer(opt)
   actor = state_lib.init_state(model, tx, mesh, jax.random.key(seed))
   critic = critic_lib.Critic(critic_lib.CriticConfig(cliprange_value=0.2), model_config,
@@ -304,9 +306,7 @@ def test_ppo_on_eight_devices_equals_one_device():
       np.testing.assert_allclose(np.asarray(a[key]), np.asarray(b[key]), rtol=2e-4, atol=1e-6,
                                  err_msg=key)
   assert float(actor1["grad_norm"]) > 0 and critic1["critic_grad_norm"] > 0
-  # Adam's first step moves each weight by about lr * sign(g): on weights whose gradient is
-  # near 0, reduction-order rounding moves that step a little (1e-4 is 1% of lr = 1e-2).
-  jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4),
+  jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5),
                          params1, params8)
 
 
