@@ -36,10 +36,11 @@ def main(argv):
     config.model.preset = _MODEL.value
   if _TOPOLOGY.value:
     config.topology = _TOPOLOGY.value
-  reports = aot.config_reports(config)
+  settings = aot.run_settings(config)
+  reports = aot.config_reports(settings)
   for report in reports.values():
     print(report.format())
-  path = _REPORT.value or config.get("report_json")
+  path = _REPORT.value or getattr(settings, "report_json", "")
   if path:
     with open(path, "w") as f:
       json.dump({name: aot.report_json(r) for name, r in reports.items()}, f, indent=2)

@@ -42,7 +42,6 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -51,7 +50,7 @@ from coa_jax.data.tasks import Task
 from coa_jax.data.tokenizer import default_tokenizer
 from coa_jax.model import Transformer, build_config
 from coa_jax.perf import bench, host_overhead
-from coa_jax.rollout import job as rollout_job
+from coa_jax.rollout import settings as agent
 from coa_jax.runtime import hf_checkpoint, sharding
 from coa_jax.runtime.sharding import init_params
 from coa_jax.sft import job as sft
@@ -147,10 +146,12 @@ def bench_tool_latency():
   config.max_tasks = _TASKS.value
   config.sampling.temperature = 0.0  # greedy: the same tokens whatever the tool timing
   config.rollout.group_size = 1
-  tasks = load_tasks(config.tasks, config.max_tasks, require_answer=False)
+  settings = agent.rollout_settings(config)
+  tasks = load_tasks(settings.tasks, settings.max_tasks, require_answer=False)
+  tokenizer = agent.agent_tokenizer(settings)
   runs = {}
   for delay in (0.0, _TOOL_DELAY.value):
-    engine, _ = rollout_job.build(config)
+    engine = agent.engine(settings, tokenizer)
     engine.tools = ToolRegistry({tag: Delayed(tool, delay)
                                  for tag, tool in engine.tools.tools.items()})
     list(engine.run(tasks[:8]))  # compile every bucket first
@@ -243,9 +244,9 @@ def _print_host_overhead(result):
 
 def bench_evaluation(pipeline_dir: str, rounds: int = 2):
   """Part 4: the main job's evaluation rollouts, active rows decoded alone vs the whole batch."""
-  from coa_jax.evaluation.job import evaluate_rollouts
   from coa_jax.data import rewards
-  from coa_jax.data.tokenizer import declared_tags
+  from coa_jax.evaluation.job import evaluate_rollouts
+  from coa_jax.evaluation.settings import evaluation_settings
   from configs import pipeline_tiny_cpu
 
   main_job = pipeline_tiny_cpu.get_config()
@@ -254,17 +255,19 @@ def bench_evaluation(pipeline_dir: str, rounds: int = 2):
   if not os.path.exists(os.path.join(config.model.checkpoint, "config.json")):
     raise SystemExit(f"no SFT model in {config.model.checkpoint}: run `make pipeline` first "
                      f"(or pass --pipeline_dir)")
-  config.rollout.group_size = config.k
-  tasks = load_tasks(config.tasks, config.max_tasks)
-  rewarder = rewards.build_rewarder(config.rewards.to_dict(), declared_tags(config.tools))
-  engine, tokenizer = rollout_job.build(config)
+  settings = evaluation_settings(config)
+  tasks = load_tasks(settings.tasks, settings.max_tasks)
+  tokenizer = agent.agent_tokenizer(settings)
+  rewarder = rewards.build_rewarder(settings.rewards, tokenizer.tool_tags)
+  engine = agent.engine(settings, tokenizer, dataclasses.replace(settings.rollout,
+                                                                 group_size=settings.k))
   seconds = {"active_rows": [], "whole_batch": []}
   samples = {}
   try:
     for i in range(rounds + 1):  # round 0 compiles both
       for mode in seconds:
         engine.decode_active_rows = mode == "active_rows"
-        engine.key = jax.random.key(config.seed)  # every run samples alike
+        engine.key = jax.random.key(settings.seed)  # every run samples alike
         start = time.perf_counter()
         samples[mode] = evaluate_rollouts(engine, tokenizer, tasks, rewarder)
         if i:

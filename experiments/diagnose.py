@@ -13,6 +13,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from coa_jax import pipeline
 from coa_jax.evaluation import diagnosis
 from configs import pipeline_tiny_cpu
 
@@ -25,7 +26,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   seeds = [int(s) for s in _SEEDS.value]
-  result = diagnosis.diagnose(pipeline_tiny_cpu.stage_configs, config, seeds)
+  result = diagnosis.diagnose(pipeline.Stages(config, pipeline_tiny_cpu.stage_configs).of, seeds)
   for seed, models in result.items():
     for name, parts in models.items():
       for family, probe in parts["probe"].items():

@@ -35,7 +35,7 @@ def main(argv):
     config = importlib.import_module(f"configs.{name}").get_config()
     print(f"[{i + 1}/{len(_CONFIGS.value)}] {name} on {config.topology} "
           f"({time.perf_counter() - start:.0f} s so far)", flush=True)
-    reports = aot.config_reports(config)
+    reports = aot.config_reports(aot.run_settings(config))
     for report in reports.values():
       print(report.format(), flush=True)
     results[name] = {program: aot.report_json(r) for program, r in reports.items()}

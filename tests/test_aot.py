@@ -4,15 +4,17 @@ import pytest
 
 from coa_jax.model import get_preset
 from coa_jax.perf import aot, roofline
+from coa_jax.rl.settings import rl_settings
 from coa_jax.runtime import hardware, sharding, xla_flags
-from configs import common
+from coa_jax.sft.settings import sft_settings
+from coa_jax.train.optimizer import OptimizerSettings
 
 TINY = get_preset("tiny", num_layers=4, dtype="bfloat16", remat="full")
 
 
 @pytest.fixture(scope="module")
 def report():
-  return aot.aot_report("tiny", TINY, common.optimizer(), "v5e:2x2",
+  return aot.aot_report("tiny", TINY, OptimizerSettings(), "v5e:2x2",
                         sharding.MeshConfig(data=2, fsdp=2, tensor=1), batch_size=8, seq_len=64)
 
 
@@ -29,7 +31,7 @@ def test_tiny_model_compiles_for_a_tpu_topology_and_reports_memory(report):
 def test_extrapolated_compiler_flops_match_a_fully_unrolled_compile(report):
   devices = aot.topology_devices("v5e:2x2")
   unrolled, _, _, _ = aot.compile_train_step(
-      TINY.replace(scan_unroll=TINY.num_layers), common.optimizer(), devices,
+      TINY.replace(scan_unroll=TINY.num_layers), OptimizerSettings(), devices,
       sharding.MeshConfig(data=2, fsdp=2, tensor=1), 8, 64)
   flops, _ = aot._cost(unrolled)
   assert abs(report.compiler_flops - flops) / flops < 0.02
@@ -43,7 +45,7 @@ def test_unknown_topology_is_named():
 def test_batch_not_splitting_over_the_mesh_is_named():
   with pytest.raises(ValueError, match="batch_size=6 in 1 micro-batch.* does not split over "
                                        "data x fsdp = 4"):
-    aot.compile_train_step(TINY, common.optimizer(), aot.topology_devices("v5e:2x2"),
+    aot.compile_train_step(TINY, OptimizerSettings(), aot.topology_devices("v5e:2x2"),
                            sharding.MeshConfig(data=1, fsdp=4, tensor=1), 6, 64)
 
 
@@ -55,17 +57,15 @@ def test_topology_chip_counts():
 
 
 def test_the_7b_sft_config_compiles_scaled_down_with_its_state_split_over_every_chip():
-  from coa_jax.model import build_config
   from configs import sft_qwen2_5_7b
 
-  config = sft_qwen2_5_7b.get_config()
-  model = build_config(config.model).replace(num_layers=2, hidden_size=512, head_dim=128,
+  settings = sft_settings(sft_qwen2_5_7b.get_config())
+  model = settings.model.fresh_config().replace(num_layers=2, hidden_size=512, head_dim=128,
                                              intermediate_size=1024, vocab_size=4096,
                                              attention_block=128)  # splash's smallest tile
   compiled, mesh, _, _ = aot.compile_train_step(
-      model, config.optimizer, aot.topology_devices("v5e:2x2"),
-      sharding.MeshConfig(**config.mesh), batch_size=16, seq_len=128,
-      micro_batches=config.train.micro_batches)
+      model, settings.optimizer, aot.topology_devices("v5e:2x2"), settings.mesh,
+      batch_size=16, seq_len=128, micro_batches=settings.train.micro_batches)
   assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
   # float32 weights and AdamW's two moments, a quarter on each chip (the batch and the
   # replicated norm scales are the rest)
@@ -74,16 +74,15 @@ def test_the_7b_sft_config_compiles_scaled_down_with_its_state_split_over_every_
 
 
 def test_the_32b_lora_sft_config_compiles_scaled_down_holding_bf16_base_and_f32_adapters():
-  from coa_jax.model import build_config
   from configs import sft_qwen2_5_32b_lora
 
-  config = sft_qwen2_5_32b_lora.get_config()
-  model = build_config(config.model).replace(num_layers=2, hidden_size=512, head_dim=128,
+  settings = sft_settings(sft_qwen2_5_32b_lora.get_config())
+  model = settings.model.fresh_config().replace(num_layers=2, hidden_size=512, head_dim=128,
                                              intermediate_size=1024, vocab_size=4096,
                                              attention_block=128)  # splash's smallest tile
   compiled, mesh, _, _ = aot.compile_train_step(
-      model, config.optimizer, aot.topology_devices(config.topology),
-      sharding.MeshConfig(**config.mesh), batch_size=8, seq_len=128, micro_batches=2)
+      model, settings.optimizer, aot.topology_devices(settings.topology), settings.mesh,
+      batch_size=8, seq_len=128, micro_batches=2)
   assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}  # one v5p host
   # Per chip: the frozen base in bf16 over fsdp; the adapters with their two AdamW moments in
   # float32, over fsdp where an adapter has the embed axis (A of q, k, v, gate, up; B of o,
@@ -97,18 +96,16 @@ def test_the_32b_lora_sft_config_compiles_scaled_down_holding_bf16_base_and_f32_
 
 
 def test_the_32b_dapo_update_compiles_scaled_down():
-  from coa_jax.model import build_config
-  from coa_jax.rl import dapo
   from configs import dapo_qwen2_5_32b
 
-  config = dapo_qwen2_5_32b.get_config()
-  model = build_config(config.model).replace(num_layers=2, hidden_size=512, head_dim=128,
+  settings = rl_settings(dapo_qwen2_5_32b.get_config())
+  model = settings.model.fresh_config().replace(num_layers=2, hidden_size=512, head_dim=128,
                                              intermediate_size=1024, vocab_size=4096,
                                              attention_block=128)  # splash's smallest tile
   compiled, mesh, _, _ = aot.compile_train_step(
-      model, config.optimizer, aot.topology_devices("v5e:2x2"),
+      model, settings.optimizer, aot.topology_devices("v5e:2x2"),
       sharding.MeshConfig(data=1, fsdp=2, tensor=2), batch_size=8, seq_len=128, micro_batches=2,
-      loss_config=dapo.loss_config(config.rl))
+      loss_config=settings.rl.policy_loss())
   assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
   assert compiled.memory_analysis().temp_size_in_bytes > 0
 
@@ -171,19 +168,16 @@ def test_pod_fit_row_and_json_of_a_report(report):
 
 
 def test_ppo_updates_compile_scaled_down_with_the_other_models_state_resident():
-  from coa_jax.model import build_config
-  from coa_jax.rl import critic as critic_lib
-  from coa_jax.rl import dapo
   from configs import ppo_qwen2_5_7b
 
-  config = ppo_qwen2_5_7b.get_config()
-  model = build_config(config.model).replace(num_layers=2, hidden_size=512, head_dim=128,
+  settings = rl_settings(ppo_qwen2_5_7b.get_config())
+  model = settings.model.fresh_config().replace(num_layers=2, hidden_size=512, head_dim=128,
                                              intermediate_size=1024, vocab_size=4096,
                                              attention_block=128)  # splash's smallest tile
-  critic = critic_lib.CriticConfig(**config.rl.critic)
-  shape = (model, config.optimizer, aot.topology_devices("v5e:2x2"),
+  critic = settings.rl.critic
+  shape = (model, settings.optimizer, aot.topology_devices("v5e:2x2"),
            sharding.MeshConfig(data=1, fsdp=2, tensor=2), 8, 128, 2)
-  actor, _, _, critic_state = aot.compile_train_step(*shape, dapo.loss_config(config.rl), critic)
+  actor, _, _, critic_state = aot.compile_train_step(*shape, settings.rl.policy_loss(), critic)
   value, _, _, actor_state = aot.compile_train_step(*shape, None, critic)
   # The states differ by their heads: the LM head (embed over fsdp, vocab over tensor) against
   # the value head (embed over fsdp), each with AdamW's two moments, float32.
@@ -203,7 +197,7 @@ def test_cost_compiles_reach_the_tpu_compiler_without_windowed_einsums(monkeypat
   """The options of `xla_flags.COUNTED_MATMULS` go to the cost compiles alone (an option the
   compiler does not know fails the compile that gets it)."""
   monkeypatch.setattr(xla_flags, "COUNTED_MATMULS", {"xla_no_such_option": "false"})
-  shape = (TINY, common.optimizer(), aot.topology_devices("v5e:2x2"),
+  shape = (TINY, OptimizerSettings(), aot.topology_devices("v5e:2x2"),
            sharding.MeshConfig(fsdp=-1), 4, 16)
   aot.compile_train_step(*shape)
   with pytest.raises(Exception, match="No such compile option: 'xla_no_such_option'"):
@@ -214,7 +208,7 @@ def test_the_compilers_estimate_adds_the_splash_kernels_it_cannot_cost():
   """XLA costs a Pallas kernel only by the estimate the kernel declares, and splash declares
   none: the report adds the kernels' time at the chip's peak, and says so."""
   model = TINY.replace(attention_impl="splash", remat="minimal_with_context")
-  splash = aot.aot_report("tiny", model, common.optimizer(), "v5e:2x2",
+  splash = aot.aot_report("tiny", model, OptimizerSettings(), "v5e:2x2",
                           sharding.MeshConfig(fsdp=-1), batch_size=4, seq_len=256)
   peak = hardware.chip_for(splash.device_kind).peak_bf16_flops
   kernels = roofline.attention_kernel_seconds(model, 4, 256, 4, peak)
@@ -223,7 +217,7 @@ def test_the_compilers_estimate_adds_the_splash_kernels_it_cannot_cost():
 
 
 def test_offloading_remat_keeps_the_activations_in_host_memory_on_tpu():
-  compiled, *_ = aot.compile_train_step(TINY.replace(remat="offload"), common.optimizer(),
+  compiled, *_ = aot.compile_train_step(TINY.replace(remat="offload"), OptimizerSettings(),
                                         aot.topology_devices("v5e:2x2"),
                                         sharding.MeshConfig(fsdp=-1), 4, 64)
   assert "S(5)" in compiled.as_text()  # XLA's memory space of pinned host memory

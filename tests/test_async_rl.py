@@ -15,6 +15,7 @@ from coa_jax.perf import async_bench
 from coa_jax.rl import dapo
 from coa_jax.rl import job as rl_job
 from coa_jax.rl.async_trainer import AsyncTrainer
+from coa_jax.rl.settings import rl_settings
 from coa_jax.rl.staleness import StalenessQueue
 from coa_jax.runtime import sharding
 from configs import common, dapo_tiny_cpu
@@ -105,7 +106,7 @@ def test_with_staleness_0_the_worker_runs_one_batch_per_version():
 def staleness_0(tmp_path_factory):
   """(trainer, its initial state, the first batch its worker produced)."""
   tmp = tmp_path_factory.mktemp("async0")
-  trainer = AsyncTrainer(_config(tmp, staleness=0))
+  trainer = AsyncTrainer(rl_settings(_config(tmp, staleness=0)))
   initial = _copy(trainer.state)
   trainer._start_worker(version=0)
   taken, _ = trainer.worker.queue.take(2, timeout=300)
@@ -143,7 +144,7 @@ def test_staleness_0_updates_are_the_synchronous_step(staleness_0, tmp_path):
   # over 8 devices in another order).
   config = _config(tmp_path, enabled=False)
   config.mesh = common.mesh(data=2, fsdp=2, tensor=2)
-  sync = dapo.Trainer(config)
+  sync = dapo.Trainer(rl_settings(config))
   sync.state = sync.state.replace(params=jax.device_put(
       jax.tree_util.tree_map(np.asarray, initial.params),
       jax.tree_util.tree_map(lambda x: x.sharding, sync.state.params)))
@@ -181,7 +182,7 @@ def test_lora_pushes_the_base_once_then_adapters_and_rows(tmp_path, monkeypatch)
   and the updates train the adapters and rows."""
   config = _config(tmp_path, staleness=0)
   config.model.update(lora_rank=4, lora_alpha=8.0, lora_trained_token_ids=(3, 7))
-  trainer = AsyncTrainer(config)
+  trainer = AsyncTrainer(rl_settings(config))
   moves = []  # the paths of every leaf pushed to the rollout devices
   to_host_mesh = sharding.to_host_mesh
   monkeypatch.setattr(sharding, "to_host_mesh", lambda tree, *args: (
@@ -233,7 +234,7 @@ def test_lora_pushes_the_base_once_then_adapters_and_rows(tmp_path, monkeypatch)
 ])
 def test_bad_async_settings_are_named(tmp_path, options, message):
   with pytest.raises(ConfigError, match=message):
-    AsyncTrainer(_config(tmp_path, **options))
+    AsyncTrainer(rl_settings(_config(tmp_path, **options)))
 
 
 def test_the_job_overlaps_rollouts_and_updates_and_reports_them(tmp_path):

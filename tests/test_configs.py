@@ -1,6 +1,6 @@
 """Every shipped config loads, and the real (pod and GPU-node) ones split their batches over
-their meshes; every SFT and distillation config builds its typed settings, command-line
-overrides reach them, and a bad value is an error naming its key."""
+their meshes; every job's config builds its typed settings (every stage of every pipeline
+too), command-line overrides reach them, and a bad value is an error naming its key."""
 
 import importlib
 import os
@@ -10,11 +10,18 @@ from absl import flags
 from ml_collections import config_flags
 from ml_collections.config_flags import config_path
 
-from coa_jax.model import ConfigError, ModelSettings, build_config
-from coa_jax.runtime import cli, hardware, load_model, sharding
 from coa_jax.distill.job import distill_settings
+from coa_jax.evaluation.settings import evaluation_settings
+from coa_jax.model import ConfigError, ModelSettings, build_config
+from coa_jax.perf import aot
+from coa_jax.pipeline import Stages
+from coa_jax.rl.settings import rl_settings
+from coa_jax.rollout.settings import rollout_settings
+from coa_jax.runtime import cli, hardware, load_model, sharding
+from coa_jax.runtime.settings import build, to_section
 from coa_jax.sft.settings import sft_settings
-from configs import distill_tiny, pipeline_tiny_cpu, sft_tiny_cpu
+from configs import (dapo_tiny_cpu, distill_tiny, evaluate_tiny, pipeline_tiny_cpu,
+                     rollout_tiny_cpu, sft_tiny_cpu)
 
 NAMES = sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(__file__), "..",
                                                        "configs"))
@@ -60,13 +67,18 @@ def test_config_paths_through_python_keywords_parse_on_the_command_line():
   assert config_path.split("rl['async'].staleness") == ("rl", "async", "staleness")
 
 
-SFT = [n for n in NAMES if n.startswith("sft_")]
+# Each job's configs, by the prefix of their names, and the job's settings builder.
+JOBS = {"sft_": sft_settings, "dapo_": rl_settings, "ppo_": rl_settings,
+        "rollout_": rollout_settings, "evaluate_": evaluation_settings,
+        "distill_": distill_settings, "aot_": aot.run_settings}
+JOB_CONFIGS = [(n, job) for n in NAMES for prefix, job in JOBS.items() if n.startswith(prefix)]
 
 
-@pytest.mark.parametrize("name", SFT)
-def test_every_sft_config_builds_its_settings(name):
-  settings = sft_settings(importlib.import_module(f"configs.{name}").get_config())
-  assert settings.train.steps > 0 and settings.model.preset
+@pytest.mark.parametrize("name,job", JOB_CONFIGS, ids=[n for n, _ in JOB_CONFIGS])
+def test_every_job_config_builds_its_settings(name, job):
+  """... and the settings turned back into a section (`to_section`) build the same again."""
+  settings = job(importlib.import_module(f"configs.{name}").get_config())
+  assert build(type(settings), to_section(settings), name) == settings
 
 
 @pytest.mark.parametrize("name", ["pipeline_tiny_cpu", "pipeline_sql_cpu",
@@ -75,25 +87,42 @@ def test_every_pipeline_builds_its_stages_settings(name):
   recipe = importlib.import_module(f"configs.{name}")
   stage_configs = getattr(recipe, "stage_configs", pipeline_tiny_cpu.stage_configs)
   for config in (recipe.get_config(), pipeline_tiny_cpu.quick(recipe.get_config())):
-    stages = stage_configs(config)
-    assert sft_settings(stages["sft"]).seq_len > 0
-    assert distill_settings(stages["distill"]).workers > 0
+    stages = Stages(config, stage_configs).of(seed=1)
+    assert set(stages) == {"distill", "sft", "dapo", "ppo", "eval_teacher", "eval_sft",
+                           "eval_dapo"}
+    assert stages["sft"].seed == stages["dapo"].seed == stages["eval_sft"].seed == 1
+    assert stages["ppo"].rl.uses_critic and not stages["dapo"].rl.uses_critic
 
 
 def test_the_distill_config_builds_its_settings():
   assert distill_settings(distill_tiny.get_config()).world.entities == 300
 
 
-def test_command_line_overrides_reach_the_sft_settings():
-  argv = ["experiments/sft.py", f"--config={sft_tiny_cpu.__file__}",
-          "--config.optimizer.warmup_steps=7", "--config.data.upsample_by=family",
-          "--config.model.num_layers=3"]
+def _command_line(script: str, config_file: str, *overrides: str):
+  """Returns the config a job's entry script reads from `overrides` on its command line."""
+  argv = cli.config_argv([script, f"--config={config_file}", *overrides])
   values = flags.FlagValues()
   config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
   values(argv)
-  settings = sft_settings(values.config)
+  return values.config
+
+
+def test_command_line_overrides_reach_the_sft_settings():
+  settings = sft_settings(_command_line(
+      "experiments/sft.py", sft_tiny_cpu.__file__, "--config.optimizer.warmup_steps=7",
+      "--config.data.upsample_by=family", "--config.model.num_layers=3"))
   assert (settings.optimizer.warmup_steps, settings.data.upsample_by) == (7, "family")
   assert settings.model.fresh_config().num_layers == 3
+
+
+def test_command_line_overrides_reach_the_rl_settings():
+  settings = rl_settings(_command_line(
+      "experiments/dapo.py", dapo_tiny_cpu.__file__, "--config.rl.eps_high=0.3",
+      "--config.rl.async.staleness=2", "--config.rl.critic.gamma=0.99",
+      "--config.rollout.max_turns=3", "--config.sampling.top_p=0.9"))
+  assert (settings.rl.eps_high, settings.rl.async_.staleness) == (0.3, 2)
+  assert settings.rl.policy_loss().eps_high == 0.3 and settings.rl.critic.gamma == 0.99
+  assert (settings.rollout.max_turns, settings.sampling.top_p) == (3, 0.9)
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -116,6 +145,51 @@ def test_a_bad_sft_value_is_an_error_naming_its_key(key, value, message):
 def test_a_bad_distill_value_is_an_error_naming_its_key(key, value, message):
   with pytest.raises(ConfigError, match=message):
     distill_settings(_with(distill_tiny.get_config(), key, value))
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("rl.eps_hgh", 0.3, r"dapo\.rl: unknown key\(s\) dapo\.rl\.eps_hgh"),
+    ("rl.batch_groups", "4", r"dapo\.rl\.batch_groups='4': expected an integer"),
+    ("rl.mini_batch_groups", 3, r"batch_groups=4 is not a multiple of mini_batch_groups=3"),
+    ("rl.eps_low", 1.5, r"dapo\.rl: clip ratios must satisfy"),
+    ("rl.advantage", "median", r"advantage normalize='median': expected one of"),
+    ("rl.async.staleness", -1, r"dapo\.rl\.async: staleness=-1"),
+    ("rl.critic.truncation", "drop", r"rl\.critic\.truncation='drop'"),
+    ("sampling.temperature", 0.0, r"DAPO needs sampled rollouts"),
+    ("optimizer.schedule", "linear", r"dapo\.optimizer: optimizer\.schedule='linear'"),
+])
+def test_a_bad_rl_value_is_an_error_naming_its_key(key, value, message):
+  with pytest.raises(ConfigError, match=message):
+    rl_settings(_with(dapo_tiny_cpu.get_config(), key, value))
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("transcript", 4, r"rollout job: unknown key\(s\) rollout job\.transcript"),
+    ("chunk", "32", r"rollout job\.chunk='32': expected an integer"),
+    ("rollout.group_size", 0, r"rollout\.group_size must be >= 1"),
+    ("tools", "bm25", r"rollout job\.tools='bm25': expected a mapping"),
+])
+def test_a_bad_rollout_value_is_an_error_naming_its_key(key, value, message):
+  with pytest.raises(ConfigError, match=message):
+    rollout_settings(_with(rollout_tiny_cpu.get_config(), key, value))
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("system", "human", r"evaluation: system='human': expected one of"),
+    ("k", 0, r"evaluation: k=0: expected >= 1"),
+    ("teacher.misread_rate", 2.0, r"evaluation\.teacher: teacher\.misread_rate must be in"),
+    ("copy_probes", "", r"evaluation: unknown key\(s\) evaluation\.copy_probes"),
+])
+def test_a_bad_evaluation_value_is_an_error_naming_its_key(key, value, message):
+  with pytest.raises(ConfigError, match=message):
+    evaluation_settings(_with(evaluate_tiny.get_config(), key, value))
+
+
+def test_a_bad_stage_value_of_a_pipeline_is_named_before_any_stage_runs():
+  config = pipeline_tiny_cpu.get_config()
+  config.dapo.rl.eps_low = 1.5  # the pipeline's dapo block moves the dapo and ppo stages
+  with pytest.raises(ConfigError, match=r"dapo\.rl: clip ratios"):
+    Stages(config, pipeline_tiny_cpu.stage_configs).of()
 
 
 def _with(config, key: str, value):

@@ -94,7 +94,8 @@ def test_lora_dapo_trains_adapters_decodes_them_and_resumes_exactly(tmp_path):
   reference (the base, adapters off) moves away from the policy, and a resumed run equals the
   uninterrupted one; the export writes PEFT's adapters beside the merged model, each with the
   tokenizer's files."""
-  from coa_jax.data import tokenizer_of
+  from coa_jax.rl.settings import rl_settings
+  from coa_jax.rollout.settings import agent_tokenizer
   from coa_jax.model import lora
 
   def lora_config(name):
@@ -117,7 +118,7 @@ def test_lora_dapo_trains_adapters_decodes_them_and_resumes_exactly(tmp_path):
   assert float(jnp.abs(state.params["layers"]["attn"]["q_proj"]["lora_b"]).max()) > 0
   assert (tmp_path / "export" / "adapter" / "adapter_config.json").exists()
   # Both exports carry the tokenizer's tag mapping, the merged one the sampling defaults.
-  tokenizer = tokenizer_of(whole_config)
+  tokenizer = agent_tokenizer(rl_settings(whole_config))
   for folder in ("export", "export/adapter"):
     assert json.loads((tmp_path / folder / "coa_tags.json").read_text()) == tokenizer.tag_map()
   generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())

@@ -1,12 +1,11 @@
 """The experiment runner (overrides, per-cell caching, results files), RL query selection on a
 fake sampler, and the experiment kinds' summaries and tables on hand-made results."""
 
+import dataclasses
 import json
 import os
-import types
 from pathlib import Path
 
-import ml_collections
 import numpy as np
 import pytest
 
@@ -20,12 +19,15 @@ from coa_jax.rl import query_selection
 from coa_jax.rl.query_selection import SelectionConfig, select_tasks
 from configs.experiments import EXPERIMENTS
 from configs import pipeline_tiny_cpu
+from coa_jax.pipeline import Stages
 
 
 def _config(tmp_path):
-  return ml_collections.ConfigDict(dict(
-      seed=0, output_dir=str(tmp_path / "run"),
-      dapo=dict(learning_rate=5e-5, rl=dict(steps=16)), selection=dict(low=0.0, high=1.0)))
+  return with_overrides(pipeline_tiny_cpu.get_config(), {"output_dir": str(tmp_path / "run")})
+
+
+def _stages(config):
+  return Stages(config, pipeline_tiny_cpu.stage_configs)
 
 
 def test_overrides_set_dotted_paths_and_reject_unknown_ones(tmp_path):
@@ -45,9 +47,10 @@ class FakeKind:
   def __init__(self):
     self.calls = []
 
-  def run_cell(self, config, stage_configs, seed, options):
-    self.calls.append((config.dapo.learning_rate, seed, options.get("stage")))
-    return {"score": config.dapo.learning_rate * 1e5 + seed, "stage": options.get("stage")}
+  def run_cell(self, stages, seed, options):
+    learning_rate = stages.of(seed)["dapo"].optimizer.learning_rate
+    self.calls.append((learning_rate, seed, options.get("stage")))
+    return {"score": learning_rate * 1e5 + seed, "stage": options.get("stage")}
 
   def summarize(self, results):
     return {name: [r["score"] for r in by_seed.values()] for name, by_seed in results.items()}
@@ -65,7 +68,7 @@ def test_runner_caches_each_cell_and_seed_under_its_settings(tmp_path):
                                          "high": {"dapo.learning_rate": 1e-4,
                                                   "options.stage": "ppo"}},
                           seeds=2, options={"stage": "dapo"})
-  report = run(experiment, _config(tmp_path), None, {"fake": kind})
+  report = run(experiment, _config(tmp_path), pipeline_tiny_cpu.stage_configs, {"fake": kind})
   assert kind.calls == [(1e-5, 0, "dapo"), (1e-5, 1, "dapo"), (1e-4, 0, "ppo"), (1e-4, 1, "ppo")]
   assert report["summary"] == {"low": [1.0, 2.0], "high": [10.0, 11.0]}
   out = tmp_path / "run" / "experiments" / "lr"
@@ -73,14 +76,14 @@ def test_runner_caches_each_cell_and_seed_under_its_settings(tmp_path):
   assert saved["results"]["high"]["1"] == {"score": 11.0, "stage": "ppo"}
   assert (out / "results.md").read_text() == report["table"] + "\n"
   # a re-run reuses every cell; a new seed runs only that seed; a changed cell only that cell
-  run(experiment, _config(tmp_path), None, {"fake": kind})
+  run(experiment, _config(tmp_path), pipeline_tiny_cpu.stage_configs, {"fake": kind})
   assert len(kind.calls) == 4
   run(Experiment("lr", "fake", experiment.cells, seeds=3, options={"stage": "dapo"}),
-      _config(tmp_path), None, {"fake": kind})
+      _config(tmp_path), pipeline_tiny_cpu.stage_configs, {"fake": kind})
   assert kind.calls[4:] == [(1e-5, 2, "dapo"), (1e-4, 2, "ppo")]
   changed = {**experiment.cells, "high": {"dapo.learning_rate": 2e-4}}
   again = run(Experiment("lr", "fake", changed, seeds=2, options={"stage": "dapo"}),
-              _config(tmp_path), None, {"fake": kind})
+              _config(tmp_path), pipeline_tiny_cpu.stage_configs, {"fake": kind})
   assert kind.calls[6:] == [(2e-4, 0, "dapo"), (2e-4, 1, "dapo")]
   assert again["summary"]["high"] == [20.0, 21.0]
   copied = publish(str(out), str(tmp_path / "docs"))
@@ -91,13 +94,16 @@ def test_runner_checks_every_cell_before_running_any(tmp_path):
   kind = FakeKind()
   bad = Experiment("bad", "fake", {"ok": {}, "typo": {"dapo.lr": 1.0}}, seeds=1)
   with pytest.raises(ConfigError, match="'lr' is not a field"):
-    run(bad, _config(tmp_path), None, {"fake": kind})
+    run(bad, _config(tmp_path), pipeline_tiny_cpu.stage_configs, {"fake": kind})
   assert kind.calls == []
   with pytest.raises(ConfigError, match="kind 'nope'"):
-    run(Experiment("x", "nope", {"a": {}}), _config(tmp_path), None, {"fake": kind})
+    run(Experiment("x", "nope", {"a": {}}), _config(tmp_path), pipeline_tiny_cpu.stage_configs,
+        {"fake": kind})
 
 
 def test_every_named_experiment_applies_to_the_main_job_config():
+  """Each override lands where its path says, and every stage of every cell builds its
+  settings (as the runner checks before it runs any)."""
   config = pipeline_tiny_cpu.get_config()
   for experiment in EXPERIMENTS.values():
     for overrides in experiment.cells.values():
@@ -108,6 +114,7 @@ def test_every_named_experiment_applies_to_the_main_job_config():
         for part in path.split("."):
           node = node[part]
         assert node == value, (experiment.name, path)
+      assert set(_stages(out).of()) >= {"sft", "dapo", "eval_sft"}
 
 
 # --- query selection ------------------------------------------------------------------------
@@ -245,15 +252,14 @@ def test_rl_cells_sample_rollouts_at_their_temperature_and_evaluate_at_the_main_
   pages = []
   monkeypatch.setattr(rl_curves.evaluation, "pass_at_1_by_page",
                       lambda world, tasks, where: pages.append(where) or {"before": 0.25})
-  result = rl_curves.run_cell(config, pipeline_tiny_cpu.stage_configs, 0,
-                              {"every": 1, "temperature": 1.0})
+  result = rl_curves.run_cell(_stages(config), 0, {"every": 1, "temperature": 1.0})
   assert seen == [("rl", 1.0), ("eval", 0.6), ("rl", 1.0), ("eval", 0.6)]
   assert not pages and "pass@1_by_page" not in result["points"][1]  # no near-miss figures
   near_miss = with_overrides(config, {"world.distractors": 0.5})
   probed = []
-  monkeypatch.setattr(rl_curves, "_near_miss_probe", lambda config, evaluate: (
+  monkeypatch.setattr(rl_curves, "_near_miss_probe", lambda world, evaluate: (
       lambda checkpoint: probed.append(checkpoint) or {"own_log10": -5.0}))
-  result = rl_curves.run_cell(near_miss, pipeline_tiny_cpu.stage_configs, 0,
+  result = rl_curves.run_cell(_stages(near_miss), 0,
                               {"every": 1, "temperature": 1.0})  # the runs on disk are reused
   assert len(seen) == 4 and len(pages) == 3
   assert result["points"][2]["pass@1_by_page"] == {"before": 0.25}
@@ -262,7 +268,7 @@ def test_rl_cells_sample_rollouts_at_their_temperature_and_evaluate_at_the_main_
                     *(os.path.join(result["run"], f"export-{k}") for k in (1, 2))]
   assert result["points"][1]["near_miss_chance"] == {"own_log10": -5.0}
   with pytest.raises(ConfigError, match="temperature=0"):
-    rl_curves.run_cell(config, pipeline_tiny_cpu.stage_configs, 0, {"temperature": 0})
+    rl_curves.run_cell(_stages(config), 0, {"temperature": 0})
 
 
 def test_scaling_summary_and_table():
@@ -290,9 +296,9 @@ def test_scaling_summary_and_table():
 def test_pass_at_1_by_page_groups_the_samples_by_where_the_near_miss_figure_stands(tmp_path):
   from coa_jax.data import World, WorldConfig
 
-  world_config = dict(seed=3, entities=6, train_tasks=0, heldout_tasks=40,
-                      families=(("mixed", 1.0),), distractors=0.5)
-  world = World(WorldConfig(**world_config))
+  world_config = WorldConfig(seed=3, entities=6, train_tasks=0, heldout_tasks=40,
+                             families=(("mixed", 1.0),), distractors=0.5)
+  world = World(world_config)
   world.write(str(tmp_path))
   page = {t["id"]: world.near_miss(t) for t in world.tasks["heldout"]}
   assert set(page.values()) == {"none", "before", "after"}
@@ -305,7 +311,7 @@ def test_pass_at_1_by_page_groups_the_samples_by_where_the_near_miss_figure_stan
   tasks = str(tmp_path / "heldout.jsonl")
   assert evaluation.pass_at_1_by_page(world_config, tasks, str(tmp_path)) == {
       "after": 0.5, "before": 0.0, "none": 1.0}
-  world_config["seed"] = 4  # the task file is another world's
+  world_config = dataclasses.replace(world_config, seed=4)  # the task file is another world's
   with pytest.raises(ConfigError, match="not the held-out split of the config's world"):
     evaluation.pass_at_1_by_page(world_config, tasks, str(tmp_path))
 
@@ -319,9 +325,9 @@ def test_the_near_miss_probe_pairs_every_near_miss_first_task_the_teacher_misrea
   from coa_jax.data.tokenizer import default_tokenizer
   from coa_jax.evaluation import copy_probe
 
-  world_config = dict(seed=3, entities=6, train_tasks=0, heldout_tasks=40,
-                      families=(("lookup", 1.0),), distractors=0.5)
-  world = World(WorldConfig(**world_config))
+  world_config = WorldConfig(seed=3, entities=6, train_tasks=0, heldout_tasks=40,
+                             families=(("lookup", 1.0),), distractors=0.5)
+  world = World(world_config)
   world.write(str(tmp_path))
   before = [t for t in world.tasks["heldout"] if world.near_miss(t) == "before"]
   assert before
@@ -376,28 +382,28 @@ def test_filter_stage_data_rebuilds_each_stage_from_the_traces(tmp_path):
   traces, _ = distill.solve(teacher, world.tasks["train"], workers=2)
   path = tmp_path / "traces.jsonl"
   path.write_text("".join(json.dumps(t.to_json()) + "\n" for t in traces))
-  config = types.SimpleNamespace(
-      output_dir=str(tmp_path / "run"), system_prompt=prompts.WORLD,
-      filters=ml_collections.ConfigDict(dict(min_tool_calls=0, max_tool_calls=12, max_steps=48)))
+  stages = _stages(with_overrides(_config(tmp_path), {
+      "system_prompt": prompts.WORLD, "filters.min_tool_calls": 0, "filters.max_tool_calls": 12,
+      "filters.max_steps": 48}))
   trajectories = [distill.to_trajectory(t, prompts.WORLD) for t in traces]
-  kept, report = distill.Distiller(distill.FilterConfig(**config.filters)).filter(trajectories)
+  kept, report = distill.Distiller(distill.FilterConfig(0, 12, 48)).filter(trajectories)
   counts = {}
   for stage in filters.DATA:
-    lines = open(filters.stage_data(config, str(path), stage)).read().splitlines()
+    lines = open(filters.stage_data(stages, str(path), stage)).read().splitlines()
     counts[stage] = len(lines)
   assert counts["all"] == len(traces)
   assert [counts[s["stage"]] for s in report["stages"]] == [s["kept"] for s in report["stages"]]
   assert counts["correct"] < counts["all"] and counts["quality"] < counts["complexity"]
-  final = open(filters.stage_data(config, str(path), "quality")).read().splitlines()
+  final = open(filters.stage_data(stages, str(path), "quality")).read().splitlines()
   assert final == [json.dumps(t.to_json()) for t in kept]  # the main job's bytes
   with pytest.raises(ConfigError, match="not one of"):
-    filters.stage_data(config, str(path), "nope")
+    filters.stage_data(stages, str(path), "nope")
 
 
 def test_results_keep_the_cells_in_their_order(tmp_path):
   cells = {name: {"dapo.learning_rate": lr} for name, lr in (("zeta", 1e-5), ("alpha", 2e-5))}
-  report = run(Experiment("order", "fake", cells, seeds=1), _config(tmp_path), None,
-               {"fake": FakeKind()})
+  report = run(Experiment("order", "fake", cells, seeds=1), _config(tmp_path),
+               pipeline_tiny_cpu.stage_configs, {"fake": FakeKind()})
   assert list(report["summary"]) == ["zeta", "alpha"]
   assert report["table"].splitlines()[0] == "| zeta | [1.0] |"
 
@@ -414,24 +420,24 @@ def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
 
   config = with_overrides(pipeline_tiny_cpu.get_config(), {"output_dir": str(tmp_path / "main")})
   with pytest.raises(ConfigError, match="has no seed 1: run the main job first"):
-    recipe.run_cell(config, pipeline_tiny_cpu.stage_configs, 1, {"main_job": True})
+    recipe.run_cell(_stages(config), 1, {"main_job": True})
   (tmp_path / "main").mkdir()
   (tmp_path / "main" / "results.json").write_text(json.dumps(
       {"per_seed": {"1": _recipe_rows(0.85, 0.92)}}))
-  main = recipe.run_cell(config, pipeline_tiny_cpu.stage_configs, 1, {"main_job": True})
+  main = recipe.run_cell(_stages(config), 1, {"main_job": True})
   assert main["params"] == 460_224 and main["dapo"]["pass@1"] == 0.92
   assert set(main["sft"]) == set(recipe.METRICS)  # avg@3 is not carried
 
   calls = []
 
-  def fake_run(cfg, stage_configs, seeds):
-    calls.append((cfg.output_dir, cfg.seed, seeds, cfg.model.num_layers))
-    return {"per_seed": {cfg.seed: _recipe_rows(0.9, 0.95)}}
+  def fake_run(stages, seeds):
+    run = stages.settings
+    calls.append((run.output_dir, run.seed, seeds, stages.section()["model"]["num_layers"]))
+    return {"per_seed": {run.seed: _recipe_rows(0.9, 0.95)}}
 
-  monkeypatch.setattr(recipe.pipeline, "run", fake_run)
+  monkeypatch.setattr(recipe.pipeline, "run_stages", fake_run)
   bigger = with_overrides(config, {"model.num_layers": 6, "model.hidden_size": 256})
-  results = {seed: recipe.run_cell(bigger, pipeline_tiny_cpu.stage_configs, seed, {})
-             for seed in (0, 1)}
+  results = {seed: recipe.run_cell(_stages(bigger), seed, {}) for seed in (0, 1)}
   (folder, _, _, layers), (folder_1, seed_1, seeds, _) = calls
   assert folder == folder_1 and folder.startswith(str(tmp_path / "main" / "experiments" / "runs"
                                                       / "recipe-"))  # seeds share the folder
@@ -443,8 +449,7 @@ def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
       "0.920 +- 0.000 | 120 +- 0 | 0.997 +- 0.000 |",
       f"| 6x256 | {results[0]['params'] / 1e6:.2f}M | 1,700 | 0.900 +- 0.000 | 0.950 +- 0.000 | "
       "0.900 +- 0.000 | 0.950 +- 0.000 | 120 +- 0 | 0.997 +- 0.000 |"]
-  longer = recipe.run_cell(with_overrides(bigger, {"sft.steps": 3400}),
-                           pipeline_tiny_cpu.stage_configs, 0, {})
+  longer = recipe.run_cell(_stages(with_overrides(bigger, {"sft.steps": 3400})), 0, {})
   assert longer["sft_steps"] == 3400 and calls[-1][0] != folder  # a folder of its own
   summary["6x256-2x"] = recipe.summarize({"6x256-2x": {"0": longer}})["6x256-2x"]
   older = {k: v for k, v in longer.items() if k != "sft_steps"}  # cached by older code

@@ -16,14 +16,16 @@ import transformers
 
 from coa_jax.model import ConfigError, Transformer, build_config
 from coa_jax.rl import critic as critic_lib
-from coa_jax.rl import dapo
 from coa_jax.rl import job as rl_job
 from coa_jax.rl import update
 from coa_jax.rl.batch import rollout_batch
 from coa_jax.losses.dapo import PolicyLossConfig
 from coa_jax.rollout import RolloutRecord
+from coa_jax.rl.settings import RLConfig, rl_settings
 from coa_jax.runtime import sharding
+from coa_jax.runtime.settings import build
 from coa_jax.train import optimizer
+from coa_jax.train.optimizer import OptimizerSettings
 from coa_jax.train import state as state_lib
 from configs import common
 from test_dapo_job import _config as dapo_job_config
@@ -224,10 +226,10 @@ def test_bad_critic_settings_fail_clearly():
 
 
 def test_the_critics_learning_rate_follows_its_own_schedule():
-  actor = common.optimizer(learning_rate=1e-3, schedule="constant", warmup_steps=5)
+  actor = OptimizerSettings(learning_rate=1e-3, schedule="constant", warmup_steps=5)
   rl = common.rl(steps=4, batch_groups=8, mini_batch_groups=2, ppo_epochs=2)
   rl.critic.update(learning_rate=1.0, schedule="cosine", warmup_steps=4, final_lr_fraction=0.0)
-  config = critic_lib.critic_config(rl)
+  config = build(RLConfig, rl, "rl").critic_settings()
   assert config.total_steps == 4 * 4 * 2  # every critic update: steps x mini-batches x epochs
   schedule = optimizer.learning_rate_schedule(critic_lib.optimizer_config(actor, config))
   np.testing.assert_allclose([schedule(s) for s in (0, 2, 4, 18, 32)], [0, 0.5, 1, 0.5, 0],
@@ -235,15 +237,15 @@ def test_the_critics_learning_rate_follows_its_own_schedule():
 
 
 def test_the_critics_default_learning_rate_is_constant_whatever_the_actors_schedule():
-  actor = common.optimizer(learning_rate=1e-3, schedule="cosine", warmup_steps=5,
-                           total_steps=100)
-  config = critic_lib.critic_config(common.rl(steps=4))
+  actor = OptimizerSettings(learning_rate=1e-3, schedule="cosine", warmup_steps=5,
+                            total_steps=100)
+  config = build(RLConfig, common.rl(steps=4), "rl").critic_settings()
   schedule = optimizer.learning_rate_schedule(critic_lib.optimizer_config(actor, config))
   np.testing.assert_allclose([schedule(s) for s in (0, 5, 100)], [1e-2] * 3, rtol=1e-6)
 
 
 def test_bad_critic_schedules_name_the_critics_settings():
-  actor = common.optimizer()
+  actor = OptimizerSettings()
   with pytest.raises(ConfigError, match="rl.critic.schedule='linear'"):
     critic_lib.CriticConfig(schedule="linear")
   with pytest.raises(ConfigError, match="rl.critic.total_steps=3 must exceed warmup_steps=4"):
@@ -253,7 +255,7 @@ def test_bad_critic_schedules_name_the_critics_settings():
 
 def test_gae_with_group_advantage_settings_is_refused(tmp_path):
   with pytest.raises(ConfigError, match="negative_weight"):
-    dapo.Trainer(_config(tmp_path, "bad", negative_weight=0.0))
+    rl_settings(_config(tmp_path, "bad", negative_weight=0.0))
 
 
 # --- the programs on one device and on eight --------------------------------------------------
@@ -266,7 +268,7 @@ def _programs(mesh, seed=0):
   model = Transformer(model_config)
   # Adam's eps of 1e-3 keeps its first step a smooth function of the gradient: with 1e-8, a
   # weight whose gradient is near 0 moves by lr * g / |g|, a sign that reduction order can flip.
-  opt = common.optimizer(learning_rate=1e-2, schedule="constant", weight_decay=0.0, eps=1e-3)
+  opt = OptimizerSettings(learning_rate=1e-2, schedule="constant", weight_decay=0.0, eps=1e-3)
   tx = optimizer.make_optimizer(opt)
   actor = state_lib.init_state(model, tx, mesh, jax.random.key(seed))
   critic = critic_lib.Critic(critic_lib.CriticConfig(cliprange_value=0.2), model_config,

@@ -126,7 +126,7 @@ def test_an_export_in_a_bucket_is_the_next_stage_s_checkpoint(fsspec_gs, single_
   stage = ml_collections.ConfigDict(dict(
       tokenizer=dict(path="default", template="plain"),
       model=dict(preset="tiny", checkpoint="gs://bucket/run/export")))
-  loaded = tk.tokenizer_of(stage)
+  loaded = tk.load_tokenizer(tk.TokenizerSettings(), stage.model.checkpoint)
   assert loaded.tag_map() == tokenizer.tag_map()
   reloaded, got = hf_checkpoint.load_model(ModelSettings.from_section(stage.model), loaded,
                                            single_device_mesh)

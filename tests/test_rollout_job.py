@@ -6,6 +6,7 @@ import json
 import pytest
 
 from coa_jax.rollout import job as rollout_job
+from coa_jax.rollout import settings as agent
 from configs import rollout_tiny_cpu
 from tools_env.sandbox import CodeSandbox
 
@@ -49,4 +50,4 @@ def test_a_tool_whose_tag_the_model_lacks_is_refused(config):
 
   tokenizer = default_tokenizer(config.tokenizer.template, tool_tags=("web_search", "crawl_page"))
   with pytest.raises(ConfigError, match=r"tools \['code', 'wiki_search'\] are not among"):
-    rollout_job.build(config, tokenizer)
+    agent.engine(agent.rollout_settings(config), tokenizer)

@@ -13,7 +13,7 @@ from conftest import FAST_COMPILE
 
 from coa_jax.data.importers import DataError
 from coa_jax.losses import token_cross_entropy_and_z
-from coa_jax.model import ModelSettings, Transformer, get_preset
+from coa_jax.model import Transformer, get_preset
 from coa_jax.runtime import sharding
 from coa_jax.sft import job as sft
 from coa_jax.train import optimizer
@@ -242,8 +242,9 @@ def test_lora_sft_trains_the_adapters_and_new_rows_alone_and_resumes_exactly(tmp
   import transformers
   from hf_reference import hf_logits, make_hf_model
 
-  from coa_jax.data import tokenizer_of
+  from coa_jax.data import load_tokenizer
   from coa_jax.runtime import hf_checkpoint
+  from coa_jax.sft.settings import sft_settings
 
   make_hf_model("qwen2", vocab=96, heads=4, kv_heads=2, layers=1).save_pretrained(tmp_path / "hf")
   lora = {"model.checkpoint": str(tmp_path / "hf"), "model.lora_rank": 4,
@@ -266,9 +267,10 @@ def test_lora_sft_trains_the_adapters_and_new_rows_alone_and_resumes_exactly(tmp
   assert any(np.any(leaf) for path, leaf in adapters if path[-1].key == "lora_b")  # trained
   shapes = {leaf.shape for _, leaf in adapters}
   assert {m.shape for m in jax.tree_util.tree_leaves(state.opt_state) if m.ndim} <= shapes
-  mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
-  model_config, base = hf_checkpoint.load_model(ModelSettings.from_section(config.model),
-                                                tokenizer_of(config), mesh)
+  settings = sft_settings(config)
+  tokenizer = load_tokenizer(settings.tokenizer, settings.model.checkpoint, settings.tools)
+  model_config, base = hf_checkpoint.load_model(settings.model, tokenizer,
+                                                sharding.make_mesh(settings.mesh))
   for got, want in zip(jax.tree_util.tree_leaves(state.frozen), jax.tree_util.tree_leaves(base)):
     np.testing.assert_array_equal(got, want)  # untouched by 6 updates
   saved = ocp.StandardCheckpointer().restore(tmp_path / "a" / "ckpt" / "6" / "state")
@@ -285,7 +287,6 @@ def test_lora_sft_trains_the_adapters_and_new_rows_alone_and_resumes_exactly(tmp
   peft_model = peft.PeftModel.from_pretrained(base_model, tmp_path / "a" / "export" / "adapter")
   np.testing.assert_allclose(hf_logits(peft_model, ids), np.asarray(ours), atol=1e-4)
   # Both exports carry the run's tokenizer, tags included (the base model's has none).
-  tokenizer = tokenizer_of(config)
   text = "<think>\nrun it\n</think>\n<code>\nprint(1)\n</code>"
   for folder in ("export", "export/adapter"):
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path / "a" / folder)

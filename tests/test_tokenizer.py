@@ -4,7 +4,6 @@ error at load."""
 
 import json
 
-import ml_collections
 import pytest
 
 from coa_jax.data import coa_format
@@ -110,10 +109,9 @@ def _saved_model(folder, tool_tags):
   return saved
 
 
-def _config(checkpoint, tools):
-  return ml_collections.ConfigDict(dict(
-      tokenizer=dict(path="default", template="plain"), tools=tools,
-      model=dict(preset="tiny", checkpoint=str(checkpoint), attention_impl="xla", remat="none")))
+def _model(checkpoint) -> ModelSettings:
+  return ModelSettings.from_section(dict(preset="tiny", checkpoint=str(checkpoint),
+                                         attention_impl="xla", remat="none"))
 
 
 def test_the_tag_map_holds_every_tag_and_template_token_with_its_id():
@@ -127,7 +125,7 @@ def test_the_tag_map_holds_every_tag_and_template_token_with_its_id():
 def test_a_saved_model_keeps_its_tag_ids_when_its_tools_are_declared_in_another_order(tmp_path):
   saved = _saved_model(tmp_path / "export", ("sql", "kv"))
   assert declared_tags(ECHOES) == ("kv", "sql")  # the declaration lists them the other way
-  tokenizer = tk.tokenizer_of(_config(tmp_path / "export", ECHOES))
+  tokenizer = tk.load_tokenizer(tk.TokenizerSettings(), str(tmp_path / "export"), ECHOES)
   assert tokenizer.tool_tags == ("sql", "kv")
   assert tokenizer.tag_map() == saved.tag_map()
   assert (tokenizer.tag_id("sql"), tokenizer.tag_id("kv", close=True)) == (1024, 1027)
@@ -136,7 +134,7 @@ def test_a_saved_model_keeps_its_tag_ids_when_its_tools_are_declared_in_another_
 def test_a_saved_model_s_tokenizer_starts_no_tool_server(tmp_path):
   _saved_model(tmp_path / "export", ("web_search", "lookup"))
   unreachable = {"srv": {"kind": "mcp", "command": ["/no/such/server"]}}  # fails if started
-  tokenizer = tk.tokenizer_of(_config(tmp_path / "export", unreachable))
+  tokenizer = tk.load_tokenizer(tk.TokenizerSettings(), str(tmp_path / "export"), unreachable)
   assert tokenizer.tool_tags == ("web_search", "lookup")
 
 
@@ -146,7 +144,7 @@ def test_loading_a_saved_model_with_tags_whose_ids_moved_is_an_error_naming_them
 
   _saved_model(tmp_path / "export", ("sql", "kv"))
   moved = tk.default_tokenizer("plain", tool_tags=("kv", "sql"))
-  model = ModelSettings.from_section(_config(tmp_path / "export", ECHOES).model)
+  model = _model(tmp_path / "export")
   with pytest.raises(tk.TagMapError) as raised:
     hf_checkpoint.load_model(model, moved, single_device_mesh)
   assert str(raised.value).startswith(

@@ -13,5 +13,5 @@ from coa_jax.data.sample_data import SAMPLE_PATH
 from coa_jax.data.tasks import Task, load_tasks
 from coa_jax.data.tokenize import tokenize_trajectory
 from coa_jax.data.tokenizer import (CoATokenizer, TokenizerSettings, default_tokenizer,
-                                    from_hf_folder, load_tokenizer, tokenizer_of)
+                                    from_hf_folder, load_tokenizer)
 from coa_jax.data.world import World, WorldConfig, load_tools_spec

@@ -39,7 +39,6 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trai
 from coa_jax.data import coa_format, prompts, sample_data, world
 from coa_jax.model.config import ConfigError
 from coa_jax.runtime import paths
-from coa_jax.runtime.settings import build
 from tools_env import registry
 
 TAG_TOKENS = tuple(t for tag in coa_format.ALL_TAGS
@@ -289,14 +288,6 @@ def load_tokenizer(settings: TokenizerSettings, checkpoint: str = "",
   if saved:
     tokenizer.check_tag_map(saved, where)
   return tokenizer
-
-
-def tokenizer_of(config: Any) -> CoATokenizer:
-  """Returns `load_tokenizer` on a job config's tokenizer, model checkpoint and tools sections:
-  for the jobs that do not type their settings yet (the SFT job does, `coa_jax.sft.settings`)."""
-  settings = build(TokenizerSettings, config.tokenizer, "tokenizer")
-  return load_tokenizer(settings, (config.get("model") or {}).get("checkpoint") or "",
-                        config.get("tools"))
 
 
 def saved_tag_map(settings: TokenizerSettings,

@@ -25,11 +25,11 @@ import time
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from coa_jax.data import coa_format, rewards
-from coa_jax.data.coa_format import OBSERVATION, Step, Trajectory
+from coa_jax.data.coa_format import OBSERVATION, Trajectory
 from coa_jax.data.tasks import Task, load_tasks
 from coa_jax.data.tokenizer import declared_tags
 from coa_jax.data.world import World, WorldConfig, load_tools_spec
-from coa_jax.distill.teacher import TeacherConfig, Trace, build_teacher
+from coa_jax.distill.teacher import TeacherConfig, Trace, build_teacher, to_trajectory
 from coa_jax.model.config import ConfigError
 from coa_jax.runtime.cache import write_json, write_jsonl
 from coa_jax.runtime.distributed import say
@@ -92,19 +92,6 @@ def distill_settings(config: Any, where: str = "distill") -> DistillSettings:
   """Returns a distillation config's settings; raises ConfigError naming `where`.key for an
   unknown key, a wrong type or a bad value."""
   return build(DistillSettings, config, where)
-
-
-def to_trajectory(trace: Trace, system_prompt: str) -> Trajectory:
-  """Returns the CoA trajectory of a trace: one step per activation, plus observations."""
-  steps = []
-  for activation in trace.activations:
-    steps.append(Step(activation.step, activation.output.content))
-    if activation.tool_call is not None:
-      steps.append(Step(OBSERVATION, activation.tool_result or ""))
-  metadata = {"task_id": trace.task_id, "mistakes": list(trace.mistakes),
-              "teacher_tokens": trace.tokens, "agents": len(trace.activations),
-              **{k: v for k, v in trace.task_data.items() if k != "program"}}
-  return Trajectory(system_prompt, trace.question, tuple(steps), metadata)
 
 
 def _score(text: str) -> int | None:

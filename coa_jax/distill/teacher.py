@@ -122,6 +122,19 @@ class Trace:
     return cls(**fields)
 
 
+def to_trajectory(trace: Trace, system_prompt: str) -> coa_format.Trajectory:
+  """Returns the CoA trajectory of a trace: one step per activation, plus observations."""
+  steps = []
+  for activation in trace.activations:
+    steps.append(coa_format.Step(activation.step, activation.output.content))
+    if activation.tool_call is not None:
+      steps.append(coa_format.Step(coa_format.OBSERVATION, activation.tool_result or ""))
+  metadata = {"task_id": trace.task_id, "mistakes": list(trace.mistakes),
+              "teacher_tokens": trace.tokens, "agents": len(trace.activations),
+              **{k: v for k, v in trace.task_data.items() if k != "program"}}
+  return coa_format.Trajectory(system_prompt, trace.question, tuple(steps), metadata)
+
+
 class TeacherError(RuntimeError):
   """The scripted teacher could not read the question or a page (not a world question)."""
 

@@ -15,16 +15,14 @@ import json
 import os
 from typing import Any, Callable, Sequence
 
-import ml_collections
-
 from coa_jax.data import coa_format
 from coa_jax.data.coa_format import Trajectory
 from coa_jax.data.importers import DropCounter
 from coa_jax.data.packing import load_source
 from coa_jax.data.tasks import load_tasks
-from coa_jax.data.tokenizer import tokenizer_of
+from coa_jax.data.tokenizer import load_tokenizer
 from coa_jax.evaluation import copy_probe
-from coa_jax.model import ModelSettings, Transformer
+from coa_jax.model import Transformer
 from coa_jax.runtime import sharding
 from coa_jax.runtime.hf_checkpoint import load_model
 
@@ -97,30 +95,30 @@ def invented_by_step(samples_path: str, tasks: dict[str, Any],
           for group, c in sorted(counts.items())}
 
 
-def diagnose(stage_configs: Callable[..., dict[str, ml_collections.ConfigDict]], config: Any,
-             seeds: Sequence[int]) -> dict[str, Any]:
+def diagnose(stages_of: Callable[[int], dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
   """Returns {seed: {model: {"probe": probe_by_family, "question_by_distance":
-  question_copies_by_distance, "invented": invented_by_step}}} of the
-  finished seeds of a pipeline run (config.output_dir)."""
+  question_copies_by_distance, "invented": invented_by_step}}} of the finished seeds of a
+  pipeline run; `stages_of(seed)`: that seed's stage settings (`pipeline.Stages.of`)."""
   out: dict[str, Any] = {}
   for seed in seeds:
-    configs = stage_configs(config, seed)
+    stages = stages_of(seed)
     out[str(seed)] = {}
     for name in MODELS:
-      cfg = configs[f"eval_{name}"]
-      if not os.path.exists(os.path.join(cfg.output_dir, "samples.jsonl")):
+      evaluate = stages[f"eval_{name}"]
+      if not os.path.exists(os.path.join(evaluate.output_dir, "samples.jsonl")):
         continue
-      tokenizer = tokenizer_of(cfg)
-      mesh = sharding.make_mesh(sharding.MeshConfig(**cfg.mesh))
-      model_config, params = load_model(ModelSettings.from_section(cfg.model), tokenizer, mesh)
-      trajectories = load_source(cfg.copy_probe, DropCounter(), tokenizer.tool_tags)
-      max_len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
-      tasks = {t.id: t for t in load_tasks(cfg.tasks, cfg.max_tasks)}
+      tokenizer = load_tokenizer(evaluate.tokenizer, evaluate.model.checkpoint, evaluate.tools)
+      model_config, params = load_model(evaluate.model, tokenizer,
+                                        sharding.make_mesh(evaluate.mesh))
+      model = Transformer(model_config)
+      trajectories = load_source(evaluate.copy_probe, DropCounter(), tokenizer.tool_tags)
+      max_len = evaluate.rollout.cache_size
+      tasks = {t.id: t for t in load_tasks(evaluate.tasks, evaluate.max_tasks)}
       out[str(seed)][name] = {
-          "probe": probe_by_family(Transformer(model_config), params, trajectories, tokenizer,
-                                   max_len, cfg.sampling.temperature),
-          "question_by_distance": question_copies_by_distance(
-              Transformer(model_config), params, trajectories, tokenizer, max_len),
-          "invented": invented_by_step(os.path.join(cfg.output_dir, "samples.jsonl"), tasks,
-                                       tokenizer.tool_tags)}
+          "probe": probe_by_family(model, params, trajectories, tokenizer, max_len,
+                                   evaluate.sampling.temperature),
+          "question_by_distance": question_copies_by_distance(model, params, trajectories,
+                                                              tokenizer, max_len),
+          "invented": invented_by_step(os.path.join(evaluate.output_dir, "samples.jsonl"),
+                                       tasks, tokenizer.tool_tags)}
   return out

@@ -19,13 +19,18 @@ import jax
 
 from coa_jax.data import World, WorldConfig, coa_format, rewards
 from coa_jax.data.tasks import Task, load_tasks
-from coa_jax.data.tokenizer import tokenizer_of
+from coa_jax.data.tokenizer import load_tokenizer
+from coa_jax.distill.teacher import build_teacher, to_trajectory
 from coa_jax.evaluation.scaling import curves, pass_at_k
+from coa_jax.evaluation.settings import EvaluationSettings, evaluation_settings
 from coa_jax.model import ConfigError
-from coa_jax.rollout.job import progress_line
-from coa_jax.rollout.tool_loop import check_prompt_lengths
+from coa_jax.rollout import settings as agent
+from coa_jax.rollout.tool_loop import check_prompt_lengths, progress_line
 from coa_jax.runtime import distributed, paths
 from coa_jax.runtime.cache import write_json, write_jsonl
+from coa_jax.runtime.distributed import say
+from tools_env import registry as tools_registry
+from tools_env import sandbox
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,12 +126,12 @@ def _check_heldout(world: World, tasks_path: str) -> None:
                       f"main job there ran on another world")
 
 
-def pass_at_1_by_page(world: Any, tasks_path: str, eval_dir: str) -> dict[str, float]:
+def pass_at_1_by_page(world: WorldConfig, tasks_path: str, eval_dir: str) -> dict[str, float]:
   """Returns pass@1 over the held-out tasks grouped by where the answer's page states a
   near-miss figure ("before" or "after" the entity's own sentence, or "none"), from an
-  evaluation's samples (eval_dir) and the world that `world` (WorldConfig fields) generates,
-  checked against the task file."""
-  generated = World(WorldConfig(**world))
+  evaluation's samples (eval_dir) and the world `world` generates, checked against the task
+  file."""
+  generated = World(world)
   _check_heldout(generated, tasks_path)
   page = {t["id"]: generated.near_miss(t) for t in generated.tasks["heldout"]}
   with open(os.path.join(eval_dir, "samples.jsonl")) as f:
@@ -134,17 +139,17 @@ def pass_at_1_by_page(world: Any, tasks_path: str, eval_dir: str) -> dict[str, f
   return pass_at_1_by(outcomes, page)
 
 
-def near_miss_chance(world: Any, tasks_path: str, trajectories_path: str, tokenizer: Any,
-                     model: Any, params: Any) -> dict[str, float]:
+def near_miss_chance(world: WorldConfig, tasks_path: str, trajectories_path: str,
+                     tokenizer: Any, model: Any, params: Any) -> dict[str, float]:
   """Returns the near-miss probe (`copy_probe.near_miss_chance`) of a model on the held-out
   tasks whose answer's page states a near-miss figure before the entity's own, from the
-  teacher's held-out trajectories (`trajectories_path`) of the world that `world` (WorldConfig
-  fields) generates, checked against the task file."""
+  teacher's held-out trajectories (`trajectories_path`) of the world `world` generates, checked
+  against the task file."""
   from coa_jax.data import packing
   from coa_jax.data.importers import DropCounter
   from coa_jax.evaluation import copy_probe
 
-  generated = World(WorldConfig(**world))
+  generated = World(world)
   _check_heldout(generated, tasks_path)
   teacher = {t.question: t for t in packing.load_source(trajectories_path, DropCounter(),
                                                          tokenizer.tool_tags)}
@@ -212,8 +217,6 @@ def evaluate_teacher(teachers: Sequence[Any], tasks: Sequence[Task], system_prom
                      rewarder: rewards.Rewarder, tokenizer: Any) -> dict[str, list[Sample]]:
   """Returns each task's samples from teacher systems (one sample per teacher, e.g. seeds);
   tokens are the multi-agent system's whole message traffic, in `tokenizer` tokens."""
-  from coa_jax.distill.job import to_trajectory
-
   outcomes: dict[str, list[Sample]] = {}
   for task in tasks:
     record = task.record()
@@ -252,61 +255,30 @@ def run(config: Any) -> dict[str, Any]:
   """Evaluates config.system ("model": a checkpoint with tools, or "teacher") on config.tasks
   with k samples per task; prints the table and writes metrics.json (with `sandbox_isolation`
   and `reward_sandbox_isolation`, the weakest isolation the code tool and the code reward ran
-  under) and samples.jsonl."""
-  from coa_jax.distill.teacher import TeacherConfig, build_teacher
-  from coa_jax.rollout import job as rollout_job
-  from coa_jax.runtime.distributed import say
-  from tools_env import registry as tools_registry
-  from tools_env import sandbox
+  under) and samples.jsonl. `config`: a ConfigDict (checked by `evaluation_settings`) or
+  EvaluationSettings."""
+  settings = (config if isinstance(config, EvaluationSettings)
+              else evaluation_settings(config))
+  paths.local(settings.output_dir, "output_dir")
 
-  paths.local(config.output_dir, "output_dir")
   def tasks_rewarder_tokenizer() -> tuple[list[Task], rewards.Rewarder, Any]:
-    tasks = load_tasks(config.tasks, config.max_tasks)
+    tasks = load_tasks(settings.tasks, settings.max_tasks)
     # The model's saved tags (no tool server starts for them), else the declared tools'.
-    tokenizer = tokenizer_of(config)
-    rewarder = rewards.build_rewarder(config.rewards.to_dict(), tokenizer.tool_tags)
+    tokenizer = load_tokenizer(settings.tokenizer, settings.model.checkpoint, settings.tools)
+    rewarder = rewards.build_rewarder(settings.rewards, tokenizer.tool_tags)
     rewarder.check(tasks)
     return tasks, rewarder, tokenizer
 
   tasks, rewarder, tokenizer = distributed.agreed(tasks_rewarder_tokenizer,
                                                   "loading the tasks, the rewards, the tokenizer")
-  k = config.k
-  say(f"evaluating {config.system} on {len(tasks)} tasks x {k} samples from {config.tasks}")
-  if config.system == "teacher":  # host-side work only, the same on every host: agreed
-    def teacher() -> tuple[dict, str]:
-      with tools_registry.build_registry(config.tools.to_dict()) as tools:
-        teachers = [build_teacher(tools, TeacherConfig(**{**config.teacher, "seed": seed}))
-                    for seed in range(k)]
-        return (evaluate_teacher(teachers, tasks, config.system_prompt, rewarder, tokenizer),
-                sandbox.isolation_of(tools.tools))
-
-    outcomes, isolation = distributed.agreed(teacher, "the teacher's evaluation")
-  elif config.system == "model":
-    config.rollout.group_size = k
-    distributed.agreed(  # checked before the model loads
-        lambda: check_prompt_lengths(tokenizer, config.system_prompt, tasks,
-                                     config.rollout.max_prompt_tokens),
-        "checking the prompts' lengths")
-    engine, _ = rollout_job.build(config, tokenizer)
-    if config.get("copy_probe"):  # on the host's own devices, as the rollouts: agreed
-      probe = distributed.agreed(lambda: _copy_probe(
-          engine, tokenizer, config.copy_probe,
-          config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
-          config.sampling.temperature), "the copy probe")
-    mine = tasks[jax.process_index()::jax.process_count()]  # each host its share
-    try:
-      outcomes = distributed.agreed(
-          lambda: evaluate_rollouts(engine, tokenizer, mine, rewarder), "evaluation rollouts")
-    finally:
-      engine.tools.close()  # MCP servers stop with the job
-    outcomes = {task_id: [Sample(**s) for s in samples]
-                for part in distributed.gather_json(
-                    {t: [dataclasses.asdict(s) for s in v] for t, v in outcomes.items()})
-                for task_id, samples in part.items()}
-    isolation = sandbox.weakest(distributed.gather_json(
-        sandbox.isolation_of(engine.tools.tools)))
+  k, probe = settings.k, {}
+  say(f"evaluating {settings.system} on {len(tasks)} tasks x {k} samples from {settings.tasks}")
+  if settings.system == "teacher":
+    outcomes, isolation = distributed.agreed(  # host-side work, the same on every host
+        lambda: _teacher_outcomes(settings, tasks, rewarder, tokenizer),
+        "the teacher's evaluation")
   else:
-    raise ConfigError(f"evaluate system={config.system!r}: expected 'model' or 'teacher'")
+    outcomes, isolation, probe = _model_outcomes(settings, tasks, rewarder, tokenizer)
   # In task-file order: groups finish in an order that tool and thread timing move, and the
   # metrics' float sums (and samples.jsonl) must not depend on it.
   outcomes = {task.id: outcomes[task.id] for task in tasks if task.id in outcomes}
@@ -323,24 +295,63 @@ def run(config: Any) -> dict[str, Any]:
   metrics["invented_numbers"] = invented_number_rates(outcomes, tasks, rewarder.tool_tags)
   say("samples writing a number from nowhere in a plan or a tool call: " + ", ".join(
       f"{group} {value:.3f}" for group, value in metrics["invented_numbers"].items()))
-  if config.system == "model" and config.get("copy_probe"):
+  if probe:
     metrics.update(probe)
     say(f"copy probe (teacher-forced, {probe['copy_steps']:.0f} held-out answers copied from an "
         f"observation / {probe['calls']:.0f} tool calls / {probe['question_copies']:.0f} "
         f"question items a call writes): exact {probe['copy_exact']:.3f} / "
         f"{probe['call_exact']:.3f} / {probe['question_exact']:.3f}, sampled at "
-        f"T={config.sampling.temperature} {probe['copy_sampled']:.3f} / "
+        f"T={settings.sampling.temperature} {probe['copy_sampled']:.3f} / "
         f"{probe['call_sampled']:.3f} / {probe['question_sampled']:.3f}; question copies "
         f"sampled exactly less than 9 times in 10: {probe['question_unsure']:.3f}")
-  say(format_table({config.system: metrics}, k))
+  say(format_table({settings.system: metrics}, k))
   # Process 0 writes (atomically: a killed run leaves no half file that looks done); every
   # process waits for it, as callers read the files on every host, and a failed write ends all.
-  distributed.agreed(lambda: jax.process_index() or _write(config.output_dir, metrics, outcomes),
-                     f"writing the evaluation to {config.output_dir}")
+  distributed.agreed(
+      lambda: jax.process_index() or _write(settings.output_dir, metrics, outcomes),
+      f"writing the evaluation to {settings.output_dir}")
   if jax.process_index() == 0:  # the samples as a page to read (a failure is only printed)
     from coa_jax.evaluation import viewer
-    viewer.logged(viewer.write_page, config.output_dir, tasks=config.tasks)
+    viewer.logged(viewer.write_page, settings.output_dir, tasks=settings.tasks)
   return metrics
+
+
+def _teacher_outcomes(settings: EvaluationSettings, tasks: list[Task], rewarder: rewards.Rewarder,
+                      tokenizer: Any) -> tuple[dict[str, list[Sample]], str]:
+  """Returns the teacher system's samples (k seeds) and the isolation its code tool ran under."""
+  with tools_registry.build_registry(settings.tools) as tools:
+    teachers = [build_teacher(tools, dataclasses.replace(settings.teacher, seed=seed))
+                for seed in range(settings.k)]
+    return (evaluate_teacher(teachers, tasks, settings.system_prompt, rewarder, tokenizer),
+            sandbox.isolation_of(tools.tools))
+
+
+def _model_outcomes(settings: EvaluationSettings, tasks: list[Task], rewarder: rewards.Rewarder,
+                    tokenizer: Any) -> tuple[dict[str, list[Sample]], str, dict[str, float]]:
+  """Returns the model's samples (k a task, each host rolling out its share), the weakest
+  isolation any host's code tool ran under, and the copy probe's rates ({}: no probe)."""
+  rollout = dataclasses.replace(settings.rollout, group_size=settings.k)
+  distributed.agreed(  # checked before the model loads
+      lambda: check_prompt_lengths(tokenizer, settings.system_prompt, tasks,
+                                   rollout.max_prompt_tokens), "checking the prompts' lengths")
+  engine = agent.engine(settings, tokenizer, rollout)
+  probe = {}
+  if settings.copy_probe:  # on the host's own devices, as the rollouts: agreed
+    probe = distributed.agreed(lambda: _copy_probe(
+        engine, tokenizer, settings.copy_probe, rollout.cache_size,
+        settings.sampling.temperature), "the copy probe")
+  mine = tasks[jax.process_index()::jax.process_count()]  # each host its share
+  try:
+    outcomes = distributed.agreed(
+        lambda: evaluate_rollouts(engine, tokenizer, mine, rewarder), "evaluation rollouts")
+  finally:
+    engine.tools.close()  # MCP servers stop with the job
+  outcomes = {task_id: [Sample(**s) for s in samples]
+              for part in distributed.gather_json(
+                  {t: [dataclasses.asdict(s) for s in v] for t, v in outcomes.items()})
+              for task_id, samples in part.items()}
+  isolation = sandbox.weakest(distributed.gather_json(sandbox.isolation_of(engine.tools.tools)))
+  return outcomes, isolation, probe
 
 
 def _write(folder: str, metrics: dict[str, Any], outcomes: dict[str, list[Sample]]) -> None:

@@ -13,26 +13,26 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import ml_collections
 
 from coa_jax.model import ConfigError
+from coa_jax.evaluation.settings import EvaluationSettings
 from coa_jax.runtime.cache import write_json
+from coa_jax.runtime.settings import to_section
 
 FILE = "coa_evaluation.json"
 SAVED = ("model", "tokenizer", "tools", "system_prompt", "sampling", "rollout", "rewards",
          "teacher", "k", "batch_size", "chunk")
 
 
-def save(config: Any) -> str:
-  """Writes the evaluation settings of `config` (a model evaluation's config) into its model
-  folder, config.model.checkpoint; returns the file's path."""
-  settings = {key: config[key] for key in SAVED if key in config}
-  settings = ml_collections.ConfigDict(settings).to_dict()
-  settings["model"].pop("checkpoint", None)
-  path = os.path.join(config.model.checkpoint, FILE)
-  write_json(path, settings)
+def save(settings: EvaluationSettings) -> str:
+  """Writes the evaluation settings (`SAVED`) of a model's evaluation into its model folder,
+  settings.model.checkpoint; returns the file's path."""
+  saved = {key: to_section(getattr(settings, key)) for key in SAVED}
+  saved["model"].pop("checkpoint")
+  path = os.path.join(settings.model.checkpoint, FILE)
+  write_json(path, saved)
   return path
 
 

@@ -12,42 +12,44 @@ job trained on reuse the main job's SFT model and evaluation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping
 
-import ml_collections
-
 from coa_jax import evaluation, sft
 from coa_jax.distill import job as distill
-from coa_jax.distill.teacher import Trace
-from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
-                                        shared_dir)
+from coa_jax.distill.teacher import Trace, to_trajectory
+from coa_jax.experiments.runner import cell, mean_sd, new_figure, save_figure, shared_dir, without
 from coa_jax.model import ConfigError
+from coa_jax.pipeline import Stages
 from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.cache import exists, file_fingerprint, write_jsonl
 from coa_jax.runtime.distributed import say
+from coa_jax.runtime.settings import to_section
 
 DATA = ("all",) + distill.STAGES
 COLUMNS = ("trajectories", "pass@1", "format_error_rate", "tokens_per_task")
 
 
-def stage_data(config: Any, traces: str, stage: str) -> str:
+def stage_data(stages: Stages, traces: str, stage: str) -> str:
   """Returns the path of the trajectories that pass the filter stages up to `stage` ("all":
-  every trace), written once from `traces` (a distillation's traces.jsonl)."""
+  every trace), written once from `traces` (a distillation's traces.jsonl) with the main job's
+  filters and system prompt."""
   if stage not in DATA:
     raise ConfigError(f"sft experiment: data {stage!r} is not one of {DATA}")
-  settings = {"traces": file_fingerprint(traces), "filters": config.filters.to_dict(),
-              "system_prompt": config.system_prompt, "stage": stage}
-  path = os.path.join(shared_dir(config, "data", settings), "trajectories.jsonl")
+  settings = stages.of()["distill"]
+  key = {"traces": file_fingerprint(traces), "filters": settings.filters,
+         "system_prompt": settings.system_prompt, "stage": stage}
+  path = os.path.join(shared_dir(stages, "data", key), "trajectories.jsonl")
   if os.path.exists(path):
     return path
   with open(traces) as f:
-    trajectories = [distill.to_trajectory(Trace.from_json(json.loads(line)),
-                                          config.system_prompt) for line in f if line.strip()]
+    trajectories = [to_trajectory(Trace.from_json(json.loads(line)), settings.system_prompt)
+                    for line in f if line.strip()]
   kept = trajectories
   if stage != "all":
-    filters = distill.Distiller(distill.FilterConfig(**config.filters))
+    filters = distill.Distiller(settings.filters)
     kept = next(survivors for name, survivors, _ in filters.progressive(trajectories)
                 if name == stage)
   write_jsonl(path, (t.to_json() for t in kept))
@@ -55,35 +57,32 @@ def stage_data(config: Any, traces: str, stage: str) -> str:
   return path
 
 
-def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
-             options: Mapping[str, Any]) -> dict[str, Any]:
+def run_cell(stages: Stages, seed: int, options: Mapping[str, Any]) -> dict[str, Any]:
   """Returns one seed's held-out metrics after SFT on options["data"]'s trajectories."""
-  stages = stage_configs(config, seed)
-  main_data = stages["sft"].data.path
-  data = stage_data(config, os.path.join(os.path.dirname(main_data), "traces.jsonl"),
+  seed_stages = stages.of(seed)
+  train, evaluate = seed_stages["sft"], seed_stages["eval_sft"]
+  main_data = train.data.path
+  data = stage_data(stages, os.path.join(os.path.dirname(main_data), "traces.jsonl"),
                     options["data"])
   with open(data) as f:
     count = sum(1 for line in f if line.strip())
-  evaluate = ml_collections.ConfigDict(stages["eval_sft"].to_dict())
   reused = file_fingerprint(data) == file_fingerprint(main_data)
   if not reused:  # a run of its own, named after its settings
-    train = ml_collections.ConfigDict(stages["sft"].to_dict())
-    settings = train.to_dict()
-    for path in ("workdir", "export_dir", "checkpoint"):
-      settings.pop(path)
-    settings["data"] = {**settings["data"], "path": file_fingerprint(data)}
-    settings["eval"] = {k: v for k, v in evaluate.to_dict().items()
-                        if k not in ("output_dir", "model")}
-    folder = shared_dir(config, "sft", settings)
-    train.data.path, train.workdir = data, folder
-    train.export_dir = os.path.join(folder, "hf_export")
+    run = without(to_section(train), "workdir", "export_dir", "checkpoint")
+    run["data"] = {**run["data"], "path": file_fingerprint(data)}
+    run["eval"] = without(to_section(evaluate), "output_dir", "model")
+    folder = shared_dir(stages, "sft", run)
     # saved every 250 steps: a run cut short resumes
-    train.checkpoint.update(directory=os.path.join(folder, "checkpoints"), every=250)
+    train = dataclasses.replace(
+        train, data=dataclasses.replace(train.data, path=data), workdir=folder,
+        export_dir=os.path.join(folder, "hf_export"),
+        checkpoint=dataclasses.replace(train.checkpoint, every=250,
+                                       directory=os.path.join(folder, "checkpoints")))
     if not exists(hf_checkpoint.written_last(train.export_dir)):  # cut short: run again
       say(f"== SFT on {options['data']} ({count} trajectories) in {folder}")
       sft.run(train)
-    evaluate.model.checkpoint = train.export_dir
-    evaluate.output_dir = os.path.join(folder, "eval")
+    evaluate = dataclasses.replace(evaluate, model=evaluate.model.replace(
+        checkpoint=train.export_dir), output_dir=os.path.join(folder, "eval"))
   metrics_path = os.path.join(evaluate.output_dir, "metrics.json")
   if not exists(metrics_path):
     if reused and not os.path.isdir(evaluate.model.checkpoint):

@@ -12,17 +12,20 @@ whose model and evaluation are reused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping
 
-import ml_collections
 import numpy as np
 
 from coa_jax import evaluation, sft
-from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
-                                        shared_dir)
-from coa_jax.model import ConfigError, build_config
+from coa_jax.evaluation.settings import EvaluationSettings
+from coa_jax.experiments.runner import cell, mean_sd, new_figure, save_figure, shared_dir, without
+from coa_jax.model import ConfigError
+from coa_jax.pipeline import Stages
+from coa_jax.runtime.settings import to_section
+from coa_jax.sft.settings import SFTSettings
 from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.cache import exists
 from coa_jax.runtime.distributed import say
@@ -31,25 +34,20 @@ COLUMNS = ("trained_params", "train_loss", "start_pass@1", "pass@1", "format_err
            "tokens_per_task")
 
 
-def _settings(train: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Returns what names an SFT run's folder: its config without its output paths."""
-  settings = train.to_dict()
-  for path in ("workdir", "export_dir", "checkpoint"):
-    settings.pop(path)
-  return settings
-
-
-def _run_sft(config: Any, train: ml_collections.ConfigDict, kind: str, what: str) -> str:
-  """Runs `train` in its content-addressed folder unless its export exists; returns the
-  folder."""
-  folder = shared_dir(config, kind, _settings(train))
-  train.workdir, train.export_dir = folder, os.path.join(folder, "hf_export")
+def _run_sft(stages: Stages, train: SFTSettings, kind: str, what: str) -> SFTSettings:
+  """Runs `train` in its content-addressed folder (named after its settings without its output
+  paths) unless its export exists; returns the settings it ran with."""
+  folder = shared_dir(stages, kind, without(to_section(train), "workdir", "export_dir",
+                                            "checkpoint"))
   # saved every 250 steps: a run cut short resumes
-  train.checkpoint.update(directory=os.path.join(folder, "checkpoints"), every=250)
+  train = dataclasses.replace(
+      train, workdir=folder, export_dir=os.path.join(folder, "hf_export"),
+      checkpoint=dataclasses.replace(train.checkpoint, every=250,
+                                     directory=os.path.join(folder, "checkpoints")))
   if not exists(hf_checkpoint.written_last(train.export_dir)):  # cut short: run again
     say(f"== {what} in {folder}")
     sft.run(train)
-  return folder
+  return train
 
 
 def _final_loss(folder: str, last: int = 50) -> float:
@@ -60,10 +58,9 @@ def _final_loss(folder: str, last: int = 50) -> float:
   return float(np.mean(losses[-last:]))
 
 
-def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
-             options: Mapping[str, Any]) -> dict[str, Any]:
+def run_cell(stages: Stages, seed: int, options: Mapping[str, Any]) -> dict[str, Any]:
   """Returns one seed's held-out metrics after the cell's fine-tuning (see the module doc)."""
-  main = stage_configs(config, seed)
+  main = stages.of(seed)
   sft_main, start = main["sft"], int(options["from_step"])
   total, rank = sft_main.train.steps, int(options["rank"])
   opt = sft_main.optimizer
@@ -72,34 +69,35 @@ def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
                       f"schedule's hold (a 'wsd' schedule: warm-up to step {opt.warmup_steps}, "
                       f"decay over the last {opt.decay_steps} of {total} steps; this one is "
                       f"{opt.schedule!r}), where its tail is a hold and a decay")
-  base = ml_collections.ConfigDict(sft_main.to_dict())
-  base.train.steps = start  # the schedule's total_steps stays the main job's
-  base_dir = _run_sft(config, base, "sft-prefix", f"the main job's SFT up to step {start}")
-  start_metrics = _evaluate(main["eval_sft"], base.export_dir, base_dir)
+  base = _run_sft(stages, dataclasses.replace(  # the schedule's total_steps stays the main job's
+      sft_main, train=dataclasses.replace(sft_main.train, steps=start)),
+                  "sft-prefix", f"the main job's SFT up to step {start}")
+  start_metrics = _evaluate(main["eval_sft"], base.export_dir, base.workdir)
   if not rank:  # full fine-tuning: the main job's SFT
     metrics_path = os.path.join(main["eval_sft"].output_dir, "metrics.json")
     if not exists(metrics_path):
       raise ConfigError(f"{metrics_path} is missing: run the main job first (make pipeline "
                         f"ARGS=\"--seeds 3\")")
-    return _result(build_config(sft_main.model.to_dict()).num_params(), sft_main.workdir,
+    return _result(sft_main.model.fresh_config().num_params(), sft_main.workdir,
                    metrics_path, start_metrics)
-  train = ml_collections.ConfigDict(sft_main.to_dict())
-  train.model.checkpoint = base.export_dir
-  train.model.update(dict(lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0))
-  train.train.steps = total - start
   # The tail of the main job's schedule: its hold at the peak, then its decay.
-  train.optimizer.update(learning_rate=sft_main.optimizer.learning_rate * options["lr_scale"],
-                         warmup_steps=0, total_steps=total - start)
-  folder = _run_sft(config, train, "sft-lora", f"rank-{rank} LoRA from step {start} to {total}")
-  return _result(build_config(train.model.to_dict()).lora_params(), folder,
-                 _evaluate(main["eval_sft"], train.export_dir, folder), start_metrics)
+  train = _run_sft(stages, dataclasses.replace(
+      sft_main,
+      model=sft_main.model.replace(checkpoint=base.export_dir, lora_rank=rank,
+                                   lora_alpha=2.0 * rank, lora_dropout=0.0),
+      train=dataclasses.replace(sft_main.train, steps=total - start),
+      optimizer=dataclasses.replace(opt, learning_rate=opt.learning_rate * options["lr_scale"],
+                                    warmup_steps=0, total_steps=total - start)),
+                   "sft-lora", f"rank-{rank} LoRA from step {start} to {total}")
+  return _result(train.model.fresh_config().lora_params(), train.workdir,
+                 _evaluate(main["eval_sft"], train.export_dir, train.workdir), start_metrics)
 
 
-def _evaluate(main_eval: ml_collections.ConfigDict, checkpoint: str, run_dir: str) -> str:
+def _evaluate(main_eval: EvaluationSettings, checkpoint: str, run_dir: str) -> str:
   """Evaluates `checkpoint` as the main job evaluates its SFT model, once, into
   <run_dir>/eval; returns the path of its metrics.json."""
-  evaluate = ml_collections.ConfigDict(main_eval.to_dict())
-  evaluate.model.checkpoint, evaluate.output_dir = checkpoint, os.path.join(run_dir, "eval")
+  evaluate = dataclasses.replace(main_eval, model=main_eval.model.replace(checkpoint=checkpoint),
+                                 output_dir=os.path.join(run_dir, "eval"))
   metrics_path = os.path.join(evaluate.output_dir, "metrics.json")
   if not exists(metrics_path):
     evaluation.run(evaluate)

@@ -17,30 +17,26 @@ import json
 import os
 from typing import Any, Mapping
 
-import ml_collections
-
 from coa_jax import pipeline
-from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
-                                        shared_dir)
-from coa_jax.model import ConfigError, build_config
+from coa_jax.experiments.runner import cell, mean_sd, new_figure, save_figure, shared_dir, without
+from coa_jax.model import ConfigError
+from coa_jax.pipeline import Stages
 from coa_jax.runtime.cache import exists
 
 SYSTEMS = ("sft", "dapo")
 METRICS = ("pass@1", "copy_exact", "tokens_per_task")
 
 
-def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
-             options: Mapping[str, Any]) -> dict[str, Any]:
-  """Returns one seed's held-out metrics of the recipe on `config`."""
+def run_cell(stages: Stages, seed: int, options: Mapping[str, Any]) -> dict[str, Any]:
+  """Returns one seed's held-out metrics of the recipe of `stages` (a cell's pipeline)."""
   if options.get("main_job"):
-    rows = _main_job_rows(config.output_dir, seed)
+    rows = _main_job_rows(stages.settings.output_dir, seed)
   else:
-    cfg = ml_collections.ConfigDict(config.to_dict())
-    settings = {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "seed")}
-    cfg.seed, cfg.output_dir = seed, shared_dir(config, "recipe", settings)
-    rows = pipeline.run(cfg, stage_configs, seeds=1)["per_seed"][seed]
-  sft = stage_configs(config, seed)["sft"]
-  return {"params": build_config(sft.model).num_params(), "sft_steps": sft.train.steps,
+    recipe = without(stages.section(), "output_dir", "seed")
+    run = stages.moved(shared_dir(stages, "recipe", recipe), seed)
+    rows = pipeline.run_stages(run, seeds=1)["per_seed"][seed]
+  sft = stages.of(seed)["sft"]
+  return {"params": sft.model.fresh_config().num_params(), "sft_steps": sft.train.steps,
           "teacher": {m: rows["teacher"][m] for m in ("pass@1", "tokens_per_task")},
           **{system: {m: rows[system][m] for m in METRICS} for system in SYSTEMS}}
 

@@ -21,18 +21,22 @@ to write the entity's own figure where its teacher wrote the near-miss one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping
 
-import ml_collections
 import numpy as np
 
 from coa_jax import evaluation, pipeline, rl
-from coa_jax.data import tokenizer_of
-from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
-                                        shared_dir)
+from coa_jax.data.tokenizer import load_tokenizer
+from coa_jax.data.world import WorldConfig
+from coa_jax.evaluation.settings import EvaluationSettings
+from coa_jax.experiments.runner import cell, mean_sd, new_figure, save_figure, shared_dir, without
 from coa_jax.model import ConfigError, Transformer
+from coa_jax.pipeline import Stages
+from coa_jax.rl.settings import RLSettings
+from coa_jax.runtime.settings import to_section
 from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.cache import exists, file_fingerprint
 from coa_jax.runtime.distributed import say
@@ -53,18 +57,15 @@ def _read(path: str) -> dict[str, Any]:
     return json.load(f)
 
 
-def _settings(train: ml_collections.ConfigDict, evaluate: ml_collections.ConfigDict,
-              every: int) -> dict[str, Any]:
-  """Returns what decides a run's curve: the stage config without its length and paths, the
-  SFT model's and the task file's contents, the evaluation and the segment length."""
-  stage = train.to_dict()
-  stage["rl"] = {k: v for k, v in stage["rl"].items() if k != "steps"}
-  for path in ("workdir", "export_dir", "checkpoint"):
-    stage.pop(path, None)
+def _settings(train: RLSettings, evaluate: EvaluationSettings, every: int) -> dict[str, Any]:
+  """Returns what decides a run's curve: the stage's settings without its length and paths,
+  the SFT model's and the task file's contents, the evaluation and the segment length."""
+  stage = without(to_section(train), "workdir", "export_dir", "checkpoint")
+  stage["rl"] = without(stage["rl"], "steps")
   stage["model"]["checkpoint"] = file_fingerprint(train.model.checkpoint)
   stage["tasks"] = file_fingerprint(train.tasks)
-  held_out = {k: v for k, v in evaluate.to_dict().items() if k not in ("output_dir", "model")}
-  return {"stage": stage, "eval": held_out, "every": every}
+  return {"stage": stage, "eval": without(to_section(evaluate), "output_dir", "model"),
+          "every": every}
 
 
 def _eval_dir(folder: str, steps: int) -> str:
@@ -72,8 +73,8 @@ def _eval_dir(folder: str, steps: int) -> str:
   return os.path.join(folder, f"eval-{steps}")
 
 
-def _point(train: ml_collections.ConfigDict, evaluate: ml_collections.ConfigDict, steps: int,
-           every: int, folder: str) -> dict[str, Any]:
+def _point(train: RLSettings, evaluate: EvaluationSettings, steps: int, every: int,
+           folder: str) -> dict[str, Any]:
   """Returns the held-out metrics after `steps` updates, training the segment that ends there
   and evaluating its export unless they are on disk."""
   done = os.path.join(_eval_dir(folder, steps), "metrics.json")
@@ -81,16 +82,13 @@ def _point(train: ml_collections.ConfigDict, evaluate: ml_collections.ConfigDict
     return _read(done)
   export = os.path.join(folder, f"export-{steps}")
   if not exists(hf_checkpoint.written_last(export)):  # an export cut short is run again
-    segment = ml_collections.ConfigDict(train.to_dict())
-    segment.rl.steps = steps
-    segment.workdir, segment.export_dir = folder, export
-    segment.checkpoint.update(directory=os.path.join(folder, "checkpoints"), every=every,
-                              max_to_keep=1)
     say(f"== updates {steps - every + 1}-{steps} in {folder}")
-    rl.run(segment)
-  cfg = ml_collections.ConfigDict(evaluate.to_dict())
-  cfg.model.checkpoint, cfg.output_dir, cfg.copy_probe = export, os.path.dirname(done), ""
-  evaluation.run(cfg)
+    rl.run(dataclasses.replace(
+        train, rl=dataclasses.replace(train.rl, steps=steps), workdir=folder, export_dir=export,
+        checkpoint=dataclasses.replace(train.checkpoint, every=every, max_to_keep=1,
+                                       directory=os.path.join(folder, "checkpoints"))))
+  evaluation.run(dataclasses.replace(evaluate, model=evaluate.model.replace(checkpoint=export),
+                                     output_dir=os.path.dirname(done), copy_probe=""))
   return _read(done)
 
 
@@ -108,55 +106,57 @@ def _training_rows(folder: str, steps: int) -> list[dict[str, float]]:
   return [rows[s] for s in sorted(rows)]
 
 
-def _near_miss_probe(config: Any, evaluate: ml_collections.ConfigDict):
+def _near_miss_probe(world: WorldConfig, evaluate: EvaluationSettings):
   """Returns checkpoint folder -> the near-miss probe of its model (`evaluation.near_miss_chance`)
   on the held-out tasks and the teacher's held-out trajectories of `evaluate`."""
-  tokenizer = tokenizer_of(evaluate)
+  tokenizer = load_tokenizer(evaluate.tokenizer, evaluate.model.checkpoint, evaluate.tools)
 
   def probe(checkpoint: str) -> dict[str, float]:
     model_config, params = hf_checkpoint.load_checkpoint(checkpoint,
                                                          vocab_size=tokenizer.vocab_size)
-    return evaluation.near_miss_chance(config.world, evaluate.tasks, evaluate.copy_probe,
-                                       tokenizer, Transformer(model_config), params)
+    return evaluation.near_miss_chance(world, evaluate.tasks, evaluate.copy_probe, tokenizer,
+                                       Transformer(model_config), params)
 
   return probe
 
 
-def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
-             options: Mapping[str, Any]) -> dict[str, Any]:
+def run_cell(stages: Stages, seed: int, options: Mapping[str, Any]) -> dict[str, Any]:
   """Returns one seed's curve: the held-out metrics (and pass@1 by task family) after every
   options["every"] updates of the options["stage"] stage, the training metrics per update and
   the query-selection report."""
   every, stage = int(options.get("every", 4)), options.get("stage", "dapo")
-  stages = stage_configs(config, seed)
   if stage not in STAGES:
     raise ConfigError(f"rl experiment: stage {stage!r} is not one of {sorted(STAGES)}")
-  sft_metrics = os.path.join(stages["eval_sft"].output_dir, "metrics.json")
+  seed_stages = stages.of(seed)
+  train, evaluate = seed_stages[stage], seed_stages["eval_sft"]
+  sft_metrics = os.path.join(evaluate.output_dir, "metrics.json")
   if not exists(sft_metrics):
     raise ConfigError(f"{sft_metrics} is missing: run the main job first (make pipeline "
                       f"ARGS=\"--seeds 3\")")
-  train = ml_collections.ConfigDict(stages[stage].to_dict())
   if "temperature" in options:  # the rollouts' alone; the held-out evaluations keep theirs
     if not float(options["temperature"]) > 0:
       raise ConfigError(f"rl experiment: temperature={options['temperature']!r}: expected > 0")
-    train.sampling.temperature = float(options["temperature"])
+    train = dataclasses.replace(train, sampling=dataclasses.replace(
+        train.sampling, temperature=float(options["temperature"])))
   total = train.rl.steps
   if total % every:
     raise ConfigError(f"{stage} runs {total} updates: not a multiple of every={every}")
-  train.tasks, selection = pipeline.rl_tasks(config, stages, stage)
-  folder = os.path.join(shared_dir(config, stage, _settings(train, stages["eval_sft"], every)),
+  tasks, selection = pipeline.rl_tasks(stages.settings.selection, seed_stages, stage)
+  train = dataclasses.replace(train, tasks=tasks)
+  folder = os.path.join(shared_dir(stages, stage, _settings(train, evaluate, every)),
                         f"seed-{seed}")
   points = {0: _read(sft_metrics)}
   evaluated = {0: os.path.dirname(sft_metrics)}
   for steps in range(every, total + 1, every):
-    points[steps] = _point(train, stages["eval_sft"], steps, every, folder)
+    points[steps] = _point(train, evaluate, steps, every, folder)
     evaluated[steps] = _eval_dir(folder, steps)
     say(f"seed {seed} {stage} after {steps} updates: pass@1 {points[steps]['pass@1']:.3f}")
-  if config.world.get("distractors"):  # where the answer's page has a near miss
-    probe = _near_miss_probe(config, stages["eval_sft"])
+  world = stages.settings.world
+  if world.distractors:  # where the answer's page has a near miss
+    probe = _near_miss_probe(world, evaluate)
     for steps, where in evaluated.items():
-      points[steps]["pass@1_by_page"] = evaluation.pass_at_1_by_page(
-          config.world, stages["eval_sft"].tasks, where)
+      points[steps]["pass@1_by_page"] = evaluation.pass_at_1_by_page(world, evaluate.tasks,
+                                                                     where)
       points[steps]["near_miss_chance"] = probe(
           os.path.join(folder, f"export-{steps}") if steps else train.model.checkpoint)
   keep = (*COLUMNS, *GROUPS, "near_miss_chance")

@@ -25,17 +25,17 @@ import os
 import shutil
 import textwrap
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import ml_collections
 
 from coa_jax.model import ConfigError
-from coa_jax.pipeline import pyplot
+from coa_jax.pipeline import StageConfigs, Stages, pyplot
 from coa_jax.runtime.cache import cached_json, canonical, fingerprint, write_json
 from coa_jax.runtime.distributed import say
+from coa_jax.runtime.settings import to_section
 
-StageConfigs = Callable[..., dict[str, ml_collections.ConfigDict]]
 OPTION = "options."  # a cell override under this prefix sets the kind's option, not the config
 
 
@@ -77,11 +77,17 @@ def with_overrides(config: ml_collections.ConfigDict,
   return out
 
 
-def shared_dir(config: Any, kind: str, settings: Any) -> str:
+def shared_dir(stages: Stages, kind: str, settings: Any) -> str:
   """Returns the folder of a run (an RL run, an SFT run, an evaluation) named after the
-  fingerprint of its settings, shared by every experiment that needs the same run."""
-  return os.path.join(os.path.abspath(config.output_dir), "experiments", "runs",
-                      f"{kind}-{fingerprint(settings)}")
+  fingerprint of its settings (`to_section` turns typed settings into plain values), shared
+  by every experiment on the same main job that needs the same run."""
+  return os.path.join(os.path.abspath(stages.settings.output_dir), "experiments", "runs",
+                      f"{kind}-{fingerprint(to_section(settings))}")
+
+
+def without(section: dict[str, Any], *keys: str) -> dict[str, Any]:
+  """Returns `section` without `keys` (a run's paths, which do not change what it computes)."""
+  return {k: v for k, v in section.items() if k not in keys}
 
 
 def mean_sd(values: list[float]) -> dict[str, Any]:
@@ -108,24 +114,26 @@ def run(experiment: Experiment, config: ml_collections.ConfigDict, stage_configs
                       f"{sorted(kinds)}")
   kind = kinds[experiment.kind]
   out = output_dir or os.path.join(config.output_dir, "experiments", experiment.name)
-  cells = {}  # every override is checked before anything runs
+  cells = {}  # every override, and every stage it moves, is checked before anything runs
   for name, overrides in experiment.cells.items():
     options = {**experiment.options, **{k.removeprefix(OPTION): v for k, v in overrides.items()
                                         if k.startswith(OPTION)}}
-    cells[name] = (with_overrides(config, {k: v for k, v in overrides.items()
-                                           if not k.startswith(OPTION)}), options)
+    stages = Stages(with_overrides(config, {k: v for k, v in overrides.items()
+                                            if not k.startswith(OPTION)}), stage_configs)
+    stages.of()
+    cells[name] = (stages, options)
   seeds = list(range(config.seed, config.seed + experiment.seeds))
   results: dict[str, dict[str, Any]] = {}
   start = time.perf_counter()
-  for done, (name, (cell_config, options)) in enumerate(cells.items()):
+  for done, (name, (stages, options)) in enumerate(cells.items()):
     results[name] = {}
     for seed in seeds:
       say(f"=== {experiment.name}: cell {name} ({done + 1}/{len(cells)}), seed {seed}")
       key = {"kind": experiment.kind, "options": options, "seed": seed,
-             "config": cell_config.to_dict()}
+             "config": stages.section()}
       results[name][str(seed)] = cached_json(
           os.path.join(out, "cells", name, f"seed-{seed}.json"), key,
-          lambda: kind.run_cell(cell_config, stage_configs, seed, options))
+          lambda: kind.run_cell(stages, seed, options))
   summary = canonical(kind.summarize(results))
   table = kind.table(summary)
   report = {"name": experiment.name, "kind": experiment.kind, "about": experiment.about,

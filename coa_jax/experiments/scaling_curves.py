@@ -10,18 +10,18 @@ the seed, so its seeds share one evaluation (its sd is 0 by construction, not by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping
 
-import ml_collections
 import numpy as np
 
 from coa_jax import evaluation
-
-from coa_jax.experiments.runner import (StageConfigs, cell, mean_sd, new_figure, save_figure,
-                                        shared_dir)
+from coa_jax.experiments.runner import cell, mean_sd, new_figure, save_figure, shared_dir, without
 from coa_jax.model import ConfigError
+from coa_jax.pipeline import Stages
+from coa_jax.runtime.settings import to_section
 from coa_jax.runtime.cache import exists, file_fingerprint
 
 SYSTEMS = ("teacher", "sft", "dapo")
@@ -29,34 +29,34 @@ SHOWN = (1, 2, 4, 8, 16)  # the table's columns (those <= k)
 PAGES = ("none", "after", "before")  # where a near-miss figure stands (world.distractors)
 
 
-def run_cell(config: Any, stage_configs: StageConfigs, seed: int,
-             options: Mapping[str, Any]) -> dict[str, Any]:
+def run_cell(stages: Stages, seed: int, options: Mapping[str, Any]) -> dict[str, Any]:
   """Returns one seed's scaling curves of options["system"] with options["k"] samples."""
   system, k = options.get("system"), int(options.get("k", 16))
   if system not in SYSTEMS:
     raise ConfigError(f"scaling experiment: system {system!r} is not one of {SYSTEMS}")
-  cfg = ml_collections.ConfigDict(stage_configs(config, seed)[f"eval_{system}"].to_dict())
-  cfg.k, cfg.copy_probe = k, ""
-  cfg.batch_size = max(cfg.batch_size // k, 1) * k
-  settings = {key: v for key, v in cfg.to_dict().items() if key not in ("output_dir", "model")}
+  evaluate = stages.of(seed)[f"eval_{system}"]
+  evaluate = dataclasses.replace(evaluate, k=k, copy_probe="",
+                                 batch_size=max(evaluate.batch_size // k, 1) * k)
+  key = without(to_section(evaluate), "output_dir", "model")
   if system == "teacher":
-    settings.pop("seed")  # the teacher's k samples are its seeds 0..k-1
+    key.pop("seed")  # the teacher's k samples are its seeds 0..k-1
   else:
-    if not exists(cfg.model.checkpoint):
-      raise ConfigError(f"{cfg.model.checkpoint} is missing: run the main job first (make "
+    if not exists(evaluate.model.checkpoint):
+      raise ConfigError(f"{evaluate.model.checkpoint} is missing: run the main job first (make "
                         f"pipeline ARGS=\"--seeds 3\")")
-    settings["model"] = file_fingerprint(cfg.model.checkpoint)
-  cfg.output_dir = shared_dir(config, "eval", settings)
-  path = os.path.join(cfg.output_dir, "metrics.json")
+    key["model"] = file_fingerprint(evaluate.model.checkpoint)
+  evaluate = dataclasses.replace(evaluate, output_dir=shared_dir(stages, "eval", key))
+  path = os.path.join(evaluate.output_dir, "metrics.json")
   if not exists(path):
-    evaluation.run(cfg)
+    evaluation.run(evaluate)
   with open(path) as f:
     metrics = json.load(f)
   result = {"curves": metrics["curves"], "tokens_per_task": metrics["tokens_per_task"],
             "tool_calls_per_task": metrics["tool_calls_per_task"]}
-  if config.world.get("distractors"):
-    result["pass@1_by_page"] = evaluation.pass_at_1_by_page(config.world, cfg.tasks,
-                                                            cfg.output_dir)
+  world = stages.settings.world
+  if world.distractors:
+    result["pass@1_by_page"] = evaluation.pass_at_1_by_page(world, evaluate.tasks,
+                                                            evaluate.output_dir)
   return result
 
 

@@ -409,6 +409,15 @@ class ModelSettings:
   def overrides(self) -> dict[str, Any]:
     return dict(self.fields)
 
+  def to_section(self) -> dict[str, Any]:
+    """Returns the model section these settings were built from (`from_section`)."""
+    return {"preset": self.preset, "checkpoint": self.checkpoint, **self.overrides}
+
+  def replace(self, **changes: Any) -> "ModelSettings":
+    """Returns the settings with `changes` (a checkpoint, a preset, ModelConfig fields)
+    applied, checked as `from_section` checks a section."""
+    return ModelSettings.from_section({**self.to_section(), **changes})
+
   def get(self, name: str, default: Any = None) -> Any:
     """Returns the field `name` as the section set it, else `default`."""
     return self.overrides.get(name, default)

@@ -32,18 +32,20 @@ import jax.numpy as jnp
 
 from coa_jax.data.tokenizer import TAG_TOKENS
 from coa_jax.losses.dapo import PolicyLossConfig
-from coa_jax.model import ModelConfig, Transformer, build_config, compiling_for
+from coa_jax.model import ModelConfig, ModelSettings, Transformer, compiling_for
 from coa_jax.perf import flops, roofline
 from coa_jax.rl import critic as critic_lib
-from coa_jax.rl import dapo
 from coa_jax.rl import update as rl_update
-from coa_jax.rl.advantages import needs_critic
+from coa_jax.rl.settings import RLSettings, rl_settings
 from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket
-from coa_jax.rollout.tool_loop import RolloutConfig
 from coa_jax.runtime import hardware, sharding, xla_flags
+from coa_jax.runtime.settings import build
+from coa_jax.sft.settings import SFTSettings, sft_settings
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
+from coa_jax.train.loop import TrainSettings
+from coa_jax.train.optimizer import OptimizerSettings
 from coa_jax.train.batch import PolicyBatch, TokenBatch, abstract_batch
 
 
@@ -461,36 +463,60 @@ def decode_report(name: str, config: ModelConfig, topology: str, tensor: int, ro
       compiler_seconds=_to_depth(*costs, config.num_layers), resident_bytes=resident_bytes)
 
 
-def config_reports(config: Any) -> dict[str, Any]:
-  """Compiles a shipped SFT or RL config (its `topology`, mesh and shapes) and returns
-  {"train": AotReport} plus, for RL, "decode": the DecodeReport of one host's rollout, and for
-  PPO (rl.advantage = "gae") "critic": the critic's update ("train" is then the actor's, each
-  with the other's state resident)."""
-  micro_batches = config.train.micro_batches if "train" in config else 1
-  batch_size, seq_len, loss_config = config.get("batch_size"), config.get("seq_len"), None
-  critic = None
-  if "rl" in config:  # an RL config: one mini-batch of whole prompt groups
-    batch_size = config.rl.mini_batch_groups * config.rollout.group_size
-    seq_len = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
-    micro_batches, loss_config = config.rl.micro_batches, dapo.loss_config(config.rl)
-    if needs_critic(config.rl.advantage):
-      critic = critic_lib.critic_config(config.rl)
-  model = with_tag_rows(build_config(config.model))
-  shape = (config.model.preset, model, config.optimizer, config.topology,
-           sharding.MeshConfig(**config.mesh), batch_size, seq_len, micro_batches)
-  flags = config.get("xla_flags", "")
-  reports = {"train": aot_report(*shape, loss_config, critic, flags)}
-  if critic is not None:
-    reports["critic"] = aot_report(*shape, None, critic, flags)
+@dataclasses.dataclass(frozen=True)
+class CompileSettings:
+  """A train step to compile alone (configs/aot_train.py): the model, optimizer, topology, mesh
+  and batch shape an SFT run would have; `report_json`: also write the report there."""
+
+  model: ModelSettings
+  topology: str
+  batch_size: int
+  seq_len: int
+  optimizer: OptimizerSettings = OptimizerSettings()
+  mesh: sharding.MeshConfig = sharding.MeshConfig()
+  train: TrainSettings = TrainSettings(steps=1)
+  xla_flags: str = ""
+  report_json: str = ""
+
+
+def run_settings(config: Any) -> CompileSettings | SFTSettings | RLSettings:
+  """Returns the settings of a config to compile: an RL run's (it has an rl block), an SFT
+  run's (a data block), else a lone train step's."""
   if "rl" in config:
-    hosts = len({d.process_index for d in topology_devices(config.topology)})
-    rollout, rows = RolloutConfig(**config.rollout), config.batch_size // hosts
+    return rl_settings(config)
+  return sft_settings(config) if "data" in config else build(CompileSettings, config, "aot")
+
+
+def config_reports(settings: CompileSettings | SFTSettings | RLSettings) -> dict[str, Any]:
+  """Compiles a shipped SFT or RL run (`run_settings`: its `topology`, mesh and shapes) and
+  returns {"train": AotReport} plus, for RL, "decode": the DecodeReport of one host's rollout,
+  and for PPO (rl.advantage = "gae") "critic": the critic's update ("train" is then the
+  actor's, each with the other's state resident)."""
+  rl = getattr(settings, "rl", None)
+  loss_config = critic = None
+  if rl is None:
+    batch_size, seq_len = settings.batch_size, settings.seq_len
+    micro_batches = settings.train.micro_batches
+  else:  # an RL run: one mini-batch of whole prompt groups
+    rollout = settings.rollout
+    batch_size, seq_len = rl.mini_batch_groups * rollout.group_size, rollout.cache_size
+    micro_batches, loss_config = rl.micro_batches, rl.policy_loss()
+    critic = rl.critic_settings() if rl.uses_critic else None
+  model = with_tag_rows(settings.model.fresh_config())
+  shape = (settings.model.preset, model, settings.optimizer, settings.topology, settings.mesh,
+           batch_size, seq_len, micro_batches)
+  reports = {"train": aot_report(*shape, loss_config, critic, settings.xla_flags)}
+  if critic is not None:
+    reports["critic"] = aot_report(*shape, None, critic, settings.xla_flags)
+  if rl is not None:
+    hosts = len({d.process_index for d in topology_devices(settings.topology)})
+    rows = settings.batch_size // hosts
     # Synchronous RL decodes beside the train states; asynchronous on devices of its own.
-    resident = 0 if config.rl["async"].enabled else train_state_bytes(
-        model, config.optimizer, config.topology, sharding.MeshConfig(**config.mesh), critic)
+    resident = 0 if rl.async_.enabled else train_state_bytes(
+        model, settings.optimizer, settings.topology, settings.mesh, critic)
     reports["decode"] = decode_report(
-        config.model.preset, model, config.topology, config.mesh.tensor, rows,
-        rollout.cache_size, config.chunk,
+        settings.model.preset, model, settings.topology, settings.mesh.tensor, rows,
+        rollout.cache_size, settings.chunk,
         prefill=(bucket(rows // rollout.group_size, 1), bucket(rollout.max_prompt_tokens)),
         extend=(bucket(rows, 1), rollout.observation_bucket), resident_bytes=resident)
   return reports

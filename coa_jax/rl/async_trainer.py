@@ -43,9 +43,10 @@ from flax import traverse_util
 from jax.sharding import Mesh
 
 from coa_jax.data import Task
-from coa_jax.model import ConfigError, lora
+from coa_jax.model import lora
 from coa_jax.rl.dapo import Trainer, over_hosts
 from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup
+from coa_jax.rl.settings import RLSettings
 from coa_jax.rl.staleness import QueueClosed, StalenessQueue
 from coa_jax.rollout import Rollout
 from coa_jax.runtime import distributed, paths, sharding
@@ -84,9 +85,9 @@ class RolloutWorker:
     self.engine = Rollout(base.sampler, None, base.tokenizer, base.tools, base.config,
                           base.system_prompt)
     self.engine.version, self.engine.params = box.latest()
-    self.engine.key = jax.random.fold_in(jax.random.key(trainer.config.seed), queue.version)
+    self.engine.key = jax.random.fold_in(jax.random.key(trainer.settings.seed), queue.version)
     self.engine.before_chunk = self._before_chunk
-    rl = trainer.config.rl
+    rl = trainer.settings.rl
     self.max_rejected = rl.max_rounds * rl.prompts_per_round // trainer.hosts
     self.stop = threading.Event()
     self._lock = threading.Lock()
@@ -138,7 +139,7 @@ class RolloutWorker:
   def _take(self, records) -> None:
     seq = self._issues[records[0].task_id].popleft()
     group = self.trainer.score(records)
-    drop = self.trainer.config.rl.dynamic_sampling and group.uniform
+    drop = self.trainer.settings.rl.dynamic_sampling and group.uniform
     with self._lock:
       self._generated.append(group)
       self._counts["groups"] += 1
@@ -192,11 +193,9 @@ class RolloutWorker:
 class AsyncTrainer(Trainer):
   """The DAPO job with rollouts and updates on disjoint devices (see the module docstring)."""
 
-  def __init__(self, config: Any):
-    self.staleness = config.rl["async"].staleness
-    if self.staleness < 0:
-      raise ConfigError(f"rl.async.staleness must be >= 0, got {self.staleness}")
-    super().__init__(config)
+  def __init__(self, settings: RLSettings):
+    self.staleness = settings.rl.async_.staleness
+    super().__init__(settings)
     self.worker: RolloutWorker | None = None
     self._rollout_base: tuple[Any, Any] | None = None  # (the state's frozen base, its push)
     self._last = time.perf_counter()
@@ -204,9 +203,9 @@ class AsyncTrainer(Trainer):
   def _meshes(self) -> tuple[Mesh, Mesh]:
     """Returns the trainer mesh (every host's last devices) and this host's rollout mesh."""
     local = jax.local_device_count()
-    per_host = self.config.rl["async"].rollout_devices or local // 2
+    per_host = self.settings.rl.async_.rollout_devices or local // 2
     rollout, training = sharding.split_devices(per_host)
-    mesh = sharding.make_mesh(sharding.MeshConfig(**self.config.mesh), devices=training)
+    mesh = sharding.make_mesh(self.settings.mesh, devices=training)
     return mesh, sharding.decode_mesh(rollout, mesh.shape["tensor"])
 
   def _push(self) -> Any:
@@ -234,7 +233,7 @@ class AsyncTrainer(Trainer):
                                                       self.host, mine))
 
   def _start_worker(self, version: int) -> None:
-    queue = StalenessQueue(self.config.rl.batch_groups // self.hosts, self.staleness, version)
+    queue = StalenessQueue(self.settings.rl.batch_groups // self.hosts, self.staleness, version)
     self.worker = RolloutWorker(self, queue, PolicyBox(version, self._push()))
     self.worker.start()
     self._last = time.perf_counter()
@@ -248,7 +247,7 @@ class AsyncTrainer(Trainer):
 
     def take():
       try:
-        return queue.take(self.config.rl.batch_groups // self.hosts)
+        return queue.take(self.settings.rl.batch_groups // self.hosts)
       except QueueClosed as e:  # the worker's error
         raise (e.__cause__ or e) from None
 

@@ -29,11 +29,11 @@ learning-rate schedule counts its own updates (rl.critic.schedule, warmup_steps,
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -48,6 +48,7 @@ from coa_jax.runtime import sharding
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
+from coa_jax.train.optimizer import OptimizerSettings
 from coa_jax.train.state import TrainState
 from coa_jax.train.step import jit_state_step, run_step, summed_update, unrolled_layers
 
@@ -77,7 +78,7 @@ class CriticConfig:
   # The learning-rate schedule over the critic's own updates (`train.optimizer`'s fields):
   schedule: str = "constant"  # verl's critic: constant; or "cosine", "wsd"
   warmup_steps: int = 0  # linear warm-up over its first updates (not `warmup`, RL steps)
-  total_steps: int = 0  # 0: every critic update of the run (`critic_config`)
+  total_steps: int = 0  # 0: every critic update of the run (`RLConfig.critic_settings`)
   decay_steps: int = 0  # "wsd": how many of the last updates decay
   final_lr_fraction: float = 0.1  # "cosine", "wsd": the learning rate at the end, of the peak
 
@@ -99,17 +100,6 @@ class CriticConfig:
     if self.pretrain_explained_variance > 1:
       raise ConfigError(f"rl.critic.pretrain_explained_variance="
                         f"{self.pretrain_explained_variance}: explained variance is at most 1")
-
-
-def critic_config(rl: Any) -> CriticConfig:
-  """Returns the critic's settings (rl.critic), total_steps 0 taken as every critic update of
-  the run: rl.steps x mini-batches per step x rl.ppo_epochs (the critic trains on every one,
-  warm-up and pre-training included)."""
-  config = CriticConfig(**rl.critic)
-  if config.total_steps:
-    return config
-  updates = rl.steps * (rl.batch_groups // rl.mini_batch_groups) * rl.ppo_epochs
-  return dataclasses.replace(config, total_steps=updates)
 
 
 def outcomes(records: Sequence[RolloutRecord], scores: Sequence[float],
@@ -224,18 +214,19 @@ def critic_step(model: Transformer, tx: optax.GradientTransformation, state: Tra
   return new_state, {**sums.metrics(), **flags, **{f"critic_{k}": v for k, v in metrics.items()}}
 
 
-def optimizer_config(actor: Any, config: CriticConfig) -> ml_collections.ConfigDict:
+def optimizer_config(actor: OptimizerSettings, config: CriticConfig) -> OptimizerSettings:
   """Returns the critic's AdamW settings: its own learning rate (default 10x the actor's peak),
   schedule over its own updates, clipping and weight decay; the actor's betas and eps. Raises
   ConfigError naming rl.critic when the schedule cannot be built."""
-  out = ml_collections.ConfigDict(actor.to_dict())
-  out.update(learning_rate=config.learning_rate or 10 * actor.learning_rate,
-             grad_clip=config.grad_clip, weight_decay=config.weight_decay,
-             schedule=config.schedule, warmup_steps=config.warmup_steps,
-             total_steps=config.total_steps, decay_steps=config.decay_steps,
-             final_lr_fraction=config.final_lr_fraction)
-  optimizer.learning_rate_schedule(out, where="rl.critic")
-  return out
+  values = dict(learning_rate=config.learning_rate or 10 * actor.learning_rate,
+                grad_clip=config.grad_clip, weight_decay=config.weight_decay,
+                schedule=config.schedule, warmup_steps=config.warmup_steps,
+                total_steps=config.total_steps, decay_steps=config.decay_steps,
+                final_lr_fraction=config.final_lr_fraction)
+  # Checked under the critic's name first (OptimizerSettings' own checks name `optimizer`).
+  optimizer.learning_rate_schedule(types.SimpleNamespace(**{**dataclasses.asdict(actor),
+                                                            **values}), where="rl.critic")
+  return dataclasses.replace(actor, **values)
 
 
 class Critic:

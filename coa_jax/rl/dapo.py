@@ -35,45 +35,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from coa_jax.data import Task, build_rewarder, load_tasks, tokenizer_of
-from coa_jax.losses.dapo import PolicyLossConfig
-from coa_jax.model import ConfigError, ModelSettings, Transformer
+from coa_jax.data import Task, build_rewarder, load_tasks
+from coa_jax.model import ConfigError, Transformer
 from coa_jax.rl import critic as critic_lib
 from coa_jax.rl import update
-from coa_jax.rl.advantages import (ADVANTAGE_ESTIMATORS, group_advantages, needs_critic,
-                                   overlong_penalty)
+from coa_jax.rl.advantages import group_advantages, overlong_penalty
 from coa_jax.rl.batch import rollout_batch
 from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup, fill_batch
-from coa_jax.rollout import (
-  Rollout,
-  RolloutConfig,
-  RolloutRecord,
-  Sampler,
-  SamplingConfig,
-  callable_tools,
-  check_prompt_lengths,
-  stop_ids,
-)
+from coa_jax.rl.settings import RLSettings
+from coa_jax.rollout import settings as agent
+from coa_jax.rollout.tool_loop import Rollout, RolloutRecord, check_prompt_lengths
 from coa_jax.runtime import distributed, load_model, sharding
 from coa_jax.runtime.distributed import say
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
 from coa_jax.train.step import run_step
-from tools_env import build_registry
 
 PLOT_KEYS = ("reward", "accuracy", "response_len", "entropy", "clip_high", "clip_low")
 SHOWN = ("reward", "accuracy", "eval_accuracy", "response_len", "kept", "rounds", "pg_loss",
          "entropy", "clip_high", "clip_low", "grad_norm", "logp_diff_max")
-
-
-def loss_config(rl: Any) -> PolicyLossConfig:
-  """Returns the policy-loss settings held in config.rl."""
-  return PolicyLossConfig(eps_low=rl.eps_low, eps_high=rl.eps_high, dual_clip=rl.dual_clip,
-                          aggregation=rl.aggregation, norm_tokens=rl.norm_tokens,
-                          log_ratio_clamp=rl.log_ratio_clamp, kl_coef=rl.kl_coef,
-                          entropy_coef=rl.entropy_coef,
-                          behaviour_weight_cap=rl["async"].weight_cap)
 
 
 class TaskStream:
@@ -95,58 +76,46 @@ class TaskStream:
 
 
 class Trainer:
-  """The DAPO loop's parts, built from a config; `step()` does one rollout-and-update step."""
+  """The DAPO loop's parts, built from RL settings (`coa_jax.rl.settings`); `step()` does one
+  rollout-and-update step."""
 
-  def __init__(self, config: Any):
-    self.config, rl = config, config.rl
+  def __init__(self, settings: RLSettings):
+    self.settings, rl = settings, settings.rl
     # Host-side loading (files, the sandbox's set-up, tools) is agreed: a host that cannot
     # would otherwise leave the others waiting in the first collective.
-    self.tokenizer = distributed.agreed(lambda: tokenizer_of(config), "loading the tokenizer")
+    self.tokenizer = agent.agent_tokenizer(settings)
     self.mesh, self.host = self._meshes()
-    self.rollout_config = RolloutConfig(**config.rollout)
+    self.rollout_config = settings.rollout
     self.n = self.rollout_config.group_size
     self.hosts, self.host_index = jax.process_count(), jax.process_index()
-    for name, value in (("batch_size", config.batch_size), ("rl.batch_groups", rl.batch_groups),
+    for name, value in (("batch_size", settings.batch_size), ("rl.batch_groups", rl.batch_groups),
                         ("rl.mini_batch_groups", rl.mini_batch_groups),
                         ("rl.prompts_per_round", rl.prompts_per_round)):
       if value % self.hosts:
         raise ConfigError(f"{name}={value} does not split over {self.hosts} hosts")
-    if rl.batch_groups % rl.mini_batch_groups:
-      raise ConfigError(f"rl.batch_groups={rl.batch_groups} is not a multiple of "
-                        f"rl.mini_batch_groups={rl.mini_batch_groups}")
     sharding.check_batch_fits_mesh(rl.mini_batch_groups * self.n, rl.micro_batches, self.mesh)
-    self.loss_config = loss_config(rl)
-    ADVANTAGE_ESTIMATORS.get(rl.advantage)  # an unknown name fails before any rollout
-    if rl.ppo_epochs < 1:
-      raise ConfigError(f"rl.ppo_epochs={rl.ppo_epochs}: expected >= 1")
-    critic_config = None
-    if needs_critic(rl.advantage):
-      critic_config = critic_lib.critic_config(rl)
-      if rl.negative_weight != 1:
-        raise ConfigError(f"rl.negative_weight={rl.negative_weight} scales group advantages; "
-                          f"with advantage='gae' it must be 1")
+    self.loss_config = rl.policy_loss()
     self.tasks, self.eval_tasks, self.rewarder = distributed.agreed(
-        lambda: self._tasks_and_rewarder(config), "loading the tasks and the rewards")
-    model = ModelSettings.from_section(config.model)
+        self._tasks_and_rewarder, "loading the tasks and the rewards")
     model_config, params = distributed.agreed(
-        lambda: load_model(model, self.tokenizer, self.mesh), "loading the model")
+        lambda: load_model(settings.model, self.tokenizer, self.mesh), "loading the model")
     self.model_config, self.model = model_config, Transformer(model_config)
     # The KL term's reference with LoRA: the base model on the frozen weights (adapters off).
     self.base_model = Transformer(model_config.replace(lora_rank=0))
-    self.schedule = optimizer.learning_rate_schedule(config.optimizer)
-    self.tx = optimizer.make_optimizer(config.optimizer)
-    rng = jax.random.key(config.seed)
+    self.schedule = optimizer.learning_rate_schedule(settings.optimizer)
+    self.tx = optimizer.make_optimizer(settings.optimizer)
+    rng = jax.random.key(settings.seed)
     if params is None:
       say("model.checkpoint is empty: DAPO starts from a freshly initialized model")
       self.state = state_lib.init_state(self.model, self.tx, self.mesh, rng)
     else:
       self.state = state_lib.state_from_params(params, self.tx, self.model, self.mesh, rng)
     self.critic = None  # PPO's value model (rl.advantage = "gae")
-    if critic_config is not None:
+    if rl.uses_critic:
       actor = self.state.frozen if model_config.lora_rank else self.state.params
-      self.critic = critic_lib.Critic(critic_config, model_config, actor, self.mesh,
-                                      config.optimizer, rl.micro_batches, config.seed)
-    self.critic_pretrained = critic_config is None or not critic_config.pretrain_steps
+      self.critic = critic_lib.Critic(rl.critic_settings(), model_config, actor, self.mesh,
+                                      settings.optimizer, rl.micro_batches, settings.seed)
+    self.critic_pretrained = self.critic is None or not self.critic.config.pretrain_steps
     self.last_batch = None  # (step, groups, advantages) of the last update, for rollouts.jsonl
     # The KL term's reference policy: a copy of the initial params (the train state's are
     # donated to the updates), or with LoRA the base model on the frozen weights (no copy).
@@ -154,40 +123,34 @@ class Trainer:
     if rl.kl_coef and not model_config.lora_rank:
       self.ref_params = jax.tree_util.tree_map(lambda x: x.copy(), self.state.params)
 
-    self.seq_len = self.rollout_config.max_prompt_tokens + self.rollout_config.max_response_tokens
-    sampling = SamplingConfig(**config.sampling)
-    if sampling.temperature == 0:
-      raise ConfigError("DAPO needs sampled rollouts: sampling.temperature must be > 0")
+    self.seq_len = self.rollout_config.cache_size
     self.host_shardings = sharding.param_shardings(self.model, self.host)
-    sampler = Sampler(model_config, self.host, batch_size=config.batch_size // self.hosts,
-                      cache_size=self.rollout_config.cache_size, chunk=config.chunk,
-                      stop_ids=stop_ids(self.tokenizer), sampling=sampling)
-    tools = distributed.agreed(
-        lambda: callable_tools(build_registry(config.tools.to_dict()), self.tokenizer),
-        "building the tools")
-    self.engine = Rollout(sampler, None, self.tokenizer, tools, self.rollout_config,
-                          config.system_prompt, seed=config.seed)
+    sampler = agent.sampler(settings, model_config, self.host, self.tokenizer)
+    self.engine = Rollout(sampler, None, self.tokenizer, agent.tools(settings, self.tokenizer),
+                          self.rollout_config, settings.system_prompt, seed=settings.seed)
+    temperature = settings.sampling.temperature
     self.update = update.jit_dapo_step(self.model, self.tx, self.mesh,
                                        loss_config=self.loss_config,
                                        micro_batches=rl.micro_batches, schedule=self.schedule,
-                                       temperature=sampling.temperature)
+                                       temperature=temperature)
     self.logprobs, self.ref_logprobs = (
         update.jit_policy_logprobs(model, self.mesh, sharding.param_shardings(model, self.mesh),
-                                   sampling.temperature)
+                                   temperature)
         for model in (self.model, self.base_model))
-    self.stream = TaskStream(self.tasks, config.seed)
+    self.stream = TaskStream(self.tasks, settings.seed)
     self.prompts: dict[str, list[int]] = {}  # task id -> [groups, all correct, all wrong]
-    self.reward_pool = concurrent.futures.ThreadPoolExecutor(config.reward_workers,
-                                                             "reward")
+    self.reward_pool = concurrent.futures.ThreadPoolExecutor(settings.reward_workers, "reward")
 
-  def _tasks_and_rewarder(self, config: Any) -> tuple[list, list, Any]:
+  def _tasks_and_rewarder(self) -> tuple[list, list, Any]:
     """Returns (training tasks, evaluation tasks, the rewarder), the tasks with their ground
     truth (metadata fields lifted up, as the evaluation reads them) and prompts that fit."""
-    tasks = load_tasks(config.tasks, config.max_tasks)
-    eval_tasks = load_tasks(config.eval_tasks, config.eval_max_tasks) if config.eval_tasks else []
-    rewarder = build_rewarder(config.rewards.to_dict(), self.tokenizer.tool_tags)
+    settings = self.settings
+    tasks = load_tasks(settings.tasks, settings.max_tasks)
+    eval_tasks = (load_tasks(settings.eval_tasks, settings.eval_max_tasks) if settings.eval_tasks
+                  else [])
+    rewarder = build_rewarder(settings.rewards, self.tokenizer.tool_tags)
     for some in (tasks, eval_tasks):
-      check_prompt_lengths(self.tokenizer, config.system_prompt, some,
+      check_prompt_lengths(self.tokenizer, settings.system_prompt, some,
                            self.rollout_config.max_prompt_tokens)
       rewarder.check(some)
     return tasks, eval_tasks, rewarder
@@ -195,7 +158,7 @@ class Trainer:
   def _meshes(self) -> tuple[Mesh, Mesh]:
     """Returns the mesh the updates run on and this host's decode mesh: here the same
     devices (the rollouts wait for the updates and the updates for the rollouts)."""
-    mesh = sharding.make_mesh(sharding.MeshConfig(**self.config.mesh))
+    mesh = sharding.make_mesh(self.settings.mesh)
     return mesh, sharding.host_mesh(mesh)
 
   # --- rollouts and rewards ----------------------------------------------------------------
@@ -241,7 +204,7 @@ class Trainer:
     return ScoredGroup(group[0].task_id, group, scores, [r.correct for r in rewards])
 
   def _overlong(self, response_len: int) -> float:
-    rl = self.config.rl
+    rl = self.settings.rl
     if not rl.overlong_shaping:
       return 0.0
     return overlong_penalty(response_len, self.rollout_config.max_response_tokens,
@@ -253,17 +216,17 @@ class Trainer:
     """Runs step `step` for the job loop: one update, then an evaluation on the held-out tasks
     every rl.eval_every steps and at the last; returns the metrics of both."""
     metrics = self.update_once(step)
-    rl = self.config.rl
+    rl = self.settings.rl
     if self.eval_tasks and (step % rl.eval_every == 0 or step == rl.steps):
       metrics.update(self.evaluate(step))
     return metrics
 
   def update_once(self, step: int) -> dict[str, float]:
     """Rolls out, filters and updates once; returns the step's metrics."""
-    rl = self.config.rl
+    rl = self.settings.rl
     generated: list[ScoredGroup] = []
     rounds = iter(range(rl.max_rounds))
-    step_key = jax.random.fold_in(jax.random.key(self.config.seed), step)
+    step_key = jax.random.fold_in(jax.random.key(self.settings.seed), step)
 
     def next_round():
       key = jax.random.fold_in(step_key, next(rounds))
@@ -300,7 +263,7 @@ class Trainer:
     top-k / top-p truncate the sampling (`rollout_batch`).
     With a critic (PPO), the critic updates on every mini-batch too, and the actor only after
     the critic's warm-up and pre-training."""
-    rl = self.config.rl
+    rl = self.settings.rl
     records = [record for group in kept for record in group.records]
     scores = np.array([g.scores for g in kept])
     outcomes = None
@@ -355,7 +318,7 @@ class Trainer:
 
   def _track_prompts(self, generated: list[ScoredGroup]) -> None:
     """Counts each generated group's prompt: groups, all correct, all wrong (rl.track_prompts)."""
-    if self.config.rl.track_prompts:
+    if self.settings.rl.track_prompts:
       for group in generated:
         tally = self.prompts.setdefault(group.task_id, [0, 0, 0])
         tally[0] += 1
@@ -388,7 +351,7 @@ class Trainer:
       tokens += float(mask.sum())
       worst = max(worst, float(gap.max()))
       ref_logp = None
-      if self.config.rl.kl_coef:  # with LoRA: the base model, adapters off
+      if self.settings.rl.kl_coef:  # with LoRA: the base model, adapters off
         ref_logp = (self.logprobs(self.ref_params, batch)[0] if self.ref_params is not None
                     else self.ref_logprobs(self.state.frozen, batch)[0])
       out.append(batch.replace(old_logp=old_logp, ref_logp=ref_logp))
@@ -396,7 +359,7 @@ class Trainer:
 
   def evaluate(self, step: int) -> dict[str, float]:
     """Returns accuracy (avg@n at the sampling temperature) and lengths on the held-out tasks."""
-    key = jax.random.fold_in(jax.random.key(self.config.seed + 1), step)
+    key = jax.random.fold_in(jax.random.key(self.settings.seed + 1), step)
     with self._sampling():
       groups = distributed.agreed(lambda: self._rollouts(self.eval_tasks, key),
                                   f"evaluation at step {step}")

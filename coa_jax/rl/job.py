@@ -13,6 +13,7 @@ checkpoint the tokenizer's tag mapping.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Sequence
@@ -24,6 +25,7 @@ from coa_jax.data import hf_tokenizer
 from coa_jax.model import lora
 from coa_jax.rl import async_trainer, dapo
 from coa_jax.rl import critic as critic_lib
+from coa_jax.rl.settings import RLSettings, rl_settings
 from coa_jax.runtime import distributed, hf_checkpoint, paths
 from coa_jax.runtime.distributed import say
 from coa_jax.train import LoopConfig, run_loop
@@ -75,17 +77,19 @@ def rollout_rows(step: int, groups: Sequence[dapo.ScoredGroup], advantages: Any,
 
 
 def run(config: Any) -> dict[str, Any]:
-  """Trains per `config`; returns a summary (rewards, accuracy, steps, paths, and the isolation
-  the code tool and the code reward ran programs under)."""
-  rl = config.rl
+  """Trains per `config` (a ConfigDict, checked by `rl_settings`, or RLSettings); returns a
+  summary (rewards, accuracy, steps, paths, and the isolation the code tool and the code reward
+  ran programs under)."""
+  settings = config if isinstance(config, RLSettings) else rl_settings(config)
+  rl = settings.rl
   plot_keys, shown = dapo.PLOT_KEYS, dapo.SHOWN
-  if rl["async"].enabled:
-    trainer = async_trainer.AsyncTrainer(config)
+  if rl.async_.enabled:
+    trainer = async_trainer.AsyncTrainer(settings)
     plot_keys, shown = async_trainer.PLOT_KEYS, async_trainer.SHOWN
     say(f"asynchronous: rollouts on {trainer.host.devices.size} device(s) per host, updates on "
-        f"{trainer.mesh.devices.size}, staleness <= {rl['async'].staleness}")
+        f"{trainer.mesh.devices.size}, staleness <= {rl.async_.staleness}")
   else:
-    trainer = dapo.Trainer(config)
+    trainer = dapo.Trainer(settings)
   name = "DAPO"
   if trainer.critic is not None:
     name = "PPO"
@@ -94,12 +98,12 @@ def run(config: Any) -> dict[str, Any]:
       f"{len(trainer.tasks)} tasks, {rl.batch_groups} groups x {trainer.n} samples per step in "
       f"{rl.batch_groups // rl.mini_batch_groups} mini-batch(es); "
       f"{len(trainer.eval_tasks)} held-out tasks")
-  files = hf_tokenizer.export_files(trainer.tokenizer, config.sampling)
-  loop = LoopConfig(steps=rl.steps, workdir=config.workdir, checkpoint=config.checkpoint,
+  files = hf_tokenizer.export_files(trainer.tokenizer, dataclasses.asdict(settings.sampling))
+  loop = LoopConfig(steps=rl.steps, workdir=settings.workdir, checkpoint=settings.checkpoint,
                     log_every=rl.log_every, stop_after=rl.stop_after,
                     nonfinite_skips=rl.nonfinite_skips,
-                    export_dir=config.export_dir, export_dtype=config.export_dtype,
-                    base_checkpoint=config.model.get("checkpoint", ""), unit="samples",
+                    export_dir=settings.export_dir, export_dtype=settings.export_dtype,
+                    base_checkpoint=settings.model.checkpoint, unit="samples",
                     units_per_step=rl.batch_groups * trainer.n, shown=shown,
                     plot_keys=plot_keys, plot_file="dapo.png", title=name,
                     tokenizer=trainer.tokenizer, export_files=files)
@@ -121,31 +125,31 @@ def run(config: Any) -> dict[str, Any]:
     if model_config.lora_rank:  # the critic's adapters merged into its copy of the base
       params, model_config = lora.merge(params, model_config), model_config.replace(lora_rank=0)
     hf_checkpoint.save_checkpoint(  # a value model generates nothing: no generation defaults
-        summary["critic_export_dir"], model_config, params, dtype=config.export_dtype,
+        summary["critic_export_dir"], model_config, params, dtype=settings.export_dtype,
         head="value", files={k: v for k, v in files.items() if k != hf_tokenizer.GENERATION_FILE})
     say(f"exported the critic to {summary['critic_export_dir']}")
   report = trainer.prompt_report() if rl.track_prompts else None  # a gather: before the writes
   if report is not None:
-    summary["prompts"] = os.path.join(config.workdir, "prompts.json")
+    summary["prompts"] = os.path.join(settings.workdir, "prompts.json")
 
   def write() -> None:  # process 0's files, agreed: the caller's next collective waits on them
     if jax.process_index():
       return
-    if rl["async"].enabled and result.rows:
+    if rl.async_.enabled and result.rows:
       summary["overlap_plot"] = async_trainer.plot_overlap(
-          result.metrics, os.path.join(config.workdir, "async.png"), rl["async"].staleness)
+          result.metrics, os.path.join(settings.workdir, "async.png"), rl.async_.staleness)
     if report is not None:
       paths.to_epath(summary["prompts"]).write_text(json.dumps(report, indent=1))
     if trainer.last_batch is not None:  # for reading: never fatal
       try:
         rows = rollout_rows(*trainer.last_batch, trainer.tokenizer, trainer.tasks,
                             trainer.rewarder.tool_tags)
-        paths.to_epath(os.path.join(config.workdir, ROLLOUTS)).write_text(
+        paths.to_epath(os.path.join(settings.workdir, ROLLOUTS)).write_text(
             "".join(json.dumps(row) + "\n" for row in rows))
       except Exception as e:  # noqa: BLE001
         say(f"{ROLLOUTS} not written: {type(e).__name__}: {e}")
 
-  distributed.agreed(write, f"writing the RL reports in {config.workdir}")
+  distributed.agreed(write, f"writing the RL reports in {settings.workdir}")
   if result.rows:
     # The rollouts' own accuracy (at the sampling temperature) averaged over the first and the
     # last quarter of the steps: one step's batch is too few samples to compare.

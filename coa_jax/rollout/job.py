@@ -11,6 +11,7 @@ decoded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -22,49 +23,13 @@ import jax
 
 from coa_jax.data import coa_format
 from coa_jax.data.tasks import Task, load_tasks
-from coa_jax.data.tokenizer import tokenizer_of
-from coa_jax.model import ConfigError, ModelSettings, Transformer
-from coa_jax.rollout import tool_loop as rollout
-from coa_jax.rollout.sampler import Sampler, SamplingConfig
-from coa_jax.rollout.tool_loop import Rollout, RolloutConfig, RolloutRecord, summarize
-from coa_jax.runtime import distributed, sharding
-from coa_jax.runtime.paths import local
+from coa_jax.rollout import settings as agent
+from coa_jax.rollout.settings import rollout_settings
+from coa_jax.rollout.tool_loop import Rollout, RolloutRecord, progress_line, summarize
+from coa_jax.runtime import distributed
 from coa_jax.runtime.distributed import say
-from coa_jax.runtime.hf_checkpoint import load_model
-from coa_jax.runtime.sharding import init_params, param_shardings
-from tools_env import registry as tools_registry
+from coa_jax.runtime.paths import local
 from tools_env import sandbox
-
-
-def build(config: Any, tokenizer: Any = None) -> tuple[Rollout, Any]:
-  """Returns (the Rollout engine, the tokenizer) that `config` describes (`tokenizer`: the one
-  already loaded from it). On several hosts, the engine decodes on this host's devices with
-  config.batch_size / hosts rows."""
-  tokenizer = tokenizer or distributed.agreed(lambda: tokenizer_of(config),
-                                              "loading the tokenizer")
-  mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
-  if config.batch_size % jax.process_count():
-    raise ConfigError(f"batch_size={config.batch_size} does not split over "
-                      f"{jax.process_count()} hosts")
-  model = ModelSettings.from_section(config.model)
-  model_config, params = distributed.agreed(lambda: load_model(model, tokenizer, mesh),
-                                           "loading the model")
-  if params is None:
-    say("model.checkpoint is empty: rolling out a freshly initialized (untrained) model")
-    params = init_params(Transformer(model_config), mesh, jax.random.key(config.seed))
-  host = sharding.host_mesh(mesh)
-  params = sharding.to_host_mesh(params, mesh, host,
-                                 param_shardings(Transformer(model_config), host))
-  rollout_config = RolloutConfig(**config.rollout)
-  sampler = Sampler(model_config, host, batch_size=config.batch_size // jax.process_count(),
-                    cache_size=rollout_config.cache_size,
-                    chunk=config.chunk, stop_ids=rollout.stop_ids(tokenizer),
-                    sampling=SamplingConfig(**config.sampling))
-  tools = distributed.agreed(lambda: rollout.callable_tools(
-      tools_registry.build_registry(config.tools.to_dict()), tokenizer), "building the tools")
-  engine = Rollout(sampler, sampler.sampling_params(params), tokenizer, tools, rollout_config,
-                   config.system_prompt, seed=config.seed)
-  return engine, tokenizer
 
 
 def transcript(record: RolloutRecord, tokenizer) -> str:
@@ -77,17 +42,20 @@ def transcript(record: RolloutRecord, tokenizer) -> str:
 
 def run(config: Any) -> dict[str, Any]:
   """Rolls out the tasks of config.tasks; returns the summary it also writes."""
-  tasks = load_tasks(config.tasks, config.max_tasks, require_answer=False)
-  engine, tokenizer = build(config)
+  settings = rollout_settings(config)
+  tasks = load_tasks(settings.tasks, settings.max_tasks, require_answer=False)
+  tokenizer = agent.agent_tokenizer(settings)
+  engine = agent.engine(settings, tokenizer)
+  output_dir = settings.output_dir
   hosts, host = jax.process_count(), jax.process_index()
-  os.makedirs(local(config.output_dir, "output_dir"), exist_ok=True)
-  paths = {name: os.path.join(config.output_dir, name)
+  os.makedirs(local(output_dir, "output_dir"), exist_ok=True)
+  paths = {name: os.path.join(output_dir, name)
            for name in ("records.jsonl", "transcripts.txt", "summary.json")}
   if hosts > 1:
-    paths["records.jsonl"] = os.path.join(config.output_dir, f"records-{host}.jsonl")
-    paths["transcripts.txt"] = os.path.join(config.output_dir, f"transcripts-{host}.txt")
+    paths["records.jsonl"] = os.path.join(output_dir, f"records-{host}.jsonl")
+    paths["transcripts.txt"] = os.path.join(output_dir, f"transcripts-{host}.txt")
   say(f"rolling out {len(tasks)} tasks x {engine.config.group_size} samples "
-      f"({config.batch_size} rows, chunks of {config.chunk}) -> {config.output_dir}")
+      f"({settings.batch_size} rows, chunks of {settings.chunk}) -> {output_dir}")
   start = time.perf_counter()
   mine = tasks[host::hosts]
   # On the host's own devices, writing its own files: agreed, so one host's failure (a tool
@@ -95,7 +63,7 @@ def run(config: Any) -> dict[str, Any]:
   # gathers below.
   try:
     records = distributed.agreed(
-        lambda: _roll_out(engine, tokenizer, mine, config, paths, start), "rollouts")
+        lambda: _roll_out(engine, tokenizer, mine, settings.transcripts, paths, start), "rollouts")
   finally:
     engine.tools.close()  # MCP servers stop with the job
   fields = ("finish_reason", "tool_calls", "tool_errors", "response_len", "turns")
@@ -113,10 +81,10 @@ def run(config: Any) -> dict[str, Any]:
   return summary
 
 
-def _roll_out(engine: Any, tokenizer: Any, tasks: list, config: Any, paths: dict[str, str],
-              start: float) -> list[RolloutRecord]:
-  """Rolls out `tasks`, writing each record and the first transcripts as they finish, with
-  progress lines; returns the records."""
+def _roll_out(engine: Rollout, tokenizer: Any, tasks: list, transcripts: int,
+              paths: dict[str, str], start: float) -> list[RolloutRecord]:
+  """Rolls out `tasks`, writing each record and the first `transcripts` as text as they finish,
+  with progress lines; returns the records."""
   records: list[RolloutRecord] = []
   last = start
   hosts = jax.process_count()
@@ -124,7 +92,7 @@ def _roll_out(engine: Any, tokenizer: Any, tasks: list, config: Any, paths: dict
     for done, group in enumerate(engine.run(tasks), 1):
       for record in group:
         out.write(json.dumps(record.to_json()) + "\n")
-        if len(records) < config.transcripts:
+        if len(records) < transcripts:
           text.write(transcript(record, tokenizer) + "\n")
         records.append(record)
       now = time.perf_counter()
@@ -136,18 +104,11 @@ def _roll_out(engine: Any, tokenizer: Any, tasks: list, config: Any, paths: dict
   return records
 
 
-def progress_line(done: int, total: int, tokens: int, seconds: float) -> str:
-  """Returns a progress line: tasks done of total, tasks and tokens per second, and the ETA."""
-  rate = done / seconds if seconds > 0 else 0.0
-  eta = f"{(total - done) / rate:,.0f}s" if rate > 0 else "?"
-  return (f"tasks {done}/{total}  {rate:.2f} tasks/s  "
-          f"{tokens / seconds if seconds > 0 else 0.0:,.0f} tokens/s  ETA {eta}")
-
-
 def interactive(config: Any, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
   """Reads questions line by line and prints each step of the agent as soon as it is closed."""
-  config.rollout.group_size = 1
-  engine, tokenizer = build(config)
+  settings = rollout_settings(config)
+  tokenizer = agent.agent_tokenizer(settings)
+  engine = agent.engine(settings, tokenizer, dataclasses.replace(settings.rollout, group_size=1))
   shown = [0]
 
   def show(record: RolloutRecord) -> None:

@@ -433,3 +433,11 @@ def summarize(records: Iterable[RolloutRecord]) -> dict[str, Any]:
           "tool_errors": dict(errors),
           "mean_response_len": sum(r.response_len for r in records) / count,
           "mean_turns": sum(r.turns for r in records) / count}
+
+
+def progress_line(done: int, total: int, tokens: int, seconds: float) -> str:
+  """Returns a progress line: tasks done of total, tasks and tokens per second, and the ETA."""
+  rate = done / seconds if seconds > 0 else 0.0
+  eta = f"{(total - done) / rate:,.0f}s" if rate > 0 else "?"
+  return (f"tasks {done}/{total}  {rate:.2f} tasks/s  "
+          f"{tokens / seconds if seconds > 0 else 0.0:,.0f} tokens/s  ETA {eta}")

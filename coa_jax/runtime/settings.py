@@ -5,7 +5,8 @@ its top, and passes those (or plain values) down.
 be a field, every value of the field's type (an int where a float is asked is taken; a list
 where a tuple is asked), nested dataclasses are built the same way, and then `cls`'s own checks
 run (its `__post_init__`); a field whose class has a `from_section(section, where)` builds itself
-(the model section: a preset's fields by name). Each error is a ConfigError naming the key as
+(the model section: a preset's fields by name); a field's key is its name unless its metadata
+names another (`key_of`). `to_section` turns settings back into a section. Each error is a ConfigError naming the key as
 the command line does (`sft.optimizer.warmup_steps`).
 """
 
@@ -38,7 +39,7 @@ def build(cls: type[T], section: Any, where: str, **given: Any) -> T:
   ConfigError naming `where`.key for an unknown key, a missing required key, a value of the
   wrong type or one that `cls` rejects."""
   values = {**as_dict(section), **given}
-  fields = {f.name: f for f in dataclasses.fields(cls)}
+  fields = {key_of(f): f for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - set(fields))
   if unknown:
     raise ConfigError(f"{where}: unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
@@ -48,13 +49,35 @@ def build(cls: type[T], section: Any, where: str, **given: Any) -> T:
                    f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
   if missing:
     raise ConfigError(f"{where}: missing key(s) {', '.join(f'{where}.{k}' for k in missing)}")
-  typed = {name: _convert(value, hints[name], f"{where}.{name}") for name, value in values.items()}
+  typed = {fields[key].name: _convert(value, hints[fields[key].name], f"{where}.{key}")
+           for key, value in values.items()}
   try:
     return cls(**typed)
   except ConfigError as e:
     raise ConfigError(f"{where}: {e}") from None
   except (TypeError, ValueError) as e:
     raise ConfigError(f"{where}: {e}") from None
+
+
+def to_section(value: Any) -> Any:
+  """Returns settings as the config section they were built from (plain dicts, lists and
+  values, keys as `key_of` names them): `build` of the result gives the settings back. A
+  settings class with free-form keys gives its own (`to_section()`)."""
+  if hasattr(value, "to_section"):
+    return value.to_section()
+  if dataclasses.is_dataclass(value):
+    return {key_of(f): to_section(getattr(value, f.name)) for f in dataclasses.fields(value)}
+  if isinstance(value, (list, tuple)):
+    return [to_section(v) for v in value]
+  if isinstance(value, Mapping):
+    return {k: to_section(v) for k, v in value.items()}
+  return value
+
+
+def key_of(field: dataclasses.Field) -> str:
+  """Returns the config key of a settings field: its name, or `metadata["key"]` where the key
+  is no Python name (rl.async: the field `async_`)."""
+  return field.metadata.get("key", field.name)
 
 
 def _convert(value: Any, kind: Any, key: str) -> Any:
