@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.10",
     # configs: the shipped experiment configs that the entry points in experiments/ load.
     packages=find_packages(include=["coa_jax", "coa_jax.*", "tools_env", "tools_env.*", "configs"]),
-    package_data={"coa_jax": ["assets/*.jsonl", "perf/gpu_targets/*.txtpb"],
+    package_data={"coa_jax": ["assets/*.jsonl", "assets/*.html", "perf/gpu_targets/*.txtpb"],
                   "tools_env": ["data/*.jsonl"]},
     install_requires=[
         "jax>=0.10.2",

@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from coa_jax.perf import aot
+from coa_jax.perf import aot, pod_fit
 from coa_jax.runtime import cli
 from configs import aot_train
 
@@ -36,8 +36,8 @@ def main(argv):
     config.model.preset = _MODEL.value
   if _TOPOLOGY.value:
     config.topology = _TOPOLOGY.value
-  settings = aot.run_settings(config)
-  reports = aot.config_reports(settings)
+  settings = pod_fit.run_settings(config)
+  reports = pod_fit.config_reports(settings)
   for report in reports.values():
     print(report.format())
   path = _REPORT.value or getattr(settings, "report_json", "")

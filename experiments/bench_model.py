@@ -18,6 +18,8 @@ from ml_collections import config_flags
 
 from coa_jax.model import build_config
 from coa_jax.perf import bench, flops
+from coa_jax.runtime.settings import build
+from coa_jax.train.optimizer import OptimizerSettings
 from configs import bench_model
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -41,6 +43,7 @@ def main(argv):
   print(f"device {device.device_kind} (PyTorch on {bench.torch_device()}); peak "
         f"{peak / 1e12:.3g} TFLOP/s ({source}); torch threads {torch.get_num_threads()}")
   b, t = config.batch_size, config.seq_len
+  opt = build(OptimizerSettings, config.optimizer, "optimizer")
   rows = []
   for name, spec in config.models.items():
     if _MODELS.value and name not in _MODELS.value:
@@ -52,10 +55,10 @@ def main(argv):
     # 25% slower in one run than in the others of the same process (why is not known).
     theirs, ours = [], []
     for _ in range(config.get("rounds", 1)):
-      theirs.append(bench.torch_train_step_seconds(model_config, config.optimizer, b, t,
+      theirs.append(bench.torch_train_step_seconds(model_config, opt, b, t,
                                                    config.warmup_steps, steps))
-      ours.append(bench.jax_train_step_seconds(model_config, config.optimizer, b, t,
-                                               config.warmup_steps, steps))
+      ours.append(bench.jax_train_step_seconds(model_config, opt, b, t, config.warmup_steps,
+                                               steps))
     rates = [", ".join(f"{b * t / s:,.0f}" for s in runs) for runs in (theirs, ours)]
     rounds = f" (rounds: PyTorch {rates[0]}; coa-jax {rates[1]})" if len(ours) > 1 else ""
     theirs, ours = min(theirs), min(ours)

@@ -12,12 +12,12 @@ results.png (per benchmark: grader, pass@1, avg@k, tokens and tool calls per tas
 and the system prompt: --config (configs/benchmark.py), e.g. --config.sampling.temperature=0.6.
 """
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from coa_jax.data.benchmark_files import BENCHMARKS, DEFAULT_DATA_DIR
 from coa_jax.evaluation import benchmarks
-from coa_jax.runtime import distributed
+from coa_jax.runtime import cli
 from configs import benchmark as benchmark_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", benchmark_config.__file__)
@@ -39,8 +39,7 @@ _CODE_TIMEOUT = flags.DEFINE_float("code_timeout_s", 6.0, "time limit of each co
 
 def main(argv):
   del argv
-  distributed.initialize_from_env()
-  logging.set_verbosity(logging.WARNING)
+  cli.start()
   settings = benchmarks.BenchmarkSettings(
       model=_MODEL.value, benchmarks=tuple(_BENCHMARKS.value), data_dir=_DATA_DIR.value,
       output_dir=_OUTPUT_DIR.value, k=_K.value, max_tasks=_MAX_TASKS.value,

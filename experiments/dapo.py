@@ -11,12 +11,12 @@ checkpoint to config.export_dir.
 import sys
 
 import jax
-from absl import app, logging
+from absl import app
 from ml_collections import config_flags
 
 from coa_jax.evaluation import viewer
 from coa_jax.rl import job as rl_job
-from coa_jax.runtime import cli, distributed, xla_flags
+from coa_jax.runtime import cli
 from configs import dapo_tiny_cpu
 
 sys.argv[:] = cli.config_argv(sys.argv)  # e.g. --config.rl.async.staleness=2
@@ -28,9 +28,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
-  xla_flags.apply(_CONFIG.value.get("xla_flags", ""))
-  distributed.initialize_from_env()
-  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  cli.start(_CONFIG.value.get("xla_flags", ""))
   rl_job.run(_CONFIG.value)
   if jax.process_index() == 0:  # the last step's samples as a page (a failure is only printed)
     viewer.logged(viewer.write_page, _CONFIG.value.workdir)

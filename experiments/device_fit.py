@@ -16,6 +16,7 @@ from ml_collections import config_flags
 
 from coa_jax.perf import bench
 from coa_jax.runtime import hardware, xla_flags
+from coa_jax.sft.settings import sft_settings
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "an SFT config file")
 _STEPS = flags.DEFINE_integer("steps", 3, "timed steps after one warm-up step")
@@ -24,11 +25,12 @@ _OUTPUT = flags.DEFINE_string("output", "", "the JSON file (default runs/device_
 
 def main(argv):
   del argv
-  xla_flags.apply(_CONFIG.value.get("xla_flags", ""))
+  settings = sft_settings(_CONFIG.value)
+  xla_flags.apply(settings.xla_flags)
   path = config_flags.get_config_filename(flags.FLAGS["config"])
   name = os.path.splitext(os.path.basename(path))[0]
-  result = dict(config=name, topology=_CONFIG.value.get("topology"),
-                **bench.measure_config_step(_CONFIG.value, _STEPS.value))
+  result = dict(config=name, topology=settings.topology,
+                **bench.measure_config_step(settings, _STEPS.value))
   gib = lambda b: "n/a" if b is None else f"{b / hardware.GIB:.1f} GiB"
   print(f"{name} on {result['devices']} x {result['device']} (mesh {result['mesh']}): "
         f"compiled in {result['compile_seconds']:.0f} s; memory per device: compiler "

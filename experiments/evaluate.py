@@ -14,12 +14,12 @@ samples.jsonl to the output folder.
 
 import os
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from coa_jax.evaluation import job as evaluate
 from coa_jax.evaluation import model_settings
-from coa_jax.runtime import distributed
+from coa_jax.runtime import cli
 from coa_jax.runtime.distributed import say
 from configs import evaluate_tiny
 
@@ -36,8 +36,7 @@ _OUTPUT = flags.DEFINE_string("output_dir", "", "with --model: where metrics.jso
 
 def main(argv):
   del argv
-  distributed.initialize_from_env()
-  logging.set_verbosity(logging.WARNING)
+  cli.start()
   config = _CONFIG.value
   if _MODEL.value:
     if not _TASKS.value:

@@ -14,12 +14,12 @@ import sys
 from typing import Any
 
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 from ml_collections.config_flags import config_path
 
 from coa_jax import pipeline
-from coa_jax.runtime import cli, distributed
+from coa_jax.runtime import cli
 from coa_jax.runtime.distributed import say
 from configs import pipeline_tiny_cpu
 
@@ -54,8 +54,7 @@ def quick_note(config: Any) -> str:
 
 def main(argv):
   del argv
-  distributed.initialize_from_env()
-  logging.set_verbosity(logging.WARNING)
+  cli.start()
   config = _CONFIG.value
   recipe = _recipe()
   if _QUICK.value:  # the command line's settings win over the smoke test's, but its folder

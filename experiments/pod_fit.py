@@ -15,7 +15,7 @@ import time
 
 from absl import app, flags
 
-from coa_jax.perf import aot
+from coa_jax.perf import aot, pod_fit
 
 _CONFIGS = flags.DEFINE_list(
     "configs", ["sft_qwen2_5_7b", "sft_qwen2_5_32b", "dapo_qwen2_5_7b", "dapo_qwen2_5_32b",
@@ -29,17 +29,17 @@ _OUTPUT = flags.DEFINE_string("output_dir", "runs/pod_fit", "where the JSON and 
 def main(argv):
   del argv
   os.makedirs(_OUTPUT.value, exist_ok=True)
-  results, table = {}, [aot.POD_FIT_HEADER]
+  results, table = {}, [pod_fit.POD_FIT_HEADER]
   start = time.perf_counter()
   for i, name in enumerate(_CONFIGS.value):
     config = importlib.import_module(f"configs.{name}").get_config()
     print(f"[{i + 1}/{len(_CONFIGS.value)}] {name} on {config.topology} "
           f"({time.perf_counter() - start:.0f} s so far)", flush=True)
-    reports = aot.config_reports(aot.run_settings(config))
+    reports = pod_fit.config_reports(pod_fit.run_settings(config))
     for report in reports.values():
       print(report.format(), flush=True)
     results[name] = {program: aot.report_json(r) for program, r in reports.items()}
-    table += aot.pod_fit_rows(name, reports)
+    table += pod_fit.pod_fit_rows(name, reports)
     # Written after every config: a run cut short keeps the rows it has.
     with open(os.path.join(_OUTPUT.value, "pod_fit.json"), "w") as f:
       json.dump(results, f, indent=2)

@@ -25,10 +25,13 @@ import numpy as np
 from absl import app, flags
 
 from coa_jax.model import Transformer, build_config, compiling_for
-from coa_jax.perf import aot, flops, op_profile
+from coa_jax.perf import aot, flops, op_profile, pod_fit
 from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket, window_for
 from coa_jax.runtime import hardware, sharding
+from coa_jax.runtime.settings import build
+from coa_jax.sft.settings import sft_settings
 from coa_jax.train import optimizer
+from coa_jax.train.optimizer import OptimizerSettings
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
 from configs import bench_model, bench_model_gpu, sft_qwen2_5_7b
@@ -68,14 +71,15 @@ def target_spec(name: str) -> dict:
   """Returns a target's model config, shapes, mesh and how to read it."""
   gpu, cpu = bench_model_gpu.get_config(), bench_model.get_config()
   if name == "sft_7b":
-    c = sft_qwen2_5_7b.get_config()
-    return dict(kind="train", model=aot.with_tag_rows(build_config(c.model)), opt=c.optimizer,
-                mesh=sharding.MeshConfig(**c.mesh), batch=c.batch_size, seq=c.seq_len,
+    c = sft_settings(sft_qwen2_5_7b.get_config())
+    return dict(kind="train", model=pod_fit.with_tag_rows(c.model.fresh_config()),
+                opt=c.optimizer, mesh=c.mesh, batch=c.batch_size, seq=c.seq_len,
                 micro=c.train.micro_batches, topology=c.topology)
   config = gpu if name.endswith(("1p5b", "b16")) else cpu
   spec = config.models["qwen2_5_1_5b" if config is gpu else "tiny"]
   if name.startswith("train"):
-    return dict(kind="train", model=build_config(spec), opt=cpu.optimizer,
+    return dict(kind="train", model=build_config(spec),
+                opt=build(OptimizerSettings, cpu.optimizer, "optimizer"),
                 mesh=sharding.MeshConfig(1, 1, 1), batch=config.batch_size,
                 seq=config.seq_len, micro=1, topology=None)
   work = dict(config.decode)  # the bench's decode: cache for its prompt, rounds, observations

@@ -6,11 +6,11 @@
 
 
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from coa_jax.rollout import job as rollout_job
-from coa_jax.runtime import distributed
+from coa_jax.runtime import cli
 from configs import rollout_tiny_cpu
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -22,8 +22,7 @@ _INTERACTIVE = flags.DEFINE_bool("interactive", False,
 
 def main(argv):
   del argv
-  distributed.initialize_from_env()
-  logging.set_verbosity(logging.WARNING)
+  cli.start()
   if _INTERACTIVE.value:
     rollout_job.interactive(_CONFIG.value)
   else:

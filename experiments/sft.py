@@ -3,10 +3,10 @@
   python experiments/sft.py [--config=configs/sft_tiny_cpu.py] [--config.train.steps=300 ...]
 """
 
-from absl import app, logging
+from absl import app
 from ml_collections import config_flags
 
-from coa_jax.runtime import distributed, xla_flags
+from coa_jax.runtime import cli
 from coa_jax.sft import job as sft
 from configs import sft_tiny_cpu
 
@@ -18,9 +18,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
-  xla_flags.apply(_CONFIG.value.get("xla_flags", ""))
-  distributed.initialize_from_env()
-  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  cli.start(_CONFIG.value.get("xla_flags", ""))
   sft.run(_CONFIG.value)
 
 

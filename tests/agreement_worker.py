@@ -27,21 +27,15 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from coa_jax.runtime import distributed, sharding
+from coa_jax.runtime import distributed
 from coa_jax.runtime.cache import cached_json, write_json
 from coa_jax.runtime.checkpointing import Checkpointer
 from coa_jax.train.loop import LoopConfig, run_loop
 from configs import common
-from state_job import StateJob
+from state_job import StateJob, join
 
-distributed.initialize(distributed.DistributedConfig(
-    mode="explicit", coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-    process_id=process_id))
-MESH = sharding.make_mesh((2, 1, 1))
-SHARDED = NamedSharding(MESH, P("data"))
+MESH, SHARDED = join(process_id, port)
 # Every step's program sums over both processes' shards: a process that stopped or saved alone
 # would leave the other waiting in it.
 ADD_ONE = jax.jit(lambda w: w + 1.0 + 0.0 * jnp.sum(w), out_shardings=SHARDED)

@@ -32,20 +32,16 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from coa_jax.model import Transformer, get_preset  # noqa: E402
-from coa_jax.runtime import distributed, hf_checkpoint, sharding  # noqa: E402
+from coa_jax.runtime import hf_checkpoint, sharding  # noqa: E402
 from coa_jax.runtime.cache import cached_json  # noqa: E402
 from coa_jax.runtime.checkpointing import Checkpointer  # noqa: E402
 from coa_jax.sft.job import SFTJob  # noqa: E402
 from coa_jax.train import writers  # noqa: E402
 from coa_jax.train.loop import LoopConfig, run_loop  # noqa: E402
 from configs import common  # noqa: E402
-from state_job import StateJob  # noqa: E402
+from state_job import StateJob, join  # noqa: E402
 
-distributed.initialize(distributed.DistributedConfig(
-    mode="explicit", coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-    process_id=process_id))
-MESH = sharding.make_mesh((2, 1, 1))
-SHARDED = NamedSharding(MESH, P("data"))
+MESH, SHARDED = join(process_id, port)
 
 
 def global_sum() -> float:

@@ -3,7 +3,7 @@
 import pytest
 
 from coa_jax.model import get_preset
-from coa_jax.perf import aot, roofline
+from coa_jax.perf import aot, pod_fit, roofline
 from coa_jax.rl.settings import rl_settings
 from coa_jax.runtime import hardware, sharding, xla_flags
 from coa_jax.sft.settings import sft_settings
@@ -158,9 +158,9 @@ def test_a_malformed_gpu_topology_is_named():
 def test_pod_fit_row_and_json_of_a_report(report):
   import json
 
-  (row,) = aot.pod_fit_rows("tiny_config", {"train": report})
+  (row,) = pod_fit.pod_fit_rows("tiny_config", {"train": report})
   cells = [c.strip() for c in row.strip("|").split("|")]
-  assert len(cells) == aot.POD_FIT_HEADER.splitlines()[0].count("|") - 1
+  assert len(cells) == pod_fit.POD_FIT_HEADER.splitlines()[0].count("|") - 1
   assert cells[:3] == ["`tiny_config`", "SFT step", "v5e:2x2 (4 chips)"] and cells[6] == "yes"
   assert cells[10] == f"{report.projected_mfu:.0%}"
   out = json.loads(json.dumps(aot.report_json(report)))
@@ -187,7 +187,7 @@ def test_ppo_updates_compile_scaled_down_with_the_other_models_state_resident():
 
 
 def test_pod_fit_rows_of_a_ppo_config_name_both_updates(report):
-  rows = aot.pod_fit_rows("ppo_config", {"train": report, "critic": report})
+  rows = pod_fit.pod_fit_rows("ppo_config", {"train": report, "critic": report})
   programs = [[c.strip() for c in row.strip("|").split("|")][1] for row in rows]
   assert programs == ["PPO actor update (one mini-batch; critic state resident)",
                       "PPO critic update (one mini-batch; actor state resident)"]

@@ -29,6 +29,7 @@ def test_a_lora_config_step_runs_with_only_its_adapters_trained_in_memory():
   """measure_config_step (experiments/device_fit.py) runs an SFT config's own step on this
   machine: the loss is finite and moves, and LoRA's step holds less than full fine-tuning's
   (float32 adapters and their AdamW moments beside a frozen base in the compute dtype)."""
+  from coa_jax.sft.settings import sft_settings
   from configs import common, sft_tiny_cpu
 
   results = {}
@@ -38,7 +39,7 @@ def test_a_lora_config_step_runs_with_only_its_adapters_trained_in_memory():
     config.mesh = common.mesh(data=1, fsdp=-1, tensor=1)  # the 8 devices the tests run on
     config.batch_size, config.seq_len, config.train.micro_batches = 16, 64, 2
     config.optimizer.warmup_steps = 0
-    results[rank] = bench.measure_config_step(config, steps=2)
+    results[rank] = bench.measure_config_step(sft_settings(config), steps=2)
   full, lora = results[0], results[2]
   assert lora["adapter_params"] > 0 and full["adapter_params"] == 0
   for r in (full, lora):

@@ -13,13 +13,14 @@ from ml_collections.config_flags import config_path
 from coa_jax.distill.job import distill_settings
 from coa_jax.evaluation.settings import evaluation_settings
 from coa_jax.model import ConfigError, ModelSettings, build_config
-from coa_jax.perf import aot
+from coa_jax.perf import pod_fit
 from coa_jax.pipeline import Stages
 from coa_jax.rl.settings import rl_settings
 from coa_jax.rollout.settings import rollout_settings
 from coa_jax.runtime import cli, hardware, load_model, sharding
 from coa_jax.runtime.settings import build, to_section
 from coa_jax.sft.settings import sft_settings
+from coa_jax.train import lm_demo
 from configs import (dapo_tiny_cpu, distill_tiny, evaluate_tiny, pipeline_tiny_cpu,
                      rollout_tiny_cpu, sft_tiny_cpu)
 
@@ -70,7 +71,8 @@ def test_config_paths_through_python_keywords_parse_on_the_command_line():
 # Each job's configs, by the prefix of their names, and the job's settings builder.
 JOBS = {"sft_": sft_settings, "dapo_": rl_settings, "ppo_": rl_settings,
         "rollout_": rollout_settings, "evaluate_": evaluation_settings,
-        "distill_": distill_settings, "aot_": aot.run_settings}
+        "distill_": distill_settings, "aot_": pod_fit.run_settings,
+        "demo_": lm_demo.demo_settings}
 JOB_CONFIGS = [(n, job) for n in NAMES for prefix, job in JOBS.items() if n.startswith(prefix)]
 
 
@@ -82,7 +84,7 @@ def test_every_job_config_builds_its_settings(name, job):
 
 
 @pytest.mark.parametrize("name", ["pipeline_tiny_cpu", "pipeline_sql_cpu",
-                                  "pipeline_distractors_cpu"])
+                                  "pipeline_distractors_cpu", "copy_guard_cpu"])
 def test_every_pipeline_builds_its_stages_settings(name):
   recipe = importlib.import_module(f"configs.{name}")
   stage_configs = getattr(recipe, "stage_configs", pipeline_tiny_cpu.stage_configs)
@@ -125,64 +127,61 @@ def test_command_line_overrides_reach_the_rl_settings():
   assert (settings.rollout.max_turns, settings.sampling.top_p) == (3, 0.9)
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("optimizer.warmup_step", 7, r"sft\.optimizer: unknown key\(s\) sft\.optimizer\.warmup_step"),
-    ("batch_size", "8", r"sft\.batch_size='8': expected an integer"),
-    ("data.overlong", "wrap", r"sft\.data: overlong='wrap': expected one of"),
-    ("model.num_layerz", 3, r"sft\.model: unknown key\(s\) sft\.model\.num_layerz"),
-    ("model.num_heads", 3, r"sft\.model: num_heads=3 is not a multiple of num_kv_heads=2"),
-])
-def test_a_bad_sft_value_is_an_error_naming_its_key(key, value, message):
+# (job, its config, a key, a bad value, the error it must raise): unknown keys, wrong types and
+# values the settings refuse, each named as the command line writes it.
+BAD_VALUES = [
+    (sft_settings, sft_tiny_cpu, "optimizer.warmup_step", 7,
+     r"sft\.optimizer: unknown key\(s\) sft\.optimizer\.warmup_step"),
+    (sft_settings, sft_tiny_cpu, "batch_size", "8", r"sft\.batch_size='8': expected an integer"),
+    (sft_settings, sft_tiny_cpu, "data.overlong", "wrap",
+     r"sft\.data: overlong='wrap': expected one of"),
+    (sft_settings, sft_tiny_cpu, "model.num_layerz", 3,
+     r"sft\.model: unknown key\(s\) sft\.model\.num_layerz"),
+    (sft_settings, sft_tiny_cpu, "model.num_heads", 3,
+     r"sft\.model: num_heads=3 is not a multiple of num_kv_heads=2"),
+    (distill_settings, distill_tiny, "world.entitys", 3,
+     r"distill\.world: unknown key\(s\) distill\.world\.entitys"),
+    (distill_settings, distill_tiny, "workers", 2.5, r"distill\.workers=2\.5: expected an integer"),
+    (distill_settings, distill_tiny, "teacher.misread_rate", 2.0,
+     r"distill\.teacher: teacher\.misread_rate must be in \[0, 1\]"),
+    (rl_settings, dapo_tiny_cpu, "rl.eps_hgh", 0.3,
+     r"dapo\.rl: unknown key\(s\) dapo\.rl\.eps_hgh"),
+    (rl_settings, dapo_tiny_cpu, "rl.batch_groups", "4",
+     r"dapo\.rl\.batch_groups='4': expected an integer"),
+    (rl_settings, dapo_tiny_cpu, "rl.mini_batch_groups", 3,
+     r"batch_groups=4 is not a multiple of mini_batch_groups=3"),
+    (rl_settings, dapo_tiny_cpu, "rl.eps_low", 1.5, r"dapo\.rl: clip ratios must satisfy"),
+    (rl_settings, dapo_tiny_cpu, "rl.advantage", "median",
+     r"advantage normalize='median': expected one of"),
+    (rl_settings, dapo_tiny_cpu, "rl.async.staleness", -1, r"dapo\.rl\.async: staleness=-1"),
+    (rl_settings, dapo_tiny_cpu, "rl.critic.truncation", "drop",
+     r"rl\.critic\.truncation='drop'"),
+    (rl_settings, dapo_tiny_cpu, "sampling.temperature", 0.0, r"DAPO needs sampled rollouts"),
+    (rl_settings, dapo_tiny_cpu, "optimizer.schedule", "linear",
+     r"dapo\.optimizer: optimizer\.schedule='linear'"),
+    (rollout_settings, rollout_tiny_cpu, "transcript", 4,
+     r"rollout job: unknown key\(s\) rollout job\.transcript"),
+    (rollout_settings, rollout_tiny_cpu, "chunk", "32",
+     r"rollout job\.chunk='32': expected an integer"),
+    (rollout_settings, rollout_tiny_cpu, "rollout.group_size", 0,
+     r"rollout\.group_size must be >= 1"),
+    (rollout_settings, rollout_tiny_cpu, "tools", "bm25",
+     r"rollout job\.tools='bm25': expected a mapping"),
+    (evaluation_settings, evaluate_tiny, "system", "human",
+     r"evaluation: system='human': expected one of"),
+    (evaluation_settings, evaluate_tiny, "k", 0, r"evaluation: k=0: expected >= 1"),
+    (evaluation_settings, evaluate_tiny, "teacher.misread_rate", 2.0,
+     r"evaluation\.teacher: teacher\.misread_rate must be in"),
+    (evaluation_settings, evaluate_tiny, "copy_probes", "",
+     r"evaluation: unknown key\(s\) evaluation\.copy_probes"),
+]
+
+
+@pytest.mark.parametrize("job,config,key,value,message", BAD_VALUES,
+                         ids=[f"{job.__name__}-{key}" for job, _, key, _, _ in BAD_VALUES])
+def test_a_bad_value_is_an_error_naming_its_key(job, config, key, value, message):
   with pytest.raises(ConfigError, match=message):
-    sft_settings(_with(sft_tiny_cpu.get_config(), key, value))
-
-
-@pytest.mark.parametrize("key,value,message", [
-    ("world.entitys", 3, r"distill\.world: unknown key\(s\) distill\.world\.entitys"),
-    ("workers", 2.5, r"distill\.workers=2\.5: expected an integer"),
-    ("teacher.misread_rate", 2.0, r"distill\.teacher: teacher\.misread_rate must be in \[0, 1\]"),
-])
-def test_a_bad_distill_value_is_an_error_naming_its_key(key, value, message):
-  with pytest.raises(ConfigError, match=message):
-    distill_settings(_with(distill_tiny.get_config(), key, value))
-
-
-@pytest.mark.parametrize("key,value,message", [
-    ("rl.eps_hgh", 0.3, r"dapo\.rl: unknown key\(s\) dapo\.rl\.eps_hgh"),
-    ("rl.batch_groups", "4", r"dapo\.rl\.batch_groups='4': expected an integer"),
-    ("rl.mini_batch_groups", 3, r"batch_groups=4 is not a multiple of mini_batch_groups=3"),
-    ("rl.eps_low", 1.5, r"dapo\.rl: clip ratios must satisfy"),
-    ("rl.advantage", "median", r"advantage normalize='median': expected one of"),
-    ("rl.async.staleness", -1, r"dapo\.rl\.async: staleness=-1"),
-    ("rl.critic.truncation", "drop", r"rl\.critic\.truncation='drop'"),
-    ("sampling.temperature", 0.0, r"DAPO needs sampled rollouts"),
-    ("optimizer.schedule", "linear", r"dapo\.optimizer: optimizer\.schedule='linear'"),
-])
-def test_a_bad_rl_value_is_an_error_naming_its_key(key, value, message):
-  with pytest.raises(ConfigError, match=message):
-    rl_settings(_with(dapo_tiny_cpu.get_config(), key, value))
-
-
-@pytest.mark.parametrize("key,value,message", [
-    ("transcript", 4, r"rollout job: unknown key\(s\) rollout job\.transcript"),
-    ("chunk", "32", r"rollout job\.chunk='32': expected an integer"),
-    ("rollout.group_size", 0, r"rollout\.group_size must be >= 1"),
-    ("tools", "bm25", r"rollout job\.tools='bm25': expected a mapping"),
-])
-def test_a_bad_rollout_value_is_an_error_naming_its_key(key, value, message):
-  with pytest.raises(ConfigError, match=message):
-    rollout_settings(_with(rollout_tiny_cpu.get_config(), key, value))
-
-
-@pytest.mark.parametrize("key,value,message", [
-    ("system", "human", r"evaluation: system='human': expected one of"),
-    ("k", 0, r"evaluation: k=0: expected >= 1"),
-    ("teacher.misread_rate", 2.0, r"evaluation\.teacher: teacher\.misread_rate must be in"),
-    ("copy_probes", "", r"evaluation: unknown key\(s\) evaluation\.copy_probes"),
-])
-def test_a_bad_evaluation_value_is_an_error_naming_its_key(key, value, message):
-  with pytest.raises(ConfigError, match=message):
-    evaluation_settings(_with(evaluate_tiny.get_config(), key, value))
+    job(_with(config.get_config(), key, value))
 
 
 def test_a_bad_stage_value_of_a_pipeline_is_named_before_any_stage_runs():

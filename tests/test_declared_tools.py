@@ -15,7 +15,7 @@ from coa_jax.data import coa_format, prompts, rewards
 from coa_jax.data.tasks import Task
 from coa_jax.data.tokenize import step_ids, tokenize_trajectory
 from coa_jax.data.tokenizer import declared_tags, default_tokenizer
-from coa_jax.distill.teacher import ChatTeacher
+from coa_jax.distill.chat_teacher import ChatTeacher
 from coa_jax.model import ConfigError
 from coa_jax.rollout.tool_loop import Rollout, RolloutConfig, stop_ids
 from tools_env import Tool, ToolFailure, registry

@@ -14,8 +14,8 @@ from coa_jax.data import tokenizer as tokenizer_lib
 from coa_jax.data.coa_format import Step, Trajectory
 from coa_jax.data.world import NEAR, NOUNS, RELATIONS, World, WorldConfig, load_tools_spec
 from coa_jax.distill.job import Distiller, FilterConfig, format_report, to_trajectory
+from coa_jax.distill.chat_teacher import ChatTeacher
 from coa_jax.distill.teacher import (
-  ChatTeacher,
   ScriptedTeacher,
   TeacherConfig,
   TeacherError,

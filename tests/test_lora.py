@@ -308,12 +308,12 @@ def test_the_pod_fit_counts_the_tag_rows_and_their_adamw_moments():
   CoA tag a Qwen2.5 tokenizer lacks (22): 3 float32 copies each (the row and two moments)."""
   from coa_jax.data.tokenizer import TAG_TOKENS
   from coa_jax.model import build_config
-  from coa_jax.perf import aot
+  from coa_jax.perf import pod_fit
   from configs import sft_qwen2_5_32b_lora
 
   preset = build_config(sft_qwen2_5_32b_lora.get_config().model).replace(
       num_layers=2, hidden_size=512, head_dim=128, intermediate_size=1024, vocab_size=4096)
-  with_rows = aot.with_tag_rows(preset)
+  with_rows = pod_fit.with_tag_rows(preset)
   assert len(with_rows.trained_token_ids) == len(TAG_TOKENS) == 22
   assert with_rows.lora_embedding_params() == 22 * 512 * 2
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
@@ -322,4 +322,4 @@ def test_the_pod_fit_counts_the_tag_rows_and_their_adamw_moments():
       x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(
           state_lib.abstract_state(Transformer(config), tx, mesh).checkpointed()))
   assert nbytes(with_rows) - nbytes(preset) == 3 * 4 * 22 * 512 * 2
-  assert aot.with_tag_rows(preset.replace(lora_train_embeddings="none")).trained_token_ids == ()
+  assert pod_fit.with_tag_rows(preset.replace(lora_train_embeddings="none")).trained_token_ids == ()

@@ -231,7 +231,7 @@ def test_the_critics_learning_rate_follows_its_own_schedule():
   rl.critic.update(learning_rate=1.0, schedule="cosine", warmup_steps=4, final_lr_fraction=0.0)
   config = build(RLConfig, rl, "rl").critic_settings()
   assert config.total_steps == 4 * 4 * 2  # every critic update: steps x mini-batches x epochs
-  schedule = optimizer.learning_rate_schedule(critic_lib.optimizer_config(actor, config))
+  schedule = optimizer.learning_rate_schedule(critic_lib.optimizer_settings(actor, config))
   np.testing.assert_allclose([schedule(s) for s in (0, 2, 4, 18, 32)], [0, 0.5, 1, 0.5, 0],
                              atol=1e-6)
 
@@ -240,7 +240,7 @@ def test_the_critics_default_learning_rate_is_constant_whatever_the_actors_sched
   actor = OptimizerSettings(learning_rate=1e-3, schedule="cosine", warmup_steps=5,
                             total_steps=100)
   config = build(RLConfig, common.rl(steps=4), "rl").critic_settings()
-  schedule = optimizer.learning_rate_schedule(critic_lib.optimizer_config(actor, config))
+  schedule = optimizer.learning_rate_schedule(critic_lib.optimizer_settings(actor, config))
   np.testing.assert_allclose([schedule(s) for s in (0, 5, 100)], [1e-2] * 3, rtol=1e-6)
 
 
@@ -249,7 +249,7 @@ def test_bad_critic_schedules_name_the_critics_settings():
   with pytest.raises(ConfigError, match="rl.critic.schedule='linear'"):
     critic_lib.CriticConfig(schedule="linear")
   with pytest.raises(ConfigError, match="rl.critic.total_steps=3 must exceed warmup_steps=4"):
-    critic_lib.optimizer_config(actor, critic_lib.CriticConfig(
+    critic_lib.optimizer_settings(actor, critic_lib.CriticConfig(
         schedule="cosine", warmup_steps=4, total_steps=3))
 
 

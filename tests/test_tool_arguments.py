@@ -3,7 +3,7 @@ what the call parses, for each form of input schema."""
 
 import pytest
 
-from coa_jax.distill.teacher import chat_agents
+from coa_jax.distill.chat_teacher import chat_agents
 from tools_env import arguments, base
 from tools_env.registry import ToolDecl
 

@@ -17,7 +17,7 @@ from coa_jax.data import coa_format
 from coa_jax.data.tasks import Task
 from coa_jax.evaluation import viewer
 from coa_jax.evaluation.job import Sample, _write
-from coa_jax.rl import job as rl_job
+from coa_jax.rl import rollout_log
 from coa_jax.rl.dynamic_sampling import ScoredGroup
 from coa_jax.runtime.cache import write_jsonl
 from coa_jax.rollout.tool_loop import RolloutRecord
@@ -73,7 +73,7 @@ def runs(tmp_path_factory):
                         ("seed-0/eval_dapo", True)):
     _write(os.path.join(pipeline, folder), {}, outcomes(fixed))
   rl = str(root / "rl")
-  write_jsonl(os.path.join(rl, rl_job.ROLLOUTS), rl_job.rollout_rows(
+  write_jsonl(os.path.join(rl, rollout_log.ROLLOUTS), rollout_log.rollout_rows(
       3, rl_groups(), [1.0, -1.0], FakeTokenizer(), [Task("t3", TASKS[3][2])],
       coa_format.TOOL_TAGS))
   return {"evaluation": evaluation, "tasks": tasks, "pipeline": pipeline, "rl": rl}
@@ -160,7 +160,7 @@ def test_rl_data_has_token_arrays_and_advantages(runs):
 
 
 def test_rl_rows_record_the_tool_tags(runs):
-  rows = viewer._read_jsonl(os.path.join(runs["rl"], rl_job.ROLLOUTS))
+  rows = viewer._read_jsonl(os.path.join(runs["rl"], rollout_log.ROLLOUTS))
   assert [row["tool_tags"] for row in rows] == [list(coa_format.TOOL_TAGS)]
 
 
@@ -212,7 +212,7 @@ def nan_run(folder):
                       "token_texts": ["<answer>", "48"], "loss_mask": [1, 1],
                       "logprobs": [-0.5, float("-inf")], "versions": [1, 1],
                       "advantage": float("nan")}]}
-  write_jsonl(os.path.join(folder, rl_job.ROLLOUTS), [row])
+  write_jsonl(os.path.join(folder, rollout_log.ROLLOUTS), [row])
   return folder
 
 

@@ -14,15 +14,16 @@ run's rows hold `tool_tags`; a run from before they were recorded is read with t
 tools), plus every tool a sample called.
 
 Per task the page shows the question, the gold answer and each sample's outcome, reward (RL),
-finish reason, and its turns step by step: role and tool tags, tool calls, observations
-(shaded: masked from the loss) and the answer. Filters (family, outcome, tool, finish reason,
-seed, a search over questions and texts) and the page number are read from and written to the
-URL's fragment, e.g. `trajectories.html#outcome=wrong&tool=code&page=2`. No server and no
-network: CSS, JS and data are inline. The data is JSON (no NaN: non-finite numbers are null),
-gzip-compressed and base64-encoded (`embed`), which the browser decompresses itself; the page
-then builds only the tasks of its current page (PAGE_TASKS), each sample folded to its summary
-but the first that matches the filters in each column, and a sample's steps or tokens when it
-is unfolded: a run of 10,000 samples made a 346 KB page that chromium showed in 0.3-0.8 s.
+finish reason, and its turns step by step: role and tool tags, tool calls, observations (shaded:
+masked from the loss) and the answer. Filters (family, outcome, tool, finish reason, seed, a
+search over questions and texts) and the page number are read from and written to the URL's
+fragment, e.g. `trajectories.html#outcome=wrong&tool=code&page=2`. No server and no network: CSS,
+JS and data are inline (the page itself: assets/trajectories.html). The data is JSON (no NaN:
+non-finite numbers are null), gzip-compressed and base64-encoded (`embed`), which the browser
+decompresses itself; the page then builds only the tasks of its current page (PAGE_TASKS), each
+sample folded to its summary but the first that matches the filters in each column, and a sample's
+steps or tokens when it is unfolded: a run of 10,000 samples made a 346 KB page that chromium
+showed in 0.3-0.8 s.
 
 A page is never replaced by one that knows less: a task whose question or gold answer neither
 the task file nor the run's files name keeps the one the run's page already shows, and
@@ -33,8 +34,10 @@ questions.
 from __future__ import annotations
 
 import base64
+import functools
 import gzip
 import html
+import importlib.resources
 import json
 import math
 import os
@@ -43,7 +46,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from coa_jax.data import coa_format
 from coa_jax.data.tasks import load_tasks
-from coa_jax.rl.job import ROLLOUTS
+from coa_jax.rl.rollout_log import ROLLOUTS
 
 PAGE = "trajectories.html"
 PAGE_TASKS = 20  # tasks the page shows at a time (its script reads it from the data)
@@ -266,10 +269,17 @@ def embedded(page: str) -> dict[str, Any]:
   return json.loads(text)
 
 
+@functools.cache
+def _template() -> str:
+  """Returns the page (assets/trajectories.html: its HTML, style and script), $TITLE and $DATA
+  to fill."""
+  return (importlib.resources.files("coa_jax") / "assets" / PAGE).read_text(encoding="utf-8")
+
+
 def render(data: dict[str, Any]) -> str:
   """Returns the page's HTML for `page_data`'s data."""
-  parts = {"TITLE": html.escape(data["title"]), "CSS": _CSS, "JS": _JS, "DATA": embed(data)}
-  return re.sub(r"\$(TITLE|CSS|JS|DATA)", lambda m: parts[m.group(1)], _HTML)
+  parts = {"TITLE": html.escape(data["title"]), "DATA": embed(data)}
+  return re.sub(r"\$(TITLE|DATA)", lambda m: parts[m.group(1)], _template())
 
 
 def _shown_tasks(path: str) -> dict[str, dict[str, str]] | None:
@@ -326,344 +336,3 @@ def logged(write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
   except Exception as e:  # noqa: BLE001 - the viewer is a by-product of the job
     print(f"trajectory viewer: {write.__name__} failed: {type(e).__name__}: {e}", flush=True)
     return None
-
-
-# --- the page --------------------------------------------------------------------------------
-
-_HTML = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>$TITLE</title>
-<style>$CSS</style></head>
-<body>
-<header><h1>$TITLE</h1>
-<div id="filters">
-<label>family <select id="family"></select></label>
-<label>outcome <select id="outcome"><option value="">any</option>
-<option value="correct">correct</option><option value="wrong">wrong</option></select></label>
-<label>tool <select id="tool"></select></label>
-<label>finish <select id="finish"></select></label>
-<label id="seed-box">seed <select id="seed"></select></label>
-<label id="colour-box">colour tokens by <select id="colour"><option value="">- (steps)</option>
-<option value="logp">log-prob</option><option value="adv">advantage</option>
-<option value="ver">policy version</option></select></label>
-<input id="q" type="search" placeholder="search questions and texts">
-<span id="count">reading the samples...</span>
-<span id="pager"><button id="previous" type="button">&lsaquo; previous</button>
-<label>page <select id="page"></select></label> <span id="pages"></span>
-<button id="next" type="button">next &rsaquo;</button></span>
-</div>
-<div id="legend">A task is shown when one of its samples matches every filter; samples that do
-not are faded, and each column unfolds its first sample that does (click a summary to unfold
-another). Observations are shaded: the environment wrote them, and they are masked from the
-loss. <b id="scale"></b></div>
-</header>
-<main id="tasks"></main>
-<script type="application/gzip" id="data">$DATA</script>
-<script>$JS</script>
-</body></html>
-"""
-
-_CSS = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 0; background: #f4f5f7; color: #1d2330; }
-header { position: sticky; top: 0; background: #fff; padding: 8px 16px;
-  border-bottom: 1px solid #ccd; z-index: 1; }
-h1 { font-size: 18px; margin: 0 0 6px; }
-#filters { display: flex; flex-wrap: wrap; gap: 12px; align-items: center; }
-#filters select, #q, #pager button { font: inherit; }
-#q { min-width: 220px; }
-#count { font-weight: 600; }
-#legend { color: #667; font-size: 12px; margin-top: 4px; }
-main { padding: 12px 16px; }
-.task { background: #fff; border: 1px solid #ccd; border-radius: 6px; margin-bottom: 14px;
-  padding: 10px 12px; }
-[hidden] { display: none !important; }
-.question { font-weight: 600; white-space: pre-wrap; }
-.meta { color: #556; font-size: 12px; margin: 2px 0 8px; }
-.gold { background: #fff3c4; padding: 0 4px; border-radius: 3px; }
-.cols { display: grid; gap: 10px; grid-auto-flow: column; grid-auto-columns: minmax(340px, 1fr);
-  overflow-x: auto; }
-.col h3 { font-size: 13px; margin: 0 0 4px; color: #334; }
-.sample { border: 1px solid #dde; border-left: 4px solid #c33; border-radius: 4px;
-  margin-bottom: 6px; padding: 2px 6px; }
-.sample.ok { border-left-color: #2a8a4a; }
-.sample.dim { opacity: 0.35; }
-.sample summary { cursor: pointer; font-size: 12px; }
-.verdict { font-weight: 700; color: #c33; }
-.ok .verdict { color: #2a8a4a; }
-.step { margin: 4px 0; }
-.tag { display: inline-block; font: 11px monospace; padding: 0 5px; border-radius: 3px;
-  background: #e3e7f3; color: #334; }
-.step.tool .tag { background: #d9ecff; color: #0b4f8a; }
-.step.observation { background: #eceef1; border-left: 3px solid #aab; padding: 2px 6px; }
-.step.observation .tag { background: #bbc; color: #222; }
-.step.text .tag { background: #fde2e2; color: #922; }
-.step.role-answer { background: #e9f7ee; }
-pre { margin: 2px 0 0; white-space: pre-wrap; word-break: break-word; font: 12px/1.35 monospace; }
-.tokens { font: 12px/1.6 monospace; white-space: pre-wrap; word-break: break-word; }
-.tokens .masked { background: #e4e6ea; color: #777; }
-"""
-
-_JS = r"""
-const FILTERS = ["family", "outcome", "tool", "finish", "seed", "q", "colour"];
-const $ = (id) => document.getElementById(id);
-let DATA, PAGE_TASKS, page = 1, shownBodies = [];
-const RANGE = {adv: 0, ver: [Infinity, -Infinity]};
-
-/** Returns the page's data: base64 of gzip-compressed JSON, decompressed by the browser. */
-async function load() {
-  const script = $("data");
-  const binary = atob(script.textContent.trim());
-  script.remove();  // its text is the page's largest part, and is read once
-  const bytes = new Uint8Array(binary.length);
-  for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
-  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
-  return JSON.parse(await new Response(stream).text());
-}
-
-/** Returns a new element with a class and text. */
-function el(tag, cls, text) {
-  const node = document.createElement(tag);
-  if (cls) node.className = cls;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
-
-/** Fills a select with "any" and the sorted distinct values; hides its label with none. */
-function fill(id, values) {
-  const select = $(id);
-  select.append(new Option("any", ""));
-  const distinct = [...new Set(values)].filter((v) => v !== "").sort();
-  distinct.forEach((v) => select.append(new Option(v, v)));
-  if (select.options.length < 2) select.parentElement.hidden = true;
-}
-
-/** Returns a number with 3 decimals, or "not finite" for null (NaN or infinity in the run). */
-const fixed = (x) => x === null ? "not finite" : x.toFixed(3);
-
-/** Returns a sample's one-line summary. */
-function summary(s) {
-  const tools = Object.entries(s.tools).map(([k, n]) => `${k} x${n}`).join(", ") || "no tool";
-  const parts = [s.correct ? "correct" : "wrong"];
-  if (s.reward !== undefined) parts.push(`reward ${fixed(s.reward)}`);
-  if (s.adv !== undefined && s.adv !== null) parts.push(`advantage ${fixed(s.adv)}`);
-  parts.push(`answer: ${s.answer === null ? "none" : JSON.stringify(s.answer)}`,
-             `finish: ${s.finish}`, `${s.tokens} tokens`, tools);
-  if (s.errors) parts.push(`${s.errors} format errors`);
-  return parts;
-}
-
-/** Returns a token's background for the colouring `by` (null: none). */
-function shade(s, i, by) {
-  const t = s.tok;
-  if (!t.mask[i]) return null;
-  if (by === "logp") {
-    return t.logp[i] === null ? "#b0b" : `rgba(220, 50, 40, ${Math.min(1, -t.logp[i] / 5)})`;
-  }
-  if (by === "adv") {
-    const a = s.adv || 0, alpha = Math.min(1, Math.abs(a) / (RANGE.adv || 1));
-    return a >= 0 ? `rgba(40, 160, 80, ${alpha})` : `rgba(220, 50, 40, ${alpha})`;
-  }
-  const [low, high] = RANGE.ver;
-  const x = high > low ? (t.ver[i] - low) / (high - low) : 0;
-  return `hsl(${210 - 180 * x}, 75%, 80%)`;
-}
-
-/** Returns the response's tokens coloured by `by`; masked tokens are grey. */
-function tokenView(s, by) {
-  const box = el("div", "tokens");
-  s.tok.text.forEach((text, i) => {
-    const span = el("span", s.tok.mask[i] ? "" : "masked", text);
-    const colour = shade(s, i, by);
-    if (colour) span.style.background = colour;
-    const logp = s.tok.logp[i] === null ? "not finite" : s.tok.logp[i];
-    span.title = s.tok.mask[i] ? `log-prob ${logp}, version ${s.tok.ver[i]}` :
-      `version ${s.tok.ver[i]}, masked from the loss`;
-    box.append(span);
-  });
-  return box;
-}
-
-/** Returns the response's steps, each with its tag; observations labelled as masked. */
-function stepView(s) {
-  const box = el("div", "steps");
-  for (const [kind, tag, text] of s.steps) {
-    const step = el("div", `step ${kind} ${kind}-${tag}`);
-    const label = kind === "tool" ? `tool call: ${tag}` : kind === "observation" ?
-      "observation (masked from the loss)" : kind === "text" ? "text outside any step" : tag;
-    step.append(el("span", "tag", label), el("pre", "", text));
-    box.append(step);
-  }
-  return box;
-}
-
-const SCALES = {logp: "Sampled tokens: white at log-prob 0 to red at -5 or below.",
-  adv: "Sampled tokens: green for a positive advantage, red for a negative one, darker larger.",
-  ver: "Sampled tokens: blue for the oldest policy version to orange for the newest."};
-
-/** Fills a sample's body: its steps, or its tokens when colouring. */
-function renderBody(s, body) {
-  const by = $("colour").value;
-  body.replaceChildren(by && s.tok ? tokenView(s, by) : stepView(s));
-}
-
-/** Renders (again) the bodies of the page's unfolded samples, and says the colour scale. */
-function renderBodies() {
-  const by = $("colour").value;
-  $("scale").textContent = by ? SCALES[by] + " Grey tokens are masked from the loss." : "";
-  for (const [s, body] of shownBodies) renderBody(s, body);
-}
-
-/** Keeps the filters and the page in the URL's fragment. */
-function remember() {
-  const state = FILTERS.filter((k) => $(k).value).map((k) => [k, $(k).value]);
-  if (page > 1) state.push(["page", page]);
-  const params = new URLSearchParams(state);
-  history.replaceState(null, "", params.toString() ? "#" + params : location.pathname);
-}
-
-/** Returns a sample folded to its summary, unfolded (its body built) when `open`; a folded
- * one builds its body when first unfolded. */
-function sampleView(s, open, dim) {
-  const node = el("details", `sample ${s.correct ? "ok" : "bad"}${dim ? " dim" : ""}`);
-  const head = el("summary");
-  const [verdict, ...rest] = summary(s);
-  head.append(el("span", "verdict", verdict), " · " + rest.join(" · "));
-  const body = el("div");
-  node.append(head, body);
-  let built = false;
-  const build = () => {
-    if (built) return;
-    built = true;
-    shownBodies.push([s, body]);
-    renderBody(s, body);
-  };
-  if (open) {
-    node.open = true;
-    build();
-  }
-  node.addEventListener("toggle", () => { if (node.open) build(); });
-  return node;
-}
-
-/** Returns the tools a sample called, or ["(none)"]. */
-const toolsOf = (s) => Object.keys(s.tools).length ? Object.keys(s.tools) : ["(none)"];
-
-/** Returns a sample's text for the search, lower-cased (computed once). */
-function searchText(s) {
-  if (s.search === undefined) s.search = s.steps.map((x) => x[2]).join("\n").toLowerCase();
-  return s.search;
-}
-
-/** Returns whether a sample matches the outcome, tool, finish and search filters. */
-function matches(s, f, t) {
-  if (f.outcome && (f.outcome === "correct") !== s.correct) return false;
-  if (f.tool && !toolsOf(s).includes(f.tool)) return false;
-  if (f.finish && s.finish !== f.finish) return false;
-  if (!f.q) return true;
-  if (t.lower === undefined) t.lower = t.question.toLowerCase();
-  return t.lower.includes(f.q) || searchText(s).includes(f.q);
-}
-
-/** Returns whether a column is shown under the seed filter. */
-const columnShown = (column, f) => !f.seed || column.seed === "" || column.seed === f.seed;
-
-/** Returns whether a task is shown: its family matches and a shown column has a sample that
- * matches. */
-function taskShown(t, f) {
-  if (f.family && t.family !== f.family) return false;
-  return DATA.columns.some((column, c) => columnShown(column, f) &&
-    t.cells[c].some((s) => matches(s, f, t)));
-}
-
-/** Returns a task's section: the question, the gold answer and a column per shown column. */
-function taskView(t, f) {
-  const node = el("section", "task");
-  node.append(el("div", "question", t.question || "(question not found)"));
-  const meta = el("div", "meta", `${t.id}${t.family ? " · " + t.family : ""} · gold answer: `);
-  meta.append(el("span", "gold", t.gold || "?"));
-  const cols = el("div", "cols");
-  DATA.columns.forEach((column, c) => {
-    if (!columnShown(column, f)) return;
-    const col = el("div", "col");
-    const right = t.cells[c].filter((s) => s.correct).length;
-    col.append(el("h3", "", `${column.name}: ${right} of ${t.cells[c].length} correct`));
-    let unfolded = false;
-    for (const s of t.cells[c]) {
-      const ok = matches(s, f, t);
-      col.append(sampleView(s, ok && !unfolded, !ok));
-      unfolded = unfolded || ok;
-    }
-    cols.append(col);
-  });
-  node.append(meta, cols);
-  return node;
-}
-
-/** Shows the tasks that match the filters (PAGE_TASKS of them: page `page`), counts them, and
- * keeps the filters and the page in the URL's fragment. */
-function apply() {
-  const f = Object.fromEntries(FILTERS.map((k) => [k, $(k).value]));
-  f.q = f.q.trim().toLowerCase();
-  const shown = DATA.tasks.filter((t) => taskShown(t, f));
-  const pages = Math.max(1, Math.ceil(shown.length / PAGE_TASKS));
-  page = Math.min(Math.max(1, page), pages);
-  shownBodies = [];
-  const first = (page - 1) * PAGE_TASKS;
-  $("tasks").replaceChildren(...shown.slice(first, first + PAGE_TASKS).map((t) => taskView(t, f)));
-  $("count").textContent = `${shown.length} of ${DATA.tasks.length} tasks shown`;
-  $("count").dataset.shown = shown.length;
-  const select = $("page");
-  select.replaceChildren(...Array.from({length: pages}, (_, i) => new Option(i + 1, i + 1)));
-  select.value = page;
-  $("pages").textContent = `of ${pages}`;
-  $("previous").disabled = page === 1;
-  $("next").disabled = page === pages;
-  $("pager").hidden = pages === 1;
-  remember();
-}
-
-/** Goes to page `n` and scrolls to its top. */
-function go(n) {
-  page = n;
-  apply();
-  window.scrollTo(0, 0);
-}
-
-/** Reads the data, fills the filters, and shows the first page (or the URL's). */
-async function main() {
-  try {
-    DATA = await load();
-  } catch (e) {
-    $("count").textContent = `This page's data could not be read (${e}): it needs a browser ` +
-      "that decompresses gzip itself (DecompressionStream: Chrome, Edge, Firefox, Safari of " +
-      "2023 or later).";
-    return;
-  }
-  PAGE_TASKS = DATA.page_tasks;
-  const samples = DATA.tasks.flatMap((t) => t.cells.flat());
-  const tokens = samples.filter((s) => s.tok);
-  for (const s of tokens) {
-    RANGE.adv = Math.max(RANGE.adv, Math.abs(s.adv || 0));
-    for (const v of s.tok.ver) RANGE.ver = [Math.min(RANGE.ver[0], v), Math.max(RANGE.ver[1], v)];
-  }
-  fill("family", DATA.tasks.map((t) => t.family));
-  fill("tool", samples.flatMap(toolsOf));
-  fill("finish", samples.map((s) => s.finish));
-  fill("seed", DATA.columns.map((c) => c.seed));
-  if ($("seed").options.length < 3) $("seed-box").hidden = true;
-  if (!tokens.length) $("colour-box").hidden = true;
-  const initial = new URLSearchParams(location.hash.slice(1) || location.search.slice(1));
-  for (const k of FILTERS) if (initial.has(k)) $(k).value = initial.get(k);
-  page = parseInt(initial.get("page"), 10) || 1;
-  renderBodies();  // the colour scale (no body is built yet)
-  apply();
-  for (const k of FILTERS) {
-    $(k).addEventListener("input", k === "colour" ? () => { renderBodies(); remember(); } :
-      () => { page = 1; apply(); });
-  }
-  $("page").addEventListener("input", () => go(parseInt($("page").value, 10)));
-  $("previous").addEventListener("click", () => go(page - 1));
-  $("next").addEventListener("click", () => go(page + 1));
-}
-
-main();
-"""

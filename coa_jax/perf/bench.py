@@ -15,7 +15,9 @@ import numpy as np
 
 from coa_jax.model import ModelConfig, Transformer, to_hf_config
 from coa_jax.runtime import hardware, sharding
+from coa_jax.sft.settings import SFTSettings
 from coa_jax.train import optimizer
+from coa_jax.train.optimizer import OptimizerSettings
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
 
@@ -49,7 +51,8 @@ def matmul_flops(m: int, k: int, n: int) -> dict[str, float]:
   return {"jax": 2 * m * k * n / jax_s, "torch": 2 * m * k * n / torch_s}
 
 
-def jax_train_step_seconds(config: ModelConfig, optimizer_config: Any, batch_size: int,
+def jax_train_step_seconds(config: ModelConfig, optimizer_config: OptimizerSettings,
+                           batch_size: int,
                            seq_len: int, warmup: int, steps: int) -> float:
   """Returns median seconds of our jitted train step (fwd + bwd + AdamW) on one device."""
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
@@ -130,7 +133,8 @@ def _release(device: str) -> None:
     torch.cuda.empty_cache()
 
 
-def torch_train_step_seconds(config: ModelConfig, optimizer_config: Any, batch_size: int,
+def torch_train_step_seconds(config: ModelConfig, optimizer_config: OptimizerSettings,
+                             batch_size: int,
                              seq_len: int, warmup: int, steps: int) -> float:
   """Returns median seconds of the same step in HF transformers (PyTorch, AdamW): float32
   parameters, computing in the model config's dtype (bf16 autocast when it is bfloat16),
@@ -329,32 +333,28 @@ def hf_agent_decode(folder: str, dtype: str, work: AgentDecode, prompts_BxP: np.
   return seconds, out[0]
 
 
-def measure_config_step(config: Any, steps: int, warmup: int = 1) -> dict[str, Any]:
-  """Runs an SFT config's train step (its model, optimizer, mesh, batch and micro-batches) on
+def measure_config_step(settings: SFTSettings, steps: int, warmup: int = 1) -> dict[str, Any]:
+  """Runs an SFT run's train step (its model, optimizer, mesh, batch and micro-batches) on
   this machine's devices, on random weights and full random rows, and returns what the
   compiler predicted beside what the devices did: bytes per device (compiler: arguments +
   unaliased outputs + temporaries; measured: the allocator's peak, where the backend reports
   one), seconds per step, tokens/s and MFU against the device's dense bf16 peak."""
-  from coa_jax.model import build_config
   from coa_jax.perf import aot, flops
 
-  if "rl" in config:
-    raise ValueError("measure_config_step runs SFT configs; an RL config's update step is not "
-                     "measured yet")
-  model_config = build_config(config.model)
+  model_config = settings.model.fresh_config()
   devices = jax.devices()
   compiled, mesh, compile_s, _ = aot.compile_train_step(
-      model_config, config.optimizer, devices, sharding.MeshConfig(**config.mesh),
-      config.batch_size, config.seq_len, config.train.micro_batches)
+      model_config, settings.optimizer, devices, settings.mesh, settings.batch_size,
+      settings.seq_len, settings.train.micro_batches)
   memory = compiled.memory_analysis()
-  model, tx = Transformer(model_config), optimizer.make_optimizer(config.optimizer)
+  model, tx = Transformer(model_config), optimizer.make_optimizer(settings.optimizer)
   state = state_lib.init_state(model, tx, mesh, jax.random.key(0))
   stats = lambda: devices[0].memory_stats() or {}
   after_init = stats()
   tokens = np.random.default_rng(0).integers(0, model_config.vocab_size,
-                                             (config.batch_size, config.seq_len + 1))
+                                             (settings.batch_size, settings.seq_len + 1))
   batch = sharding.shard_batch(step_lib.next_token_batch(tokens), mesh)
-  step = step_lib.jit_train_step(model, tx, mesh, micro_batches=config.train.micro_batches)
+  step = step_lib.jit_train_step(model, tx, mesh, micro_batches=settings.train.micro_batches)
   holder, losses = [state], []
 
   def run():
@@ -363,13 +363,13 @@ def measure_config_step(config: Any, steps: int, warmup: int = 1) -> dict[str, A
 
   seconds = time_calls(run, warmup, steps)
   chip = hardware.chip_for(devices[0].device_kind) if devices[0].platform != "cpu" else None
-  model_flops = flops.train_flops(model_config, config.batch_size, config.seq_len)
+  model_flops = flops.train_flops(model_config, settings.batch_size, settings.seq_len)
   after = stats()
   return dict(
       device=devices[0].device_kind, devices=len(devices), mesh=dict(mesh.shape),
       params=model_config.num_params(), adapter_params=model_config.lora_params(),
-      batch=config.batch_size, seq_len=config.seq_len,
-      micro_batches=config.train.micro_batches, compile_seconds=compile_s,
+      batch=settings.batch_size, seq_len=settings.seq_len,
+      micro_batches=settings.train.micro_batches, compile_seconds=compile_s,
       compiler_peak_bytes=(memory.argument_size_in_bytes + memory.output_size_in_bytes -
                            memory.alias_size_in_bytes + memory.temp_size_in_bytes),
       compiler_argument_bytes=memory.argument_size_in_bytes,
@@ -378,7 +378,7 @@ def measure_config_step(config: Any, steps: int, warmup: int = 1) -> dict[str, A
       measured_peak_after_init=after_init.get("peak_bytes_in_use"),
       measured_peak_bytes=after.get("peak_bytes_in_use"),
       device_bytes_limit=after.get("bytes_limit"),
-      step_seconds=seconds, tokens_per_s=config.batch_size * config.seq_len / seconds,
+      step_seconds=seconds, tokens_per_s=settings.batch_size * settings.seq_len / seconds,
       model_flops=model_flops,
       mfu=None if chip is None else model_flops / len(devices) / seconds / chip.peak_bf16_flops,
       losses=losses)

@@ -2,14 +2,14 @@
 evaluate, and a table of the teacher system, the AFM after SFT and after DAPO on held-out
 tasks.
 
-`run(config, seeds)` is `experiments/pipeline.py`; each stage is the library job of that
-stage (`distill.run`, `sft.run`, `evaluation.run`, `rl.run`) on the settings of a config derived
-from the pipeline config (`Stages`: every stage's config is checked by its job's settings
-builder before the first stage runs). Distillation (the world and the teacher's data) is shared by every seed and
+`run(config, seeds)` is `experiments/pipeline.py`; each stage is the library job of that stage
+(`distill.run`, `sft.run`, `evaluation.run`, `rl.run`) on the settings of a config derived from the
+pipeline config (`Stages`: every stage's config is checked by its job's settings builder before the
+first stage runs). Distillation (the world and the teacher's data) is shared by every seed and
 written under config.output_dir/distill; each seed (model init, data order, sampling) trains and
-evaluates under config.output_dir/seed-<seed>/<stage>. Stages whose outputs exist are reused,
-so a re-run resumes where the last one stopped. On several hosts, output_dir is a folder they
-share: process 0's files decide which stages are done and give every host the metrics.
+evaluates under config.output_dir/seed-<seed>/<stage>. Stages whose outputs exist are reused, so a
+re-run resumes where the last one stopped. On several hosts, output_dir is a folder they share:
+process 0's files decide which stages are done and give every host the metrics.
 results.json holds every seed's metrics, their mean and standard deviation, and the stage wall
 times; results.png shows them.
 """

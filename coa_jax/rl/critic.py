@@ -4,7 +4,7 @@ With rl.advantage = "gae" the RL job trains a `Critic` next to the policy (verl'
 `adv_estimator=gae`). The value model is the actor's checkpoint with its LM head replaced by a
 one-output, bias-free value head (zeros: a fresh critic predicts 0); it has its own train
 state, AdamW (learning rate rl.critic.learning_rate, default 10x the actor's), learning-rate
-schedule (`optimizer_config`), gradient clipping and weight decay, sharded by the same logical
+schedule (`optimizer_settings`), gradient clipping and weight decay, sharded by the same logical
 rules on the same mesh, and it is checkpointed with the actor.
 
 A step: the critic values every rollout token (the value at position t is read after input
@@ -41,7 +41,7 @@ from jax.sharding import Mesh
 from coa_jax.losses import gae as gae_lib
 from coa_jax.losses.dapo import aggregation_weights
 from coa_jax.losses.value import value_loss
-from coa_jax.model import ConfigError, Transformer
+from coa_jax.model import ConfigError, ModelConfig, Transformer
 from coa_jax.rollout import RolloutRecord
 from coa_jax.rollout.tool_loop import LENGTH
 from coa_jax.runtime import sharding
@@ -214,7 +214,7 @@ def critic_step(model: Transformer, tx: optax.GradientTransformation, state: Tra
   return new_state, {**sums.metrics(), **flags, **{f"critic_{k}": v for k, v in metrics.items()}}
 
 
-def optimizer_config(actor: OptimizerSettings, config: CriticConfig) -> OptimizerSettings:
+def optimizer_settings(actor: OptimizerSettings, config: CriticConfig) -> OptimizerSettings:
   """Returns the critic's AdamW settings: its own learning rate (default 10x the actor's peak),
   schedule over its own updates, clipping and weight decay; the actor's betas and eps. Raises
   ConfigError naming rl.critic when the schedule cannot be built."""
@@ -232,12 +232,12 @@ def optimizer_config(actor: OptimizerSettings, config: CriticConfig) -> Optimize
 class Critic:
   """The value model's state and jitted programs on the actor's mesh (see the module doc)."""
 
-  def __init__(self, config: CriticConfig, model_config: Any, actor_params: Any, mesh: Mesh,
-               actor_optimizer: Any, micro_batches: int, seed: int):
+  def __init__(self, config: CriticConfig, model_config: ModelConfig, actor_params: Any,
+               mesh: Mesh, actor_optimizer: OptimizerSettings, micro_batches: int, seed: int):
     """`actor_params`: the actor's initial params, or with LoRA its frozen base weights."""
     self.config, self.mesh = config, mesh
     self.model = Transformer(model_config, head="value")
-    opt = optimizer_config(actor_optimizer, config)
+    opt = optimizer_settings(actor_optimizer, config)
     self.schedule, self.tx = optimizer.learning_rate_schedule(opt), optimizer.make_optimizer(opt)
     params = value_params(actor_params, self.model, mesh)
     rng = jax.random.fold_in(jax.random.key(seed), 1)

@@ -45,8 +45,7 @@ from coa_jax.rl.dynamic_sampling import DynamicSamplingError, ScoredGroup, fill_
 from coa_jax.rl.settings import RLSettings
 from coa_jax.rollout import settings as agent
 from coa_jax.rollout.tool_loop import Rollout, RolloutRecord, check_prompt_lengths
-from coa_jax.runtime import distributed, load_model, sharding
-from coa_jax.runtime.distributed import say
+from coa_jax.runtime import distributed, sharding
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
@@ -97,19 +96,13 @@ class Trainer:
     self.loss_config = rl.policy_loss()
     self.tasks, self.eval_tasks, self.rewarder = distributed.agreed(
         self._tasks_and_rewarder, "loading the tasks and the rewards")
-    model_config, params = distributed.agreed(
-        lambda: load_model(settings.model, self.tokenizer, self.mesh), "loading the model")
+    self.schedule = optimizer.learning_rate_schedule(settings.optimizer)
+    self.tx = optimizer.make_optimizer(settings.optimizer)
+    model_config, self.state = state_lib.load_state(settings.model, self.tokenizer, self.mesh,
+                                                    self.tx, jax.random.key(settings.seed))
     self.model_config, self.model = model_config, Transformer(model_config)
     # The KL term's reference with LoRA: the base model on the frozen weights (adapters off).
     self.base_model = Transformer(model_config.replace(lora_rank=0))
-    self.schedule = optimizer.learning_rate_schedule(settings.optimizer)
-    self.tx = optimizer.make_optimizer(settings.optimizer)
-    rng = jax.random.key(settings.seed)
-    if params is None:
-      say("model.checkpoint is empty: DAPO starts from a freshly initialized model")
-      self.state = state_lib.init_state(self.model, self.tx, self.mesh, rng)
-    else:
-      self.state = state_lib.state_from_params(params, self.tx, self.model, self.mesh, rng)
     self.critic = None  # PPO's value model (rl.advantage = "gae")
     if rl.uses_critic:
       actor = self.state.frozen if model_config.lora_rank else self.state.params

@@ -4,11 +4,11 @@
 
 The run resumes from its newest checkpoint (with a critic, actor and critic together), writes
 metrics.jsonl, TensorBoard events and dapo.png (async.png too when asynchronous) under
-config.workdir, with rollouts.jsonl, the last step's samples token by token (for the trajectory
-viewer, `coa_jax.evaluation.viewer`), and exports the trained policy as an HF folder at
-config.export_dir, and a critic beside it (`critic_export_dir`) as a one-label token classifier
-(verl's format); both exports hold the tokenizer (`data.hf_tokenizer.export_files`), and every
-checkpoint the tokenizer's tag mapping.
+config.workdir, with rollouts.jsonl, the last step's samples token by token (`rl.rollout_log`, for
+the trajectory viewer, `coa_jax.evaluation.viewer`), and exports the trained policy as an HF
+folder at config.export_dir, and a critic beside it (`critic_export_dir`) as a one-label token
+classifier (verl's format); both exports hold the tokenizer (`data.hf_tokenizer.export_files`),
+and every checkpoint the tokenizer's tag mapping.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,6 +25,7 @@ from coa_jax.data import hf_tokenizer
 from coa_jax.model import lora
 from coa_jax.rl import async_trainer, dapo
 from coa_jax.rl import critic as critic_lib
+from coa_jax.rl import rollout_log
 from coa_jax.rl.settings import RLSettings, rl_settings
 from coa_jax.runtime import distributed, hf_checkpoint, paths
 from coa_jax.runtime.distributed import say
@@ -32,48 +33,9 @@ from coa_jax.train import LoopConfig, run_loop
 from tools_env import sandbox
 
 
-ROLLOUTS = "rollouts.jsonl"  # the last step's scored groups (coa_jax.evaluation.viewer reads it)
-ROLLOUT_GROUPS = 16  # of this host's share of the step: what a page can hold
-
-
 def critic_export_dir(export_dir: str) -> str:
   """Returns where the critic is exported beside the policy's HF folder `export_dir`."""
   return export_dir.rstrip("/") + "_critic"
-
-
-def rollout_rows(step: int, groups: Sequence[dapo.ScoredGroup], advantages: Any, tokenizer: Any,
-                 tasks: Sequence[dapo.Task], tool_tags: Sequence[str]) -> list[dict[str, Any]]:
-  """Returns the rows of rollouts.jsonl for an RL step's scored groups (the first
-  ROLLOUT_GROUPS): per group its task (id, question, gold answer, family) and the run's tool
-  tags (`tool_tags`, what the responses were read with), per sample its
-  response text, reward (the shaped score), correctness, finish reason, tool calls and its
-  response's per-token arrays: token texts, loss mask, the sampler's log-probs (to 1e-4) and
-  policy versions; and the sample's advantage (`advantages`: flat over the step's samples, None
-  when a critic gives token advantages)."""
-  by_id = {task.id: task for task in tasks}
-  rows, index = [], 0
-  for group in groups[:ROLLOUT_GROUPS]:
-    task = by_id.get(group.task_id)
-    data = group.records[0].task_data
-    samples = []
-    for record, score, correct in zip(group.records, group.scores, group.correct):
-      start, ids = record.prompt_len, record.ids[record.prompt_len:]
-      samples.append({
-          "correct": bool(correct), "reward": float(score), "finish_reason": record.finish_reason,
-          "tokens": len(ids), "tool_calls": dict(record.tool_calls),
-          "text": tokenizer.decode(ids),
-          "token_texts": tokenizer.backend.decode_batch([[i] for i in ids],
-                                                        skip_special_tokens=False),
-          "loss_mask": record.loss_mask[start:],
-          "logprobs": [round(float(x), 4) for x in record.logprobs[start:]],
-          "versions": record.versions[start:],
-          "advantage": None if advantages is None else float(advantages[index])})
-      index += 1
-    rows.append({"step": step, "task_id": group.task_id,
-                 "question": task.question if task is not None else "",
-                 "gold": data.get("ground_truth"), "family": data.get("family", ""),
-                 "tool_tags": list(tool_tags), "samples": samples})
-  return rows
 
 
 def run(config: Any) -> dict[str, Any]:
@@ -142,12 +104,12 @@ def run(config: Any) -> dict[str, Any]:
       paths.to_epath(summary["prompts"]).write_text(json.dumps(report, indent=1))
     if trainer.last_batch is not None:  # for reading: never fatal
       try:
-        rows = rollout_rows(*trainer.last_batch, trainer.tokenizer, trainer.tasks,
-                            trainer.rewarder.tool_tags)
-        paths.to_epath(os.path.join(settings.workdir, ROLLOUTS)).write_text(
+        rows = rollout_log.rollout_rows(*trainer.last_batch, trainer.tokenizer,
+                                        trainer.tasks, trainer.rewarder.tool_tags)
+        paths.to_epath(os.path.join(settings.workdir, rollout_log.ROLLOUTS)).write_text(
             "".join(json.dumps(row) + "\n" for row in rows))
       except Exception as e:  # noqa: BLE001
-        say(f"{ROLLOUTS} not written: {type(e).__name__}: {e}")
+        say(f"{rollout_log.ROLLOUTS} not written: {type(e).__name__}: {e}")
 
   distributed.agreed(write, f"writing the RL reports in {settings.workdir}")
   if result.rows:

@@ -43,19 +43,22 @@ class RLConfig:
   the critic (`critic`). The defaults are the reference's (configs/common.py's `rl`)."""
 
   steps: int
+  # A step's batch: prompt groups, rounds of dynamic sampling, mini-batches and their passes.
   batch_groups: int = 512
   prompts_per_round: int = 512
   max_rounds: int = 8
   mini_batch_groups: int = 32
   micro_batches: int = 1
   ppo_epochs: int = 1
-  dynamic_sampling: bool = True
+  dynamic_sampling: bool = True  # keep only groups whose samples disagree
+  # Advantages ("std", "mean": Dr.GRPO's, "gae": the critic's) and overlong responses.
   advantage: str = "std"
   advantage_eps: float = 1e-6
-  negative_weight: float = 1.0
+  negative_weight: float = 1.0  # scales negative advantages (1: the reference)
   overlong_shaping: bool = True
   overlong_cache: int = 4096
   overlong_filter: bool = False
+  # The policy loss (`policy_loss`: coa_jax.losses.dapo.PolicyLossConfig).
   eps_low: float = 0.2
   eps_high: float = 0.28
   dual_clip: float = 10.0
@@ -64,11 +67,12 @@ class RLConfig:
   log_ratio_clamp: float = 20.0
   kl_coef: float = 0.0
   entropy_coef: float = 0.0
+  # The job loop (as `train.loop.TrainSettings`), held-out evaluations, the prompts report.
   eval_every: int = 10
   log_every: int = 1
   stop_after: int = 0
   nonfinite_skips: int = 0
-  track_prompts: bool = True
+  track_prompts: bool = True  # the tasks always / never solved, in workdir/prompts.json
   async_: AsyncSettings = dataclasses.field(default=AsyncSettings(), metadata={"key": "async"})
   critic: CriticConfig = CriticConfig()
 

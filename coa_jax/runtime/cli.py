@@ -5,6 +5,10 @@ from __future__ import annotations
 import keyword
 from typing import Sequence
 
+from absl import logging
+
+from coa_jax.runtime import distributed, xla_flags
+
 
 def config_argv(argv: Sequence[str]) -> list[str]:
   """Returns `argv` with each config-override path segment that is a Python keyword written as
@@ -20,3 +24,13 @@ def config_argv(argv: Sequence[str]) -> list[str]:
       arg = f"{path}={value}"
     out.append(arg)
   return out
+
+
+def start(flags: str = "") -> None:
+  """Does what a job's entry script does before its job: applies the XLA flag set `flags`
+  (`runtime.xla_flags`; before JAX starts a backend), joins the other hosts of a multi-host run
+  (`distributed.initialize_from_env`) and quiets absl's INFO lines (orbax logs every checkpoint
+  step at INFO)."""
+  xla_flags.apply(flags)
+  distributed.initialize_from_env()
+  logging.set_verbosity(logging.WARNING)

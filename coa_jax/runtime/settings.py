@@ -1,13 +1,13 @@
 """Typed settings from config files: a job turns its ConfigDict into frozen dataclasses once, at
 its top, and passes those (or plain values) down.
 
-`build(cls, section, where)` checks a config section against the dataclass `cls`: every key must
-be a field, every value of the field's type (an int where a float is asked is taken; a list
-where a tuple is asked), nested dataclasses are built the same way, and then `cls`'s own checks
-run (its `__post_init__`); a field whose class has a `from_section(section, where)` builds itself
-(the model section: a preset's fields by name); a field's key is its name unless its metadata
-names another (`key_of`). `to_section` turns settings back into a section. Each error is a ConfigError naming the key as
-the command line does (`sft.optimizer.warmup_steps`).
+`build(cls, section, where)` checks a config section against the dataclass `cls`: every key must be
+a field, every value of the field's type (an int where a float is asked is taken; a list where a
+tuple is asked), nested dataclasses are built the same way, and then `cls`'s own checks run (its
+`__post_init__`); a field whose class has a `from_section(section, where)` builds itself (the model
+section: a preset's fields by name); a field's key is its name unless its metadata names another
+(`key_of`). `to_section` turns settings back into a section. Each error is a ConfigError naming the
+key as the command line does (`sft.optimizer.warmup_steps`).
 """
 
 from __future__ import annotations

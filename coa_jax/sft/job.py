@@ -19,7 +19,6 @@ from coa_jax.data import DropCounter, hf_tokenizer, load_tokenizer, packing
 from coa_jax.model import ConfigError, Transformer
 from coa_jax.runtime import distributed, sharding
 from coa_jax.runtime.distributed import say
-from coa_jax.runtime.hf_checkpoint import load_model
 from coa_jax.sft.settings import SFTSettings, sft_settings
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
@@ -40,16 +39,6 @@ def _data(settings: SFTSettings) -> tuple[Any, list, DropCounter]:
     say(f"data upsampled by {data.upsample_by} {data.upsample}: {len(trajectories)} examples "
         f"an epoch")
   return tokenizer, trajectories, counter
-
-
-def _model_and_params(settings: SFTSettings, tokenizer, mesh, tx, rng):
-  """Returns (model config, TrainState): from an HF checkpoint folder or a fresh init."""
-  model_config, params = distributed.agreed(lambda: load_model(settings.model, tokenizer, mesh),
-                                           "loading the model")
-  model = Transformer(model_config)
-  if params is not None:
-    return model_config, state_lib.state_from_params(params, tx, model, mesh, rng)
-  return model_config, state_lib.init_state(model, tx, mesh, rng)
 
 
 class SFTJob:
@@ -103,7 +92,7 @@ def run(config: Any) -> dict[str, Any]:
   schedule = optimizer.learning_rate_schedule(settings.optimizer)
   tx = optimizer.make_optimizer(settings.optimizer)
   rng = jax.random.key(settings.seed)
-  model_config, state = _model_and_params(settings, tokenizer, mesh, tx, rng)
+  model_config, state = state_lib.load_state(settings.model, tokenizer, mesh, tx, rng)
   model = Transformer(model_config)
   say(f"model {settings.model.checkpoint or settings.model.preset}: "
       f"{model_config.num_params():,} params, vocab {model_config.vocab_size}; "

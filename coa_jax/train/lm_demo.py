@@ -8,16 +8,19 @@ steps, metrics, then HF export and a reload that must reproduce the logits.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import jax
 import numpy as np
 
-from coa_jax.model import Transformer, build_config
+from coa_jax.model import ConfigError, ModelSettings, Transformer
 from coa_jax.runtime import hf_checkpoint, sharding
 from coa_jax.runtime.distributed import say
+from coa_jax.runtime.settings import build
 from coa_jax.train import optimizer
+from coa_jax.train.optimizer import OptimizerSettings
 from coa_jax.train import state as state_lib
 from coa_jax.train import step as step_lib
 from coa_jax.train.loop import LoopConfig, run_loop
@@ -55,30 +58,58 @@ class _CountingJob:
     raise NotImplementedError("the demo keeps no checkpoints")
 
 
+@dataclasses.dataclass(frozen=True)
+class DemoSettings:
+  """The demo's settings (configs/demo_tiny.py): a fresh model, trained `steps` steps on
+  `batch_size` rows of `seq_len` tokens over the mesh; metrics, plot and export in `workdir`."""
+
+  model: ModelSettings
+  optimizer: OptimizerSettings
+  steps: int
+  batch_size: int
+  seq_len: int
+  workdir: str
+  mesh: sharding.MeshConfig = sharding.MeshConfig()
+  seed: int = 0
+  log_every: int = 20
+
+  def __post_init__(self):
+    if min(self.steps, self.batch_size, self.seq_len, self.log_every) < 1:
+      raise ConfigError(f"steps={self.steps}, batch_size={self.batch_size}, seq_len="
+                        f"{self.seq_len}, log_every={self.log_every}: expected >= 1")
+
+
+def demo_settings(config: Any, where: str = "demo") -> DemoSettings:
+  """Returns the demo config's settings; raises ConfigError naming a bad key."""
+  return build(DemoSettings, config, where)
+
+
 def run(config: Any) -> dict[str, Any]:
-  """Trains per `config` (see configs/demo_tiny.py); returns a summary of what it did."""
-  model_config = build_config(config.model)
-  mesh = sharding.make_mesh(sharding.MeshConfig(**config.mesh))
+  """Trains per `config` (checked by `demo_settings`); returns a summary of what it did."""
+  settings = demo_settings(config)
+  model_config = settings.model.fresh_config()
+  mesh = sharding.make_mesh(settings.mesh)
   sharding.check_model_fits_mesh(model_config, mesh)
-  model, tx = Transformer(model_config), optimizer.make_optimizer(config.optimizer)
-  local_rows = config.batch_size // jax.process_count()
+  model, tx = Transformer(model_config), optimizer.make_optimizer(settings.optimizer)
+  local_rows = settings.batch_size // jax.process_count()
   say(f"devices: {jax.device_count()} x {jax.devices()[0].platform} "
       f"({jax.process_count()} process(es)); mesh {dict(mesh.shape)}")
-  say(f"model: {config.model.preset}, {model_config.num_params():,} parameters, "
+  say(f"model: {settings.model.preset}, {model_config.num_params():,} parameters, "
       f"dtype {model_config.dtype}, params {model_config.param_dtype}")
 
-  state = state_lib.init_state(model, tx, mesh, jax.random.key(config.seed))
+  state = state_lib.init_state(model, tx, mesh, jax.random.key(settings.seed))
   job = _CountingJob(state, step_lib.jit_train_step(model, tx, mesh), mesh, local_rows,
-                     config.seq_len, model_config.vocab_size,
-                     np.random.default_rng([config.seed, jax.process_index()]))
-  loop = LoopConfig(steps=config.steps, workdir=config.workdir, checkpoint=None,
-                    log_every=config.log_every, units_per_step=config.batch_size * config.seq_len,
+                     settings.seq_len, model_config.vocab_size,
+                     np.random.default_rng([settings.seed, jax.process_index()]))
+  loop = LoopConfig(steps=settings.steps, workdir=settings.workdir, checkpoint=None,
+                    log_every=settings.log_every,
+                    units_per_step=settings.batch_size * settings.seq_len,
                     plot_keys=("loss", "grad_norm"), plot_file="loss.png",
-                    title=f"{config.model.preset} on synthetic counting sequences")
+                    title=f"{settings.model.preset} on synthetic counting sequences")
   result = run_loop(job, loop, None, model_config)
   state = job.state
 
-  export_dir = os.path.join(config.workdir, "hf_export")
+  export_dir = os.path.join(settings.workdir, "hf_export")
   hf_checkpoint.save_checkpoint(export_dir, model_config, state.params, dtype="float32")
   _, reloaded = hf_checkpoint.load_checkpoint(export_dir, mesh, dtype=model_config.dtype,
                                               param_dtype=model_config.param_dtype)
@@ -88,11 +119,11 @@ def run(config: Any) -> dict[str, Any]:
     before = np.asarray(apply({"params": state.params}, probe))
     after = np.asarray(apply({"params": reloaded}, probe))
   summary = dict(first_loss=result.rows[0]["loss"], final_loss=result.rows[-1]["loss"],
-                 steps=config.steps, train_seconds=result.train_seconds,
+                 steps=settings.steps, train_seconds=result.train_seconds,
                  export_dir=export_dir,
                  reload_max_abs_logit_diff=float(np.abs(before - after).max()),
                  metrics=result.metrics, plot=result.plot)
-  say(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {config.steps} steps "
+  say(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {settings.steps} steps "
       f"({result.train_seconds:.1f}s incl. compile); metrics {result.metrics}; plot "
       f"{result.plot}")
   say(f"exported HF checkpoint to {export_dir}; reloaded logits differ by at most "

@@ -1,4 +1,5 @@
-"""The train state pytree and its sharded initialization."""
+"""The train state pytree, its sharded initialization, and a job's step-0 state from its model
+section (`load_state`: an HF checkpoint's weights or a fresh init)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from coa_jax.model import lora
-from coa_jax.runtime import sharding
+from coa_jax.model import ModelConfig, ModelSettings, Transformer, lora
+from coa_jax.runtime import distributed, hf_checkpoint, sharding
 from coa_jax.runtime.sharding import abstract_params, init_ids, param_shardings
 
 
@@ -120,3 +121,18 @@ def state_from_params(params: Any, tx: optax.GradientTransformation, model: nn.M
   state = sharding.bind_mesh(jax.jit(make, out_shardings=out.checkpointed()), mesh)(
       trained, rows_from, rng)
   return state.replace(frozen=frozen)
+
+
+def load_state(model: ModelSettings, tokenizer: Any, mesh: Mesh,
+               tx: optax.GradientTransformation, rng: jax.Array,
+               ) -> tuple[ModelConfig, TrainState]:
+  """Returns (model config, step-0 TrainState) of a job's model section: the HF checkpoint
+  folder's weights (`state_from_params`), or a fresh init when it names none. The load is
+  agreed: a host that cannot read the folder stops every host before the first collective."""
+  model_config, params = distributed.agreed(
+      lambda: hf_checkpoint.load_model(model, tokenizer, mesh), "loading the model")
+  module = Transformer(model_config)
+  if params is None:
+    distributed.say("model.checkpoint is empty: initializing a fresh model")
+    return model_config, init_state(module, tx, mesh, rng)
+  return model_config, state_from_params(params, tx, module, mesh, rng)

@@ -79,7 +79,7 @@ from typing import Any, Callable, Sequence
 
 from tools_env.base import TOOL_ERROR, ToolFailure
 from tools_env.sandbox.policy import SandboxLimits, environment
-from tools_env.sandbox.runner import Launcher, Run, kill_uid
+from tools_env.sandbox.runner import Launcher, Run, kill_uid, read_capped
 
 # What bubblewrap makes read-only in the /proc it mounts (so does a program's init in a worker).
 _PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus")
@@ -203,7 +203,7 @@ class Worker:
     """Reads the program's output until the worker reports its end; on timeout, excess
     output or the worker's death, kills the worker."""
     deadline = time.monotonic() + limits.wall_timeout_s
-    chunks, size, stopped, status, error, drain_until = [], 0, None, None, None, None
+    chunks, stopped, status, error, drain_until = [], None, None, None, None
     started = False  # the worker said it forked the program
     with selectors.DefaultSelector() as selector:
       selector.register(fd, selectors.EVENT_READ)
@@ -218,14 +218,11 @@ class Worker:
           break
         for key, _ in selector.select(timeout=0.05):
           if key.fd == fd:
-            data = os.read(fd, 1 << 16)
-            if not data:
+            read = read_capped(fd, chunks, limits.max_capture_bytes)
+            if read == "eof":
               selector.unregister(fd)
-              continue
-            chunks.append(data)
-            size += len(data)
-            if size > limits.max_capture_bytes:
-              stopped = "too_large"
+            elif read:
+              stopped = read
               break
             continue
           try:

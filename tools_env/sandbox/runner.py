@@ -191,3 +191,13 @@ class Launcher:
       prefix = []
     return prefix + [self.python, "-I", "-S", "-X", "utf8", _WORKER if worker else BOOT,
                      json.dumps(spec)]
+
+
+def read_capped(fd: int, chunks: list[bytes], limit: int) -> str | None:
+  """Reads what the pipe `fd` holds into `chunks`; returns "eof" at its end, "too_large" once
+  the chunks hold more than `limit` bytes, else None (read on)."""
+  data = os.read(fd, 1 << 16)
+  if not data:
+    return "eof"
+  chunks.append(data)
+  return "too_large" if sum(map(len, chunks)) > limit else None

@@ -55,6 +55,7 @@ from tools_env.sandbox.runner import (
   Launcher,
   Run,
   kill_uid,
+  read_capped,
   user_task_count,
   write_program,
 )
@@ -300,7 +301,7 @@ class CodeSandbox(Tool):
     """Reads merged output until the program ends; kills it on timeout or excess output."""
     limits = self.limits
     deadline = time.monotonic() + limits.wall_timeout_s
-    chunks, size, stopped, drain_until = [], 0, None, None
+    chunks, stopped, drain_until = [], None, None
     fd = proc.stdout.fileno()
     with selectors.DefaultSelector() as selector:
       selector.register(fd, selectors.EVENT_READ)
@@ -317,13 +318,11 @@ class CodeSandbox(Tool):
           break
         if not selector.select(timeout=0.05):
           continue
-        data = os.read(fd, 1 << 16)
-        if not data:
+        read = read_capped(fd, chunks, limits.max_capture_bytes)
+        if read == "eof":
           break
-        chunks.append(data)
-        size += len(data)
-        if size > limits.max_capture_bytes:
-          stopped = "too_large"
+        if read:
+          stopped = read
           break
     proc.stdout.close()
     return b"".join(chunks)[:limits.max_capture_bytes], stopped
