@@ -21,8 +21,8 @@ from coa_jax.runtime import cli, hardware, load_model, sharding
 from coa_jax.runtime.settings import build, to_section
 from coa_jax.sft.settings import sft_settings
 from coa_jax.train import lm_demo
-from configs import (dapo_tiny_cpu, distill_tiny, evaluate_tiny, pipeline_tiny_cpu,
-                     rollout_tiny_cpu, sft_tiny_cpu)
+from configs import (aot_train, dapo_tiny_cpu, demo_tiny, distill_tiny, evaluate_tiny,
+                     pipeline_tiny_cpu, rollout_tiny_cpu, sft_tiny_cpu)
 
 NAMES = sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(__file__), "..",
                                                        "configs"))
@@ -174,6 +174,8 @@ BAD_VALUES = [
      r"evaluation\.teacher: teacher\.misread_rate must be in"),
     (evaluation_settings, evaluate_tiny, "copy_probes", "",
      r"evaluation: unknown key\(s\) evaluation\.copy_probes"),
+    (lm_demo.demo_settings, demo_tiny, "steps", 0, r"demo: steps=0, .*: expected >= 1"),
+    (pod_fit.run_settings, aot_train, "seq_len", "4k", r"aot\.seq_len='4k': expected an integer"),
 ]
 
 
