@@ -79,8 +79,9 @@ class Stages:
 
   def __init__(self, config: Any, stage_configs: StageConfigs):
     self._config, self.stage_configs = config, stage_configs
-    self.settings = build(PipelineSettings, {key: config[key] for key in (
-        "output_dir", "seed", "world", "eval", "selection")}, "pipeline")
+    self.settings = build(PipelineSettings, {
+        f.name: config[f.name] for f in dataclasses.fields(PipelineSettings)
+        if f.name in config}, "pipeline")
 
   def of(self, seed: int | None = None) -> dict[str, Any]:
     """Returns {stage name: its job's settings} for `seed` (default the first); raises
