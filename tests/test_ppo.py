@@ -258,6 +258,12 @@ def test_gae_with_group_advantage_settings_is_refused(tmp_path):
     rl_settings(_config(tmp_path, "bad", negative_weight=0.0))
 
 
+def test_a_critic_schedule_that_cannot_be_built_is_refused_with_the_settings(tmp_path):
+  """... before any model loads (a pipeline checks it before its first stage)."""
+  with pytest.raises(ConfigError, match=r"rl\.critic\.decay_steps=0"):
+    rl_settings(_config(tmp_path, "bad", critic=dict(schedule="wsd")))
+
+
 # --- the programs on one device and on eight --------------------------------------------------
 
 

@@ -258,7 +258,7 @@ def run(config: Any) -> dict[str, Any]:
   """Builds the world (or environment), runs the teacher on its training tasks with its tools
   (`tool_spec`), filters, writes the data. `config`: a ConfigDict (checked by
   `distill_settings`) or DistillSettings."""
-  settings = config if isinstance(config, DistillSettings) else distill_settings(config)
+  settings = distill_settings(config)
   os.makedirs(local(settings.output_dir, "output_dir"), exist_ok=True)
   paths, tasks = environment(settings)
   tools_spec = tool_spec(settings, paths)

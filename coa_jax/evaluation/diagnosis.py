@@ -20,9 +20,9 @@ from coa_jax.data.coa_format import Trajectory
 from coa_jax.data.importers import DropCounter
 from coa_jax.data.packing import load_source
 from coa_jax.data.tasks import load_tasks
-from coa_jax.data.tokenizer import load_tokenizer
 from coa_jax.evaluation import copy_probe
 from coa_jax.model import Transformer
+from coa_jax.rollout.settings import agent_tokenizer
 from coa_jax.runtime import sharding
 from coa_jax.runtime.hf_checkpoint import load_model
 
@@ -107,7 +107,7 @@ def diagnose(stages_of: Callable[[int], dict[str, Any]], seeds: Sequence[int]) -
       evaluate = stages[f"eval_{name}"]
       if not os.path.exists(os.path.join(evaluate.output_dir, "samples.jsonl")):
         continue
-      tokenizer = load_tokenizer(evaluate.tokenizer, evaluate.model.checkpoint, evaluate.tools)
+      tokenizer = agent_tokenizer(evaluate)
       model_config, params = load_model(evaluate.model, tokenizer,
                                         sharding.make_mesh(evaluate.mesh))
       model = Transformer(model_config)

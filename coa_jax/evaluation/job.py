@@ -257,8 +257,7 @@ def run(config: Any) -> dict[str, Any]:
   and `reward_sandbox_isolation`, the weakest isolation the code tool and the code reward ran
   under) and samples.jsonl. `config`: a ConfigDict (checked by `evaluation_settings`) or
   EvaluationSettings."""
-  settings = (config if isinstance(config, EvaluationSettings)
-              else evaluation_settings(config))
+  settings = evaluation_settings(config)
   paths.local(settings.output_dir, "output_dir")
 
   def tasks_rewarder_tokenizer() -> tuple[list[Task], rewards.Rewarder, Any]:

@@ -24,11 +24,11 @@ from coa_jax.evaluation.settings import EvaluationSettings
 from coa_jax.experiments.runner import cell, mean_sd, new_figure, save_figure, shared_dir, without
 from coa_jax.model import ConfigError
 from coa_jax.pipeline import Stages
-from coa_jax.runtime.settings import to_section
-from coa_jax.sft.settings import SFTSettings
 from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.cache import exists
 from coa_jax.runtime.distributed import say
+from coa_jax.runtime.settings import to_section
+from coa_jax.sft.settings import SFTSettings
 
 COLUMNS = ("trained_params", "train_loss", "start_pass@1", "pass@1", "format_error_rate",
            "tokens_per_task")

@@ -29,13 +29,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from coa_jax import evaluation, pipeline, rl
-from coa_jax.data.tokenizer import load_tokenizer
 from coa_jax.data.world import WorldConfig
 from coa_jax.evaluation.settings import EvaluationSettings
 from coa_jax.experiments.runner import cell, mean_sd, new_figure, save_figure, shared_dir, without
 from coa_jax.model import ConfigError, Transformer
 from coa_jax.pipeline import Stages
 from coa_jax.rl.settings import RLSettings
+from coa_jax.rollout.settings import agent_tokenizer
 from coa_jax.runtime.settings import to_section
 from coa_jax.runtime import hf_checkpoint
 from coa_jax.runtime.cache import exists, file_fingerprint
@@ -109,7 +109,7 @@ def _training_rows(folder: str, steps: int) -> list[dict[str, float]]:
 def _near_miss_probe(world: WorldConfig, evaluate: EvaluationSettings):
   """Returns checkpoint folder -> the near-miss probe of its model (`evaluation.near_miss_chance`)
   on the held-out tasks and the teacher's held-out trajectories of `evaluate`."""
-  tokenizer = load_tokenizer(evaluate.tokenizer, evaluate.model.checkpoint, evaluate.tools)
+  tokenizer = agent_tokenizer(evaluate)
 
   def probe(checkpoint: str) -> dict[str, float]:
     model_config, params = hf_checkpoint.load_checkpoint(checkpoint,

@@ -106,7 +106,8 @@ def run(experiment: Experiment, config: ml_collections.ConfigDict, stage_configs
         kinds: Mapping[str, Any], output_dir: str = "") -> dict[str, Any]:
   """Runs every (cell, seed) of `experiment` (cached, see the module docstring) and writes
   results.json, results.md and results.png; returns what results.json holds. `kinds` maps a
-  kind's name to its module: run_cell(config, stage_configs, seed, options) -> a JSON result;
+  kind's name to its module: run_cell(stages, seed, options) -> a JSON result (`stages`: the
+  cell's `pipeline.Stages`, every stage's settings checked before any cell runs);
   summarize({cell: {seed: result}}) -> summary; table(summary) -> markdown;
   plot(report, path)."""
   if experiment.kind not in kinds:

@@ -21,8 +21,8 @@ from coa_jax import evaluation
 from coa_jax.experiments.runner import cell, mean_sd, new_figure, save_figure, shared_dir, without
 from coa_jax.model import ConfigError
 from coa_jax.pipeline import Stages
-from coa_jax.runtime.settings import to_section
 from coa_jax.runtime.cache import exists, file_fingerprint
+from coa_jax.runtime.settings import to_section
 
 SYSTEMS = ("teacher", "sft", "dapo")
 SHOWN = (1, 2, 4, 8, 16)  # the table's columns (those <= k)

@@ -51,12 +51,11 @@ def matmul_flops(m: int, k: int, n: int) -> dict[str, float]:
   return {"jax": 2 * m * k * n / jax_s, "torch": 2 * m * k * n / torch_s}
 
 
-def jax_train_step_seconds(config: ModelConfig, optimizer_config: OptimizerSettings,
-                           batch_size: int,
-                           seq_len: int, warmup: int, steps: int) -> float:
+def jax_train_step_seconds(config: ModelConfig, optimizer_settings: OptimizerSettings,
+                           batch_size: int, seq_len: int, warmup: int, steps: int) -> float:
   """Returns median seconds of our jitted train step (fwd + bwd + AdamW) on one device."""
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  model, tx = Transformer(config), optimizer.make_optimizer(optimizer_config)
+  model, tx = Transformer(config), optimizer.make_optimizer(optimizer_settings)
   state = state_lib.init_state(model, tx, mesh, jax.random.key(0))
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch_size, seq_len + 1))
   batch = sharding.shard_batch(step_lib.next_token_batch(tokens), mesh)
@@ -133,9 +132,8 @@ def _release(device: str) -> None:
     torch.cuda.empty_cache()
 
 
-def torch_train_step_seconds(config: ModelConfig, optimizer_config: OptimizerSettings,
-                             batch_size: int,
-                             seq_len: int, warmup: int, steps: int) -> float:
+def torch_train_step_seconds(config: ModelConfig, optimizer_settings: OptimizerSettings,
+                             batch_size: int, seq_len: int, warmup: int, steps: int) -> float:
   """Returns median seconds of the same step in HF transformers (PyTorch, AdamW): float32
   parameters, computing in the model config's dtype (bf16 autocast when it is bfloat16),
   with SDPA attention (flash kernels on a GPU), on `torch_device()`. A LoRA config
@@ -158,10 +156,9 @@ def torch_train_step_seconds(config: ModelConfig, optimizer_config: OptimizerSet
         target_modules=list(config.lora_targets)))
   model.train()
   trained = [p for p in model.parameters() if p.requires_grad]
-  opt = torch.optim.AdamW(trained, lr=optimizer_config.learning_rate,
-                          betas=(optimizer_config.b1, optimizer_config.b2),
-                          eps=optimizer_config.eps, weight_decay=optimizer_config.weight_decay,
-                          fused=device == "cuda")
+  adamw = optimizer_settings
+  opt = torch.optim.AdamW(trained, lr=adamw.learning_rate, betas=(adamw.b1, adamw.b2),
+                          eps=adamw.eps, weight_decay=adamw.weight_decay, fused=device == "cuda")
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch_size, seq_len + 1))
   inputs = torch.as_tensor(tokens[:, :-1], dtype=torch.long, device=device)
   targets = torch.as_tensor(tokens[:, 1:], dtype=torch.long, device=device)
@@ -172,7 +169,7 @@ def torch_train_step_seconds(config: ModelConfig, optimizer_config: OptimizerSet
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                              targets.reshape(-1))
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(trained, optimizer_config.grad_clip)
+    torch.nn.utils.clip_grad_norm_(trained, adamw.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     _synchronize(device)

@@ -13,7 +13,7 @@ from coa_jax import evaluation, sft
 from coa_jax.data import DropCounter, load_source
 from coa_jax.data.tokenizer import load_tokenizer
 from coa_jax.model import Transformer
-from coa_jax.pipeline.job import StageConfigs, Stages, StageTimes, _distill
+from coa_jax.pipeline.job import StageConfigs, Stages, StageTimes, distill_stage
 from coa_jax.pipeline.results import pyplot
 from coa_jax.runtime import load_model, sharding
 from coa_jax.runtime.distributed import say
@@ -29,11 +29,11 @@ def copy_curve(config: Any, stage_configs: StageConfigs, seeds: int,
     raise ValueError(f"seeds={seeds}, every={every}: expected at least 1 of each")
   stages = Stages(config, stage_configs)
   output_dir, first_seed = stages.settings.output_dir, stages.settings.seed
-  first = stages.of()
   times = StageTimes(os.path.join(output_dir, "stage_seconds.json"))
   os.makedirs(output_dir, exist_ok=True)
-  _distill(first, times)
+  distill_stage(stages.of(), times)
   out_dir = os.path.join(output_dir, "copy_curve")
+  first = stages.of()  # rebuilt: the stages' tool spec is the one distillation wrote
   train, evaluate = first["sft"], first["eval_sft"]
   tokenizer = load_tokenizer(train.tokenizer, train.model.checkpoint, train.tools)
   model_config, _ = load_model(train.model, tokenizer, sharding.make_mesh(train.mesh))

@@ -53,11 +53,11 @@ STAGE_SETTINGS = {"distill": distill_settings, "sft": sft_settings, "dapo": rl_s
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
   """The held-out evaluations: `k` samples of each of the first `max_tasks` tasks, decoded
-  `batch_size` rows at a time."""
+  `batch_size` rows at a time (the pipeline reads k; the evaluation stages read all three)."""
 
-  k: int = 3
-  max_tasks: int = 0
-  batch_size: int = 24
+  k: int
+  max_tasks: int
+  batch_size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +164,7 @@ class StageTimes:
                        f"writing {self.path}")
 
 
-def _distill(stages: dict[str, Any], times: StageTimes) -> None:
+def distill_stage(stages: dict[str, Any], times: StageTimes) -> None:
   """Runs the distillation stage unless it finished. Host-side work (a teacher, tools) that may
   fail on one host alone, e.g. keeping nothing: agreed, so every host stops with it rather than
   wait in the next collective."""
@@ -262,7 +262,7 @@ def run_stages(stages: Stages, seeds: int = 1) -> dict[str, Any]:
   first = stages.of()  # every stage checked before the first runs
   os.makedirs(paths.local(output_dir, "output_dir"), exist_ok=True)
   times = StageTimes(os.path.join(output_dir, "stage_seconds.json"))
-  _distill(first, times)
+  distill_stage(first, times)
   # rebuilt: the evaluations' tool spec is the one distillation wrote
   teacher = _metrics(stages.of()["eval_teacher"], times, "eval teacher", world)
   per_seed = {}

@@ -26,7 +26,7 @@ from coa_jax.model import lora
 from coa_jax.rl import async_trainer, dapo
 from coa_jax.rl import critic as critic_lib
 from coa_jax.rl import rollout_log
-from coa_jax.rl.settings import RLSettings, rl_settings
+from coa_jax.rl.settings import rl_settings
 from coa_jax.runtime import distributed, hf_checkpoint, paths
 from coa_jax.runtime.distributed import say
 from coa_jax.train import LoopConfig, run_loop
@@ -42,7 +42,7 @@ def run(config: Any) -> dict[str, Any]:
   """Trains per `config` (a ConfigDict, checked by `rl_settings`, or RLSettings); returns a
   summary (rewards, accuracy, steps, paths, and the isolation the code tool and the code reward
   ran programs under)."""
-  settings = config if isinstance(config, RLSettings) else rl_settings(config)
+  settings = rl_settings(config)
   rl = settings.rl
   plot_keys, shown = dapo.PLOT_KEYS, dapo.SHOWN
   if rl.async_.enabled:

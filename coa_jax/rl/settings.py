@@ -10,7 +10,7 @@ from typing import Any
 from coa_jax.losses.dapo import PolicyLossConfig
 from coa_jax.model import ConfigError
 from coa_jax.rl.advantages import ADVANTAGE_ESTIMATORS, needs_critic
-from coa_jax.rl.critic import CriticConfig
+from coa_jax.rl.critic import CriticConfig, optimizer_settings
 from coa_jax.rollout.settings import AgentSettings
 from coa_jax.runtime.checkpointing import CheckpointSettings
 from coa_jax.runtime.settings import build
@@ -21,12 +21,13 @@ from coa_jax.train.optimizer import OptimizerSettings
 class AsyncSettings:
   """Asynchronous RL (`coa_jax.rl.async_trainer`): rollouts on `rollout_devices` devices per
   host (0: half) overlap the updates; a group trains only while its oldest token's policy is
-  within `staleness` updates; `weight_cap` truncates the importance weight of stale tokens."""
+  within `staleness` updates; `weight_cap` truncates the importance weight of stale tokens. Every
+  key is required (the defaults: configs/common.py's `rl`)."""
 
-  enabled: bool = False
-  staleness: int = 1
-  rollout_devices: int = 0
-  weight_cap: float = 2.0
+  enabled: bool
+  staleness: int
+  rollout_devices: int
+  weight_cap: float
 
   def __post_init__(self):
     if self.staleness < 0 or self.rollout_devices < 0:
@@ -40,41 +41,42 @@ class RLConfig:
   rounds of `prompts_per_round` prompts, at most `max_rounds`), then updates once per
   mini-batch of `mini_batch_groups` groups (each accumulated over `micro_batches`),
   `ppo_epochs` times; the policy loss's fields (`policy_loss`); advantage "gae" is PPO's, from
-  the critic (`critic`). The defaults are the reference's (configs/common.py's `rl`)."""
+  the critic (`critic`). Every key is required: the defaults, the reference's, are
+  configs/common.py's `rl`."""
 
   steps: int
   # A step's batch: prompt groups, rounds of dynamic sampling, mini-batches and their passes.
-  batch_groups: int = 512
-  prompts_per_round: int = 512
-  max_rounds: int = 8
-  mini_batch_groups: int = 32
-  micro_batches: int = 1
-  ppo_epochs: int = 1
-  dynamic_sampling: bool = True  # keep only groups whose samples disagree
+  batch_groups: int
+  prompts_per_round: int
+  max_rounds: int
+  mini_batch_groups: int
+  micro_batches: int
+  ppo_epochs: int
+  dynamic_sampling: bool  # keep only groups whose samples disagree
   # Advantages ("std", "mean": Dr.GRPO's, "gae": the critic's) and overlong responses.
-  advantage: str = "std"
-  advantage_eps: float = 1e-6
-  negative_weight: float = 1.0  # scales negative advantages (1: the reference)
-  overlong_shaping: bool = True
-  overlong_cache: int = 4096
-  overlong_filter: bool = False
+  advantage: str
+  advantage_eps: float
+  negative_weight: float  # scales negative advantages (1: the reference)
+  overlong_shaping: bool
+  overlong_cache: int
+  overlong_filter: bool
   # The policy loss (`policy_loss`: coa_jax.losses.dapo.PolicyLossConfig).
-  eps_low: float = 0.2
-  eps_high: float = 0.28
-  dual_clip: float = 10.0
-  aggregation: str = "token-mean"
-  norm_tokens: int = 0
-  log_ratio_clamp: float = 20.0
-  kl_coef: float = 0.0
-  entropy_coef: float = 0.0
+  eps_low: float
+  eps_high: float
+  dual_clip: float
+  aggregation: str
+  norm_tokens: int
+  log_ratio_clamp: float
+  kl_coef: float
+  entropy_coef: float
   # The job loop (as `train.loop.TrainSettings`), held-out evaluations, the prompts report.
-  eval_every: int = 10
-  log_every: int = 1
-  stop_after: int = 0
-  nonfinite_skips: int = 0
-  track_prompts: bool = True  # the tasks always / never solved, in workdir/prompts.json
-  async_: AsyncSettings = dataclasses.field(default=AsyncSettings(), metadata={"key": "async"})
-  critic: CriticConfig = CriticConfig()
+  eval_every: int
+  log_every: int
+  stop_after: int
+  nonfinite_skips: int
+  track_prompts: bool  # the tasks always / never solved, in workdir/prompts.json
+  async_: AsyncSettings = dataclasses.field(metadata={"key": "async"})
+  critic: CriticConfig
 
   def __post_init__(self):
     for name in ("steps", "batch_groups", "prompts_per_round", "max_rounds",
@@ -137,6 +139,8 @@ class RLSettings(AgentSettings):
     super().__post_init__()
     if self.sampling.temperature == 0:
       raise ConfigError("DAPO needs sampled rollouts: sampling.temperature must be > 0")
+    if self.rl.uses_critic:  # the critic's schedule over its own updates, named rl.critic
+      optimizer_settings(self.optimizer, self.rl.critic_settings())
     if self.reward_workers < 1:
       raise ConfigError(f"reward_workers={self.reward_workers}: expected >= 1")
     if self.export_dtype not in ("float32", "bfloat16", "float16"):

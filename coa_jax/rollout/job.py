@@ -41,7 +41,8 @@ def transcript(record: RolloutRecord, tokenizer) -> str:
 
 
 def run(config: Any) -> dict[str, Any]:
-  """Rolls out the tasks of config.tasks; returns the summary it also writes."""
+  """Rolls out the tasks of config.tasks (a ConfigDict, checked by `rollout_settings`, or
+  RolloutSettings); returns the summary it also writes."""
   settings = rollout_settings(config)
   tasks = load_tasks(settings.tasks, settings.max_tasks, require_answer=False)
   tokenizer = agent.agent_tokenizer(settings)

@@ -91,13 +91,18 @@ def sampler(settings: AgentSettings, model_config: ModelConfig, host: Mesh,
             tokenizer: CoATokenizer, rollout: RolloutConfig | None = None) -> Sampler:
   """Returns the sampler of this host's decode mesh `host`: batch_size / hosts rows, the
   rollout's cache (`rollout`, default the settings'), stopping at the tool tags' ends."""
-  if settings.batch_size % jax.process_count():
-    raise ConfigError(f"batch_size={settings.batch_size} does not split over "
-                      f"{jax.process_count()} hosts")
+  _check_hosts(settings)
   rollout = rollout or settings.rollout
   return Sampler(model_config, host, batch_size=settings.batch_size // jax.process_count(),
                  cache_size=rollout.cache_size, chunk=settings.chunk,
                  stop_ids=stop_ids(tokenizer), sampling=settings.sampling)
+
+
+def _check_hosts(settings: AgentSettings) -> None:
+  """Raises ConfigError unless the decode rows split evenly over the hosts."""
+  if settings.batch_size % jax.process_count():
+    raise ConfigError(f"batch_size={settings.batch_size} does not split over "
+                      f"{jax.process_count()} hosts")
 
 
 def engine(settings: AgentSettings, tokenizer: CoATokenizer,
@@ -106,6 +111,7 @@ def engine(settings: AgentSettings, tokenizer: CoATokenizer,
   freshly initialized model), its parameters on this host's devices; `rollout` replaces the
   settings' limits (the evaluation's k samples a task)."""
   rollout = rollout or settings.rollout
+  _check_hosts(settings)  # before the model loads
   mesh = sharding.make_mesh(settings.mesh)
   model_config, params = distributed.agreed(lambda: load_model(settings.model, tokenizer, mesh),
                                            "loading the model")

@@ -35,9 +35,12 @@ def as_dict(section: Any) -> dict[str, Any]:
 
 
 def build(cls: type[T], section: Any, where: str, **given: Any) -> T:
-  """Returns `cls` built from `section` (plus `given`, values the job computed); raises
+  """Returns `cls` built from `section` (plus `given`, values the job computed), or `section`
+  itself when it already is a `cls` (a job's entry takes its config or its settings); raises
   ConfigError naming `where`.key for an unknown key, a missing required key, a value of the
   wrong type or one that `cls` rejects."""
+  if isinstance(section, cls) and not given:
+    return section
   values = {**as_dict(section), **given}
   fields = {key_of(f): f for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - set(fields))

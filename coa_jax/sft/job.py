@@ -79,7 +79,7 @@ class SFTJob:
 def run(config: Any) -> dict[str, Any]:
   """Trains per `config` (a ConfigDict, checked by `sft_settings`, or SFTSettings); returns a
   summary (losses, steps, paths)."""
-  settings = config if isinstance(config, SFTSettings) else sft_settings(config)
+  settings = sft_settings(config)
   tokenizer, trajectories, counter = distributed.agreed(lambda: _data(settings),
                                                         "loading the SFT data")
 

@@ -85,7 +85,8 @@ def demo_settings(config: Any, where: str = "demo") -> DemoSettings:
 
 
 def run(config: Any) -> dict[str, Any]:
-  """Trains per `config` (checked by `demo_settings`); returns a summary of what it did."""
+  """Trains per `config` (a ConfigDict, checked by `demo_settings`, or DemoSettings); returns a
+  summary of what it did."""
   settings = demo_settings(config)
   model_config = settings.model.fresh_config()
   mesh = sharding.make_mesh(settings.mesh)

@@ -203,7 +203,7 @@ class Worker:
     """Reads the program's output until the worker reports its end; on timeout, excess
     output or the worker's death, kills the worker."""
     deadline = time.monotonic() + limits.wall_timeout_s
-    chunks, stopped, status, error, drain_until = [], None, None, None, None
+    output, stopped, status, error, drain_until = bytearray(), None, None, None, None
     started = False  # the worker said it forked the program
     with selectors.DefaultSelector() as selector:
       selector.register(fd, selectors.EVENT_READ)
@@ -218,7 +218,7 @@ class Worker:
           break
         for key, _ in selector.select(timeout=0.05):
           if key.fd == fd:
-            read = read_capped(fd, chunks, limits.max_capture_bytes)
+            read = read_capped(fd, output, limits.max_capture_bytes)
             if read == "eof":
               selector.unregister(fd)
             elif read:
@@ -242,7 +242,7 @@ class Worker:
             if uid is not None and not self.pid_namespace:
               kill_uid(uid)
             drain_until = now + 1.0
-    output = b"".join(chunks)[:limits.max_capture_bytes]
+    output = bytes(output[:limits.max_capture_bytes])
     if stopped is not None or status is None:
       self.kill()
       if uid is not None:

@@ -193,11 +193,11 @@ class Launcher:
                      json.dumps(spec)]
 
 
-def read_capped(fd: int, chunks: list[bytes], limit: int) -> str | None:
-  """Reads what the pipe `fd` holds into `chunks`; returns "eof" at its end, "too_large" once
-  the chunks hold more than `limit` bytes, else None (read on)."""
+def read_capped(fd: int, output: bytearray, limit: int) -> str | None:
+  """Appends what the pipe `fd` holds to `output`; returns "eof" at its end, "too_large" once
+  `output` holds more than `limit` bytes, else None (read on)."""
   data = os.read(fd, 1 << 16)
   if not data:
     return "eof"
-  chunks.append(data)
-  return "too_large" if sum(map(len, chunks)) > limit else None
+  output += data
+  return "too_large" if len(output) > limit else None

@@ -301,7 +301,7 @@ class CodeSandbox(Tool):
     """Reads merged output until the program ends; kills it on timeout or excess output."""
     limits = self.limits
     deadline = time.monotonic() + limits.wall_timeout_s
-    chunks, stopped, drain_until = [], None, None
+    output, stopped, drain_until = bytearray(), None, None
     fd = proc.stdout.fileno()
     with selectors.DefaultSelector() as selector:
       selector.register(fd, selectors.EVENT_READ)
@@ -318,14 +318,14 @@ class CodeSandbox(Tool):
           break
         if not selector.select(timeout=0.05):
           continue
-        read = read_capped(fd, chunks, limits.max_capture_bytes)
+        read = read_capped(fd, output, limits.max_capture_bytes)
         if read == "eof":
           break
         if read:
           stopped = read
           break
     proc.stdout.close()
-    return b"".join(chunks)[:limits.max_capture_bytes], stopped
+    return bytes(output[:limits.max_capture_bytes]), stopped
 
   def _failure(self, run: Run) -> ToolFailure | None:
     """Returns the failure a finished run amounts to, or None if it succeeded."""
