@@ -72,6 +72,19 @@ def test_tools_env_never_imports_coa_jax():
     assert not any(n.split(".")[0] == "coa_jax" for n in _imports(path)), path
 
 
+# The modules that build configs (settings builders that derive one config from another); every
+# other library module reads typed settings, never a ConfigDict (docs/design.md, "How settings
+# flow").
+CONFIG_BUILDERS = {"coa_jax/pipeline/job.py", "coa_jax/experiments/runner.py",
+                   "coa_jax/evaluation/model_settings.py", "coa_jax/evaluation/benchmarks.py"}
+
+
+def test_only_the_config_builders_import_ml_collections():
+  importers = {str(path.relative_to(ROOT)) for path in _python_files("coa_jax")
+               if any(n.split(".")[0] == "ml_collections" for n in _imports(path))}
+  assert importers == CONFIG_BUILDERS
+
+
 def test_nothing_edits_sys_path():
   for path in _python_files("coa_jax", "configs", "experiments", "tests", "tools_env"):
     assert not re.search(r"sys\.path\.(insert|append)\(", path.read_text()), path
