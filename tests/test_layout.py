@@ -14,11 +14,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIRST_PARTY = ("coa_jax", "configs", "tools_env")
 # The order of coa_jax's packages: each may import only packages of a lower rank (and itself).
-# model, losses and runtime are the foundations; data -> distill -> sft | rollout -> rl ->
-# evaluation are the pipeline's stages; perf tooling, the main job (pipeline) and the
-# experiments over it come last.
+# model, losses and runtime are the foundations; data -> distill -> sft | rollout -> serving ->
+# rl -> evaluation are the pipeline's stages (RL trains agent programs through the serving
+# endpoint); perf tooling, the main job (pipeline) and the experiments over it come last.
 RANKS = {"model": 0, "losses": 1, "runtime": 1, "train": 2, "data": 3, "distill": 4, "sft": 5,
-         "rollout": 5, "rl": 6, "evaluation": 7, "perf": 8, "pipeline": 9, "experiments": 10}
+         "rollout": 5, "serving": 6, "rl": 7, "evaluation": 8, "perf": 9, "pipeline": 10,
+         "experiments": 11}
 
 
 def _python_files(*folders: str) -> list[pathlib.Path]:

@@ -89,7 +89,8 @@ class ScriptedSampler:
         info["total"] += 1
         if token in self.stop_ids or info["total"] >= info["budget"]:
           state.active_B[row] = False
-    return state, Chunk(tokens, logprobs, counts)
+    no_top = np.zeros((self.batch_size, self.chunk, 0))
+    return state, Chunk(tokens, logprobs, counts, no_top.astype(np.int32), no_top)
 
   def extend_rows(self, params, state, appends):
     for row, ids in appends.items():

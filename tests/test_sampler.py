@@ -7,7 +7,8 @@ import pytest
 
 from coa_jax.model import build_config
 from coa_jax.model.transformer import Transformer
-from coa_jax.rollout.sampler import Sampler, SamplingConfig, bucket, sample_tokens
+from coa_jax.rollout.sampler import (RowSampling, Sampler, SamplingConfig, bucket, sample_rows,
+                                     sample_tokens)
 from coa_jax.runtime import sharding
 from coa_jax.runtime.sharding import init_params, param_shardings
 
@@ -200,6 +201,61 @@ def test_recorded_logprobs_are_of_the_truncated_renormalised_distribution(sampli
                                    sampling)
   expected = [numpy_filtered_logp(row, sampling)[t] for row, t in zip(logits, np.asarray(tokens))]
   np.testing.assert_allclose(logprobs, expected, rtol=1e-5, atol=1e-5)
+
+
+ROWS = [GREEDY, SamplingConfig(temperature=0.7, top_k=4), SamplingConfig(temperature=1.3, top_p=0.6),
+        SamplingConfig(temperature=0.9, top_k=5, top_p=0.7), SamplingConfig(temperature=0.8),
+        SamplingConfig(temperature=0.5, top_k=100)]
+
+
+def test_each_row_samples_with_its_own_settings_as_the_static_settings_do():
+  """A batch whose rows bring their own settings (a server's requests) draws, row by row, the
+  same token and log-prob, bit for bit, as `sample_tokens` with that row's settings for the
+  whole batch; top_k past the vocabulary keeps every token."""
+  logits = jax.random.normal(jax.random.key(4), (len(ROWS), 12)) * 2.0
+  keys = jax.random.split(jax.random.key(5), len(ROWS))
+  tokens, logprobs, logp = sample_rows(logits, keys, RowSampling.of(ROWS))
+  for row, settings in enumerate(ROWS):
+    alone = SamplingConfig(settings.temperature, min(settings.top_k, 12), settings.top_p)
+    token, logprob = sample_tokens(logits, keys, alone)
+    assert int(tokens[row]) == int(token[row]) and float(logprobs[row]) == float(logprob[row])
+    expected = (jax.nn.log_softmax(logits[row]) if settings.temperature == 0 else
+                numpy_filtered_logp(np.asarray(logits[row]), alone))
+    np.testing.assert_allclose(logp[row], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_settings_sampler_returns_the_top_logprobs_of_the_distribution_drawn_from(
+    mesh1, params, full_logits):
+  s = Sampler(CONFIG, mesh1, batch_size=4, cache_size=64, chunk=6, stop_ids=(), sampling=None,
+              top_logprobs=3)
+  settings = [GREEDY, SamplingConfig(temperature=1.0), GREEDY, SamplingConfig(temperature=0.5)]
+  state = s.prefill_groups(params, s.init_state(), [([0, 1], PROMPTS[0]), ([2, 3], PROMPTS[1])],
+                           [40, 40])
+  state, chunk = s.decode_chunk(params, state, jax.random.key(0),
+                                row_sampling=RowSampling.of(settings))
+  chunk = jax.tree.map(np.asarray, chunk)
+  for row, prompt in enumerate([PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]):
+    seq = prompt + chunk.tokens_BxK[row].tolist()
+    temperature = settings[row].temperature or 1.0
+    logp = jax.nn.log_softmax(full_logits(seq)[len(prompt) - 1:-1] / temperature, axis=-1)
+    expected_ids = np.argsort(-np.asarray(logp), axis=-1, kind="stable")[:, :3]
+    np.testing.assert_array_equal(chunk.top_ids_BxKxN[row], expected_ids)
+    np.testing.assert_allclose(chunk.top_logprobs_BxKxN[row],
+                               np.take_along_axis(np.asarray(logp), expected_ids, -1), atol=1e-4)
+    if settings[row] is GREEDY:
+      np.testing.assert_array_equal(chunk.tokens_BxK[row], expected_ids[:, 0])
+
+
+def test_row_settings_come_exactly_with_a_sampler_built_for_them(mesh1, params):
+  static = sampler(mesh1)
+  state = static.prefill_groups(params, static.init_state(), [([0], PROMPTS[0])], [40])
+  with pytest.raises(ValueError, match="row_sampling"):
+    static.decode_chunk(params, state, jax.random.key(0), row_sampling=RowSampling.of([GREEDY] * 4))
+  rows = Sampler(CONFIG, mesh1, batch_size=4, cache_size=64, chunk=6, stop_ids=(), sampling=None)
+  with pytest.raises(ValueError, match="row_sampling"):
+    rows.decode_chunk(params, rows.init_state(), jax.random.key(0))
+  with pytest.raises(ValueError, match="top_logprobs"):
+    Sampler(CONFIG, mesh1, batch_size=4, cache_size=64, chunk=6, stop_ids=(), top_logprobs=2)
 
 
 def test_only_top_k_or_top_p_truncate_the_sampled_distribution():

@@ -96,6 +96,24 @@ class SamplingConfig:
 
 
 @flax.struct.dataclass
+class RowSampling:
+  """Sampling settings row by row (a serving engine's requests each bring their own): the
+  fields of `SamplingConfig` as (B,) arrays. A sampler built with `sampling=None` takes them
+  with every decode chunk; a row samples as the static `SamplingConfig` of its values would."""
+
+  temperature_B: jax.Array  # float32; 0: greedy
+  top_k_B: jax.Array  # int32; 0: off
+  top_p_B: jax.Array  # float32; 1.0: off
+
+  @classmethod
+  def of(cls, rows: Sequence[SamplingConfig]) -> RowSampling:
+    """Returns the rows' settings as host arrays (row b samples as rows[b])."""
+    return cls(np.asarray([r.temperature for r in rows], np.float32),
+               np.asarray([r.top_k for r in rows], np.int32),
+               np.asarray([r.top_p for r in rows], np.float32))
+
+
+@flax.struct.dataclass
 class DecodeState:
   """The decoding state of B rows; see the module docstring for the invariants."""
 
@@ -108,11 +126,15 @@ class DecodeState:
 
 @flax.struct.dataclass
 class Chunk:
-  """What one decode_chunk call sampled: K token slots per row, `counts_B` of them filled."""
+  """What one decode_chunk call sampled: K token slots per row, `counts_B` of them filled; with
+  a sampler's `top_logprobs` N > 0, each step's N most likely tokens and their log-probs under
+  the distribution drawn from (N = 0: empty arrays)."""
 
   tokens_BxK: jax.Array
   logprobs_BxK: jax.Array
   counts_B: jax.Array
+  top_ids_BxKxN: jax.Array
+  top_logprobs_BxKxN: jax.Array
 
 
 def sample_tokens(logits_BxV: jax.Array, keys_B: jax.Array,
@@ -142,6 +164,37 @@ def sample_tokens(logits_BxV: jax.Array, keys_B: jax.Array,
     logp_BxV = jax.nn.log_softmax(kept_BxV, axis=-1)
   logprob_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
   return token_B, logprob_B
+
+
+def sample_rows(logits_BxV: jax.Array, keys_B: jax.Array,
+                rows: RowSampling) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`sample_tokens` with each row's own settings; returns (token_B, logprob_B, logp_BxV), the
+  last the log-probs of the distribution each row drew from (-inf where truncated). The same
+  operations as `sample_tokens`, so a row samples what the static settings of its values do."""
+  logits_BxV = logits_BxV.astype(jnp.float32)
+  greedy_B = rows.temperature_B == 0
+  scaled_BxV = logits_BxV / jnp.where(greedy_B, 1.0, rows.temperature_B)[:, None]
+  # One descending sort serves both cuts: top-k's threshold is its k-th value, and top-p's
+  # cumulative mass is taken over the sorted values that top-k kept.
+  sorted_BxV = jnp.sort(scaled_BxV, axis=-1)[:, ::-1]
+  kth_B = jnp.clip(rows.top_k_B - 1, 0, logits_BxV.shape[-1] - 1)
+  kth_Bx1 = jnp.take_along_axis(sorted_BxV, kth_B[:, None], axis=-1)
+  kth_Bx1 = jnp.where(rows.top_k_B[:, None] > 0, kth_Bx1, -jnp.inf)
+  kept_BxV = jnp.where(scaled_BxV < kth_Bx1, -jnp.inf, scaled_BxV)
+  sorted_BxV = jnp.where(sorted_BxV < kth_Bx1, -jnp.inf, sorted_BxV)
+  probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+  before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+  top_p_Bx1 = rows.top_p_B[:, None]
+  cutoff_Bx1 = jnp.min(jnp.where(before_BxV < top_p_Bx1, sorted_BxV, jnp.inf), axis=-1,
+                       keepdims=True)
+  cutoff_Bx1 = jnp.where(top_p_Bx1 < 1.0, cutoff_Bx1, -jnp.inf)
+  kept_BxV = jnp.where(kept_BxV < cutoff_Bx1, -jnp.inf, kept_BxV)
+  drawn_B = jax.vmap(jax.random.categorical)(keys_B, kept_BxV).astype(jnp.int32)
+  token_B = jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), drawn_B)
+  logp_BxV = jnp.where(greedy_B[:, None], jax.nn.log_softmax(logits_BxV, axis=-1),
+                       jax.nn.log_softmax(kept_BxV, axis=-1))
+  logprob_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
+  return token_B, logprob_B, logp_BxV
 
 
 def token_keys(key: jax.Array, seed_B: jax.Array, position_B: jax.Array) -> jax.Array:
@@ -186,8 +239,11 @@ class Sampler:
                chunk: int, stop_ids: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
                cache_dtype: Any = None, cache_heads_first: bool | None = None,
                extend_tokens: int = 2048, layer_arrays: bool | None = None,
-               rows_alone_from: int = 64):
-    """`cache_heads_first` picks the KV cache's layout (see KVCache). By default kv heads come
+               rows_alone_from: int = 64, top_logprobs: int = 0):
+    """With `sampling=None` every decode chunk takes the rows' own settings (`RowSampling`);
+    `top_logprobs` N > 0 makes each chunk return every step's N most likely tokens too.
+
+    `cache_heads_first` picks the KV cache's layout (see KVCache). By default kv heads come
     first, except on CPU devices for models with grouped query heads: there slots first
     decoded 1.1-1.2x faster (kv heads first was 1.1-1.5x faster in three models without).
     On TPU, slots first made the compiler copy each layer's cache into kv-heads-first order
@@ -217,6 +273,8 @@ class Sampler:
     as a scan over stacked weights slices them; stacked again, they would need a second copy
     of all weights in the program's temporaries)."""
     sharding.check_batch_fits_mesh(batch_size, 1, mesh)
+    if top_logprobs and sampling is not None:
+      raise ValueError("top_logprobs needs a sampler built with sampling=None (RowSampling)")
     platform = mesh.devices.flat[0].platform
     if cache_heads_first is None:
       cache_heads_first = platform != "cpu" or model_config.num_heads == model_config.num_kv_heads
@@ -231,32 +289,37 @@ class Sampler:
     self.batch_size, self.cache_size, self.chunk = batch_size, cache_size, chunk
     self.extend_tokens, self.rows_alone_from = extend_tokens, rows_alone_from
     self.stop_ids = tuple(int(i) for i in stop_ids)
-    self.sampling = sampling
+    self.sampling, self.top_logprobs = sampling, top_logprobs
     self.cache_dtype = cache_dtype or model_config.compute_dtype
     self._jits = [jax.jit(self._prefill, donate_argnums=1),
                   jax.jit(self._extend, donate_argnums=1, static_argnames="window"),
                   jax.jit(self._decode_chunk, donate_argnums=1, static_argnames="window"),
-                  jax.jit(self._decode_rows, donate_argnums=1, static_argnames="window")]
-    self.prefill, self.extend, decode, decode_rows = (sharding.bind_mesh(f, mesh)
-                                                      for f in self._jits)
+                  jax.jit(self._decode_rows, donate_argnums=1, static_argnames="window"),
+                  jax.jit(self._set_rows, donate_argnums=0)]
+    self.prefill, self.extend, decode, decode_rows, self._set = (sharding.bind_mesh(f, mesh)
+                                                                 for f in self._jits)
     self._row_ranks = mesh.shape["data"] * mesh.shape["fsdp"]
 
     def decode_chunk(params, state: DecodeState, key, window: int | None = None,
-                     rows: Sequence[int] | None = None):
+                     rows: Sequence[int] | None = None, row_sampling: RowSampling | None = None):
       """Returns (state, Chunk) of up to `chunk` steps reading the cache slots [0, window):
       by default `decode_window(state)` (which fetches the rows' lengths); a caller that knows
       them may pass `window_for` its longest active row. A caller that knows which rows are
       active may pass them as `rows`: when they fill at most half of the batch, only they
-      are decoded (`_decode_rows`)."""
+      are decoded (`_decode_rows`). `row_sampling`: the rows' settings, given exactly when the
+      sampler was built with `sampling=None`."""
+      if (row_sampling is None) != (self.sampling is not None):
+        raise ValueError("a sampler built with sampling=None takes row_sampling with every "
+                         "decode chunk, and only such a sampler does")
       window = min(self.decode_window(state) if window is None else window, self.cache_size)
       padded = self._compact_rows(state, rows)
       if padded is None:
-        return decode(params, state, key, window=window)
-      return decode_rows(params, state, padded, key, window=window)
+        return decode(params, state, key, row_sampling, window=window)
+      return decode_rows(params, state, padded, key, row_sampling, window=window)
 
     # Lowering (ahead of time, an abstract state): the whole cache unless given a window.
-    decode_chunk.lower = lambda params, state, key, window=None: decode.lower(
-        params, state, key, window=min(window or self.cache_size, self.cache_size))
+    decode_chunk.lower = lambda params, state, key, window=None, row_sampling=None: decode.lower(
+        params, state, key, row_sampling, window=min(window or self.cache_size, self.cache_size))
     self.decode_chunk = decode_chunk
 
   def sampling_params(self, params: Any) -> Any:
@@ -376,16 +439,22 @@ class Sampler:
                          pending_B=state.pending_B.at[rows_R].set(last_R, mode="drop"),
                          active_B=state.active_B.at[rows_R].set(True, mode="drop"))
 
-  def _decode_chunk(self, params, state: DecodeState, key, window: int):
+  def _empty_chunk(self, b: int) -> Chunk:
+    k, n = self.chunk, self.top_logprobs
+    return Chunk(jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32),
+                 jnp.zeros((b,), jnp.int32), jnp.zeros((b, k, n), jnp.int32),
+                 jnp.zeros((b, k, n), jnp.float32))
+
+  def _decode_chunk(self, params, state: DecodeState, key, row_sampling: RowSampling | None,
+                    window: int):
     """Samples up to `chunk` tokens per active row, attending over the cache slots [0, window)
     only (every active row's length + chunk - 1 must fit: `decode_window`); returns (state,
     Chunk)."""
-    b, k = state.pending_B.shape[0], self.chunk
+    b = state.pending_B.shape[0]
     if not 0 < window <= self.cache_size:
       raise ValueError(f"decode window {window}: expected 1..{self.cache_size} cache slots")
     stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
-    out = Chunk(jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32),
-                jnp.zeros((b,), jnp.int32))
+    out = self._empty_chunk(b)
 
     def step(carry):
       i, state, out = carry
@@ -393,11 +462,19 @@ class Sampler:
       logits, cache = self._run(params, cache, state.pending_B[:, None], cache.lengths_B[:, None],
                                 model=self.decode_model, window=window)
       keys_B = token_keys(key, state.seed_B, cache.lengths_B)
-      token_B, logprob_B = sample_tokens(logits[:, -1], keys_B, self.sampling)
+      if row_sampling is None:
+        token_B, logprob_B = sample_tokens(logits[:, -1], keys_B, self.sampling)
+      else:
+        token_B, logprob_B, logp_BxV = sample_rows(logits[:, -1], keys_B, row_sampling)
       active_B = state.active_B
+      top_ids, top_logprobs = out.top_ids_BxKxN, out.top_logprobs_BxKxN
+      if self.top_logprobs:
+        values_BxN, ids_BxN = jax.lax.top_k(logp_BxV, self.top_logprobs)
+        top_ids = top_ids.at[:, i].set(jnp.where(active_B[:, None], ids_BxN, 0))
+        top_logprobs = top_logprobs.at[:, i].set(jnp.where(active_B[:, None], values_BxN, 0.0))
       out = Chunk(out.tokens_BxK.at[:, i].set(jnp.where(active_B, token_B, 0)),
                   out.logprobs_BxK.at[:, i].set(jnp.where(active_B, logprob_B, 0.0)),
-                  out.counts_B + active_B)
+                  out.counts_B + active_B, top_ids, top_logprobs)
       lengths_B = cache.lengths_B + active_B
       stopped_B = jnp.isin(token_B, stop_ids) | (lengths_B + 1 >= state.budget_B)
       state = state.replace(cache=cache.replace(lengths_B=lengths_B),
@@ -407,12 +484,13 @@ class Sampler:
 
     def running(carry):
       i, state, _ = carry
-      return (i < k) & jnp.any(state.active_B)
+      return (i < self.chunk) & jnp.any(state.active_B)
 
     _, state, out = jax.lax.while_loop(running, step, (jnp.int32(0), state, out))
     return state, out
 
-  def _decode_rows(self, params, state: DecodeState, rows_R, key, window: int):
+  def _decode_rows(self, params, state: DecodeState, rows_R, key,
+                   row_sampling: RowSampling | None, window: int):
     """`_decode_chunk` of the rows rows_R alone (indices >= B pad): a state of those rows and
     the window's slots (and the one after, which the last step writes) is gathered, decoded and
     written back. Rows not active in `state` (and the padding) are left as they were; the Chunk
@@ -430,17 +508,38 @@ class Sampler:
                        take(state.budget_B), take(state.seed_B))
     part = jax.lax.with_sharding_constraint(part, self.state_shardings())
     back_R = jnp.where(part.active_B, rows_R, b)  # where each decoded row goes; b: dropped
-    part, chunk = self._decode_chunk(params, part, key, window)
+    part, chunk = self._decode_chunk(params, part, key, jax.tree.map(take, row_sampling), window)
     put = lambda a, p: a.at[back_R].set(p, mode="drop")
-    k = self.chunk
     return (state.replace(cache=_scatter_rows(cache, back_R, part.cache, slots),
                           pending_B=put(state.pending_B, part.pending_B),
                           active_B=put(state.active_B, part.active_B)),
-            Chunk(put(jnp.zeros((b, k), jnp.int32), chunk.tokens_BxK),
-                  put(jnp.zeros((b, k), jnp.float32), chunk.logprobs_BxK),
-                  put(jnp.zeros((b,), jnp.int32), chunk.counts_B)))
+            jax.tree.map(put, self._empty_chunk(b), chunk))
+
+  def _set_rows(self, state: DecodeState, rows_R, active_R, budget_R, seed_R):
+    """Sets rows_R's active flag, and where budget_R > 0 their budget and seed (rows >= B pad)."""
+    put = lambda a, v, where=True: a.at[rows_R].set(
+        jnp.where(where, v, jnp.take(a, rows_R, mode="clip")), mode="drop")
+    renew_R = budget_R > 0
+    return state.replace(active_B=put(state.active_B, active_R),
+                         budget_B=put(state.budget_B, budget_R, renew_R),
+                         seed_B=put(state.seed_B, seed_R, renew_R))
 
   # --- host-side helpers -----------------------------------------------------------------
+
+  def set_rows(self, state: DecodeState, active: bool, rows: Sequence[int],
+               budgets: Sequence[int] | None = None,
+               seeds: Sequence[int] | None = None) -> DecodeState:
+    """Returns `state` with `rows` frozen (active False: a caller ends them early) or active,
+    and with `budgets` and `seeds` given, those too (a row whose cache a new request extends
+    takes that request's budget and seed). Rows are padded to a bucket of 8."""
+    r = bucket(len(rows))
+    padded = np.full((r,), self.batch_size, np.int32)
+    padded[:len(rows)] = rows
+    row_budgets, row_seeds = np.zeros((r,), np.int32), np.zeros((r,), np.int32)
+    if budgets is not None:
+      row_budgets[:len(rows)], row_seeds[:len(rows)] = budgets, seeds
+    return self._set(state, padded, np.full((r,), active), row_budgets, row_seeds)
+
 
   def _compact_rows(self, state: DecodeState, rows: Sequence[int] | None) -> np.ndarray | None:
     """Returns `rows` padded (with B) to a power-of-two bucket when decoding them alone pays:

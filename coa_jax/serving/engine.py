@@ -1,0 +1,476 @@
+"""A serving engine over the JAX sampler: requests join and leave one decode batch between chunks.
+
+The engine owns a `Sampler` built for per-row sampling settings (`sampling=None`) and one
+`DecodeState` of `slots` rows. A thread of its own runs rounds: each round ends what was cancelled
+or is past its deadline, admits waiting requests into free rows (a prefill, or an extend of a
+row whose cache holds the request's prefix), decodes one chunk of the active rows and hands each
+request the tokens its rows sampled. Nothing else touches the device state, so callers on any
+thread only `submit` requests and read their `Handle`s.
+
+- **Sampling per request.** Temperature, top-k and top-p are per row (`RowSampling`); a
+  request's seed gives its rows their sampling seeds, and a row's tokens depend on the engine's
+  key, its seed and its own tokens only (`rollout.sampler`), never on what else is in the batch:
+  the same request with the same seed gives the same tokens.
+- **Prefix reuse.** A row that ended on the device (a stop token, or its budget) is parked with
+  its sequence (prompt and completion) in its cache. A later request of one sample whose prompt
+  extends a parked sequence takes that row and only the new tokens are fed (`extend`): a chat's
+  next turn does not prefill its history again. Parked rows are the first taken back when no
+  row is free (least recently used first) and all are dropped when the weights change.
+- **Backpressure.** At most `max_queue` requests wait; `submit` then raises `QueueFull`. After
+  `close` it raises `ShuttingDown`; `close(drain=True)` lets what is in flight finish.
+- **Weights.** `set_params` swaps the weights at the next round (an RL trainer serving its current
+  policy); every token records the version of the weights that sampled it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from coa_jax.model.config import ConfigError, ModelConfig
+from coa_jax.rollout.sampler import RowSampling, Sampler, SamplingConfig
+
+STOP, LENGTH, CANCELLED, DEADLINE, ERROR = "stop", "length", "cancelled", "deadline", "error"
+
+
+class EngineError(Exception):
+  """A request the engine cannot take; `status` is the HTTP status a server answers with."""
+
+  status = 400
+
+
+class QueueFull(EngineError):
+  status = 429
+
+
+class ShuttingDown(EngineError):
+  status = 503
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+  """The engine's shape: `slots` rows of `cache_size` tokens (prompt and completion) decoded
+  `chunk` tokens a round; requests join and leave between rounds."""
+
+  slots: int = 64
+  cache_size: int = 2048
+  chunk: int = 16
+  max_queue: int = 256  # waiting requests; one more is refused (QueueFull)
+  max_top_logprobs: int = 5  # the most top_logprobs a request may ask for (a static shape)
+  prefix_cache: bool = True
+  seed: int = 0  # the engine's sampling key; a request's seed picks its rows' seeds
+
+  def __post_init__(self):
+    for name in ("slots", "cache_size", "chunk", "max_queue"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"serve.{name}={value!r}: expected a positive integer")
+    if not 0 <= self.max_top_logprobs <= 20:
+      raise ConfigError(f"serve.max_top_logprobs={self.max_top_logprobs!r}: expected 0..20")
+
+
+@dataclasses.dataclass
+class Request:
+  """What to generate: `n` samples of at most `max_tokens` after `prompt_ids`. A sample also
+  ends at any of `stop_ids` (beyond the engine's own stop tokens), kept as its last token.
+  `deadline` is a `time.monotonic()` time after which the request ends (reason "deadline")."""
+
+  prompt_ids: Sequence[int]
+  max_tokens: int = 256
+  sampling: SamplingConfig = SamplingConfig()
+  n: int = 1
+  seed: int | None = None
+  stop_ids: Sequence[int] = ()
+  top_logprobs: int = 0
+  deadline: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+  """Tokens one sample of a request received in a round: ids, their log-probs under the
+  distribution drawn from, the version of the weights that sampled them, and with
+  `top_logprobs` the most likely (id, log-prob) pairs at each step."""
+
+  sample: int
+  ids: list[int]
+  logprobs: list[float]
+  version: int
+  top: list[list[tuple[int, float]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+  sample: int
+  reason: str  # STOP, LENGTH, CANCELLED, DEADLINE or ERROR (the engine failed)
+
+
+@dataclasses.dataclass
+class Sample:
+  ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  finish_reason: str = ""
+
+
+@dataclasses.dataclass
+class Result:
+  prompt_tokens: int
+  cached_tokens: int  # prompt tokens read from a parked row's cache, not prefilled
+  samples: list[Sample]
+
+
+class Handle:
+  """A submitted request: its events (`Tokens`, `Finished`) arrive on a queue from the engine's
+  thread; `on_event` (if given) is called with each as well, on that thread."""
+
+  def __init__(self, request: Request, on_event: Callable[[Any], None] | None = None):
+    self.request = request
+    self.events: queue.Queue = queue.Queue()
+    self.cached_tokens = 0
+    self._on_event = on_event
+    self._cancelled: set[int] = set()
+    self._open = set(range(request.n))
+
+  def cancel(self, sample: int | None = None) -> None:
+    """Ends one sample (or all) at the next round: its row is freed, reason "cancelled"."""
+    self._cancelled.update(range(self.request.n) if sample is None else [sample])
+
+  @property
+  def done(self) -> bool:
+    return not self._open
+
+  def _emit(self, event: Any) -> None:
+    if isinstance(event, Finished):
+      if event.sample not in self._open:
+        return
+      self._open.discard(event.sample)
+    self.events.put(event)
+    if self._on_event is not None:
+      self._on_event(event)
+
+  def stream(self, timeout: float | None = None) -> Iterator[Any]:
+    """Yields the events until every sample finished (blocking; `timeout` per event)."""
+    finished = 0
+    while finished < self.request.n:
+      event = self.events.get(timeout=timeout)
+      finished += isinstance(event, Finished)
+      yield event
+
+  def result(self, timeout: float | None = None) -> Result:
+    """Waits for every sample and returns them."""
+    samples = [Sample() for _ in range(self.request.n)]
+    for event in self.stream(timeout):
+      sample = samples[event.sample]
+      if isinstance(event, Tokens):
+        sample.ids += event.ids
+        sample.logprobs += event.logprobs
+        sample.versions += [event.version] * len(event.ids)
+        sample.top += event.top
+      else:
+        sample.finish_reason = event.reason
+    return Result(len(self.request.prompt_ids), self.cached_tokens, samples)
+
+
+@dataclasses.dataclass
+class _Row:
+  """A row of the decode batch: free, serving a sample of a request, or parked with `ids` (its
+  sequence) in its cache."""
+
+  handle: Handle | None = None
+  sample: int = 0
+  ids: list[int] = dataclasses.field(default_factory=list)
+  parked: bool = False
+  used: float = 0.0
+
+
+class Engine:
+  """Continuous batching over one `Sampler`; see the module docstring."""
+
+  def __init__(self, model_config: ModelConfig, mesh: Mesh, params: Any,
+               settings: EngineSettings, stop_ids: Sequence[int]):
+    if jax.process_count() != 1:
+      raise ConfigError("the serving engine runs in one process (its mesh may span that "
+                        "process's devices)")
+    self.settings = settings
+    self.sampler = Sampler(model_config, mesh, batch_size=settings.slots,
+                           cache_size=settings.cache_size, chunk=settings.chunk,
+                           stop_ids=stop_ids, sampling=None,
+                           top_logprobs=settings.max_top_logprobs)
+    self.stop_ids = frozenset(int(i) for i in stop_ids)
+    self._params = self.sampler.sampling_params(params)
+    self._next_params: tuple[Any, int] | None = None
+    self.version = 0
+    self._state = self.sampler.init_state()
+    self._key = jax.random.key(settings.seed)
+    self._rows = [_Row() for _ in range(settings.slots)]
+    self._sampling = RowSampling.of([SamplingConfig()] * settings.slots)
+    self._waiting: collections.deque[Handle] = collections.deque()
+    self._lock = threading.Condition()
+    self._closing = False
+    self._drain = True
+    self._seeds = itertools.count(1)
+    self.stats = collections.Counter()
+    self.error = ""  # the engine's own failure, once it stopped on one
+    self._thread: threading.Thread | None = None
+
+  # --- callers' side (any thread) ---------------------------------------------------------
+
+  def submit(self, request: Request, on_event: Callable[[Any], None] | None = None) -> Handle:
+    """Queues `request`; raises EngineError (bad request), QueueFull or ShuttingDown."""
+    self._check(request)
+    handle = Handle(request, on_event)
+    with self._lock:
+      if self._closing:
+        raise ShuttingDown("the server is shutting down")
+      if len(self._waiting) >= self.settings.max_queue:
+        raise QueueFull(f"{len(self._waiting)} requests are waiting (serve.max_queue="
+                        f"{self.settings.max_queue}); retry later")
+      self._waiting.append(handle)
+      self._lock.notify()
+    return handle
+
+  def generate(self, request: Request, timeout: float | None = None) -> Result:
+    """Submits `request` and waits for its result (the engine must be running)."""
+    return self.submit(request).result(timeout)
+
+  def set_params(self, params: Any, version: int) -> None:
+    """Serves `params` (version `version`) from the next round on."""
+    with self._lock:
+      self._next_params = (params, version)
+
+  def start(self) -> Engine:
+    self._thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
+    self._thread.start()
+    return self
+
+  def close(self, drain: bool = True, timeout: float | None = None) -> None:
+    """Stops taking requests; with `drain`, what is in flight and waiting finishes first, else
+    it ends now (reason "cancelled"). Returns when the engine's thread has stopped."""
+    with self._lock:
+      self._closing, self._drain = True, drain
+      self._lock.notify()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  @property
+  def in_flight(self) -> int:
+    """Requests waiting or decoding."""
+    with self._lock:
+      waiting = len(self._waiting)
+    return waiting + len({id(r.handle) for r in self._rows if r.handle is not None})
+
+  def _check(self, request: Request) -> None:
+    s, n = self.settings, len(request.prompt_ids)
+    if n < 1:
+      raise EngineError("the prompt is empty")
+    if not isinstance(request.n, int) or not 1 <= request.n <= s.slots:
+      raise EngineError(f"n={request.n!r}: expected 1..{s.slots} samples")
+    if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+      raise EngineError(f"max_tokens={request.max_tokens!r}: expected a positive integer")
+    if n + request.max_tokens > s.cache_size:
+      raise EngineError(f"the prompt's {n} tokens and max_tokens={request.max_tokens} exceed the "
+                        f"model's context of {s.cache_size} tokens")
+    if not 0 <= request.top_logprobs <= s.max_top_logprobs:
+      raise EngineError(f"top_logprobs={request.top_logprobs!r}: expected 0..{s.max_top_logprobs}")
+    vocab = self.sampler.config.vocab_size
+    if any(not 0 <= int(i) < vocab for i in [*request.prompt_ids, *request.stop_ids]):
+      raise EngineError(f"token ids must lie in [0, {vocab})")
+
+  # --- the engine's thread ----------------------------------------------------------------
+
+  def _loop(self) -> None:
+    while True:
+      with self._lock:
+        idle = not self._waiting and all(r.handle is None for r in self._rows)
+        if idle and self._closing:
+          return
+        if idle:
+          self._lock.wait(timeout=0.5)
+          continue
+        if self._closing and not self._drain:
+          for handle in [*self._waiting, *(r.handle for r in self._rows if r.handle)]:
+            handle.cancel()
+      try:
+        self.step()
+      except Exception as e:  # noqa: BLE001 - every request learns of it; the engine stops
+        self._fail(e)
+        return
+
+  def _fail(self, error: Exception) -> None:
+    """Ends every request with reason "error" after the engine's own failure (a device error):
+    none is left waiting for tokens that will not come."""
+    self.error = f"{type(error).__name__}: {error}"
+    with self._lock:
+      self._closing = True
+      handles = [*self._waiting, *(r.handle for r in self._rows if r.handle)]
+      self._waiting.clear()
+    for handle in handles:
+      for sample in range(handle.request.n):
+        handle._emit(Finished(sample, ERROR))
+
+  def step(self) -> None:
+    """One round: swap weights, end cancelled and late samples, admit, decode a chunk."""
+    with self._lock:
+      swap, self._next_params = self._next_params, None
+    if swap is not None:
+      self._params, self.version = self.sampler.sampling_params(swap[0]), swap[1]
+      for row in self._rows:  # their caches hold the old weights' keys and values
+        row.parked = False
+    self._end_early()
+    self._admit()
+    active = [i for i, r in enumerate(self._rows) if r.handle is not None]
+    if not active:
+      return
+    self._state, chunk = self.sampler.decode_chunk(self._params, self._state, self._key,
+                                                   rows=active, row_sampling=self._sampling)
+    self._deliver(active, jax.tree.map(np.asarray, chunk), np.asarray(self._state.active_B))
+
+  def _end_early(self) -> None:
+    """Frees the rows of cancelled samples and of requests past their deadline."""
+    now = time.monotonic()
+    with self._lock:
+      late = [h for h in self._waiting if h._cancelled or self._late(h, now)]
+      for handle in late:
+        self._waiting.remove(handle)
+    for handle in late:
+      for sample in range(handle.request.n):
+        handle._emit(Finished(sample, CANCELLED if sample in handle._cancelled else DEADLINE))
+    ended = []
+    for index, row in enumerate(self._rows):
+      handle = row.handle
+      if handle is None:
+        continue
+      if row.sample in handle._cancelled or self._late(handle, now):
+        ended.append(index)
+        self._free(index, CANCELLED if row.sample in handle._cancelled else DEADLINE)
+    if ended:
+      self._state = self.sampler.set_rows(self._state, False, ended)
+
+  @staticmethod
+  def _late(handle: Handle, now: float) -> bool:
+    return handle.request.deadline is not None and now > handle.request.deadline
+
+  def _free(self, index: int, reason: str, park: bool = False) -> None:
+    row = self._rows[index]
+    row.handle._emit(Finished(row.sample, reason))
+    row.handle = None
+    row.parked = park and self.settings.prefix_cache
+    row.used = time.monotonic()
+
+  def _admit(self) -> None:
+    """Moves waiting requests into rows while rows last (a request takes all its n or waits)."""
+    prefills: dict[int, list[tuple[Handle, list[int]]]] = collections.defaultdict(list)
+    while True:
+      with self._lock:
+        if not self._waiting:
+          break
+        handle = self._waiting[0]
+        rows = self._take_rows(handle.request)
+        if rows is None:
+          break
+        self._waiting.popleft()
+      if not (handle.request.n == 1 and self._reuse(handle, rows[0])):
+        self._install(handle, rows)  # the rows are taken before the next request picks
+        prefills[handle.request.n].append((handle, rows))
+    for group in prefills.values():  # one prefill call per sample count
+      prompts = [(rows, list(handle.request.prompt_ids)) for handle, rows in group]
+      budgets = [len(handle.request.prompt_ids) + handle.request.max_tokens
+                 for handle, _ in group]
+      seeds = [self._row_seeds(handle) for handle, _ in group]
+      self._state = self.sampler.prefill_groups(self._params, self._state, prompts, budgets,
+                                                seeds)
+      self.stats["prefill_tokens"] += sum(len(p) for _, p in prompts)
+
+  def _take_rows(self, request: Request) -> list[int] | None:
+    """Returns n rows for `request` (free rows first, then the least recently used parked
+    ones; for one sample, a parked row holding its prompt's longest prefix first), or None."""
+    free = [i for i, r in enumerate(self._rows) if r.handle is None and not r.parked]
+    parked = sorted((i for i, r in enumerate(self._rows) if r.parked),
+                    key=lambda i: self._rows[i].used)
+    if request.n == 1 and self.settings.prefix_cache:
+      prefix = self._longest_prefix(request.prompt_ids, parked)
+      if prefix is not None:
+        return [prefix]
+    pool = free + parked
+    return pool[:request.n] if len(pool) >= request.n else None
+
+  def _longest_prefix(self, prompt: Sequence[int], parked: list[int]) -> int | None:
+    best, best_len = None, 0
+    for index in parked:
+      ids = self._rows[index].ids
+      if best_len < len(ids) < len(prompt) and list(prompt[:len(ids)]) == ids:
+        best, best_len = index, len(ids)
+    return best
+
+  def _reuse(self, handle: Handle, index: int) -> bool:
+    """Extends parked row `index` with the rest of the prompt, if it holds a prefix of it."""
+    row, prompt = self._rows[index], list(handle.request.prompt_ids)
+    if not (row.parked and len(row.ids) < len(prompt) and prompt[:len(row.ids)] == row.ids):
+      return False
+    new = prompt[len(row.ids):]
+    self._install(handle, [index])
+    self._state = self.sampler.set_rows(self._state, False, [index],
+                                        [len(prompt) + handle.request.max_tokens],
+                                        self._row_seeds(handle))
+    self._state = self.sampler.extend_rows(self._params, self._state, {index: new})
+    handle.cached_tokens = len(prompt) - len(new)
+    self.stats["cached_tokens"] += handle.cached_tokens
+    self.stats["prefill_tokens"] += len(new)
+    return True
+
+  def _install(self, handle: Handle, rows: list[int]) -> None:
+    request = handle.request
+    for sample, index in enumerate(rows):
+      self._rows[index] = _Row(handle, sample, list(request.prompt_ids))
+      self._sampling.temperature_B[index] = request.sampling.temperature
+      self._sampling.top_k_B[index] = request.sampling.top_k
+      self._sampling.top_p_B[index] = request.sampling.top_p
+
+  def _row_seeds(self, handle: Handle) -> list[int]:
+    """The rows' sampling seeds: from the request's seed (the same seed, the same samples), or
+    fresh ones."""
+    seed = handle.request.seed
+    if seed is None:
+      seed = next(self._seeds) * 7919 + (time.monotonic_ns() & 0xFFFF)
+    return [(int(seed) * 1_000_003 + i) % (2**31 - 1) for i in range(handle.request.n)]
+
+  def _deliver(self, active: list[int], chunk, still_active: np.ndarray) -> None:
+    """Hands each active row's sampled tokens to its request and ends the rows that stopped."""
+    frozen = []
+    for index in active:
+      row = self._rows[index]
+      count = int(chunk.counts_B[index])
+      ids = chunk.tokens_BxK[index, :count].tolist()
+      logprobs = chunk.logprobs_BxK[index, :count].tolist()
+      extra = [k for k, i in enumerate(ids) if i in row.handle.request.stop_ids]
+      if extra:  # a request's own stop token: the row is ended here, on the host
+        count = extra[0] + 1
+        ids, logprobs = ids[:count], logprobs[:count]
+      top = []
+      want = row.handle.request.top_logprobs
+      if want:
+        top = [list(zip(chunk.top_ids_BxKxN[index, k, :want].tolist(),
+                        chunk.top_logprobs_BxKxN[index, k, :want].tolist()))
+               for k in range(count)]
+      row.ids += ids
+      self.stats["tokens"] += count
+      if ids:
+        row.handle._emit(Tokens(row.sample, ids, logprobs, self.version, top))
+      if extra:
+        frozen.append(index)
+        self._free(index, STOP)
+      elif not still_active[index]:
+        self._free(index, STOP if ids and ids[-1] in self.stop_ids else LENGTH, park=True)
+    if frozen:
+      self._state = self.sampler.set_rows(self._state, False, frozen)
+    self.stats["rounds"] += 1
