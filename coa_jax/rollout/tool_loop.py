@@ -54,6 +54,12 @@ _END = object()  # the end of a task source
 FINISH_REASONS = (ANSWER, EOS, MAX_TURNS, LENGTH, ERROR)
 
 
+def observation_bucket(cap: int) -> int:
+  """Returns the padded length of the longest extend: an observation of `cap` tokens plus its
+  tags."""
+  return bucket(cap + 16)
+
+
 def stop_ids(tokenizer: CoATokenizer) -> list[int]:
   """Returns the token ids that freeze a row: the declared tools' closing tags, `</answer>`, the
   end token."""
@@ -84,7 +90,7 @@ class RolloutConfig:
   @property
   def observation_bucket(self) -> int:
     """Returns the padded length of the longest extend (an observation plus its tags)."""
-    return bucket(self.max_observation_tokens + 16)
+    return observation_bucket(self.max_observation_tokens)
 
   @property
   def cache_size(self) -> int:
@@ -395,19 +401,23 @@ class Rollout:
       return ToolResult(f"Error: the tool failed: {type(e).__name__}: {e}", False, "tool_error")
 
   def _observation_ids(self, text: str) -> list[int]:
-    """Returns `\\n<observation>\\n text \\n</observation>`, the text cut to the token cap."""
-    cap = self.config.max_observation_tokens
-    ids = self.tokenizer.encode(text)
-    if len(ids) > cap:
-      marker = self.tokenizer.encode("\n...[observation cut]...\n")
-      head = (cap - len(marker)) // 2
-      tail = cap - len(marker) - head
-      text = self.tokenizer.decode(ids[:head] + marker + ids[len(ids) - tail:])
-    ids = step_ids(self.tokenizer, coa_format.Step(coa_format.OBSERVATION, text), first=False)
-    limit = self.config.observation_bucket  # the longest extend the sampler pads to
-    if len(ids) > limit:  # re-tokenizing around the cut can add a few tokens
-      ids = ids[:limit - 1] + [self.tokenizer.tag_id(coa_format.OBSERVATION, close=True)]
-    return ids
+    return observation_ids(self.tokenizer, text, self.config.max_observation_tokens)
+
+
+def observation_ids(tokenizer: CoATokenizer, text: str, cap: int) -> list[int]:
+  """Returns `\\n<observation>\\n text \\n</observation>`, the text cut to `cap` tokens (its
+  middle replaced by a marker), and the whole at most `observation_bucket(cap)` long."""
+  ids = tokenizer.encode(text)
+  if len(ids) > cap:
+    marker = tokenizer.encode("\n...[observation cut]...\n")
+    head = (cap - len(marker)) // 2
+    tail = cap - len(marker) - head
+    text = tokenizer.decode(ids[:head] + marker + ids[len(ids) - tail:])
+  ids = step_ids(tokenizer, coa_format.Step(coa_format.OBSERVATION, text), first=False)
+  limit = observation_bucket(cap)  # the longest extend the sampler pads to
+  if len(ids) > limit:  # re-tokenizing around the cut can add a few tokens
+    ids = ids[:limit - 1] + [tokenizer.tag_id(coa_format.OBSERVATION, close=True)]
+  return ids
 
 
 def sample_seed(number: int, sample: int, group_size: int) -> int:

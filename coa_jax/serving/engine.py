@@ -13,8 +13,8 @@ thread only `submit` requests and read their `Handle`s.
   the same request with the same seed gives the same tokens.
 - **Prefix reuse.** A row that ended on the device (a stop token, or its budget) is parked with
   its sequence (prompt and completion) in its cache. A later request of one sample whose prompt
-  extends a parked sequence takes that row and only the new tokens are fed (`extend`): a chat's
-  next turn does not prefill its history again. Parked rows are the first taken back when no
+  extends a parked sequence (or is it) takes that row and only the new tokens are fed
+  (`extend`): a chat's next turn does not prefill its history again. Parked rows are the first taken back when no
   row is free (least recently used first) and all are dropped when the weights change.
 - **Backpressure.** At most `max_queue` requests wait; `submit` then raises `QueueFull`. After
   `close` it raises `ShuttingDown`; `close(drain=True)` lets what is in flight finish.
@@ -408,21 +408,23 @@ class Engine:
     best, best_len = None, 0
     for index in parked:
       ids = self._rows[index].ids
-      if best_len < len(ids) < len(prompt) and list(prompt[:len(ids)]) == ids:
+      if best_len < len(ids) <= len(prompt) and list(prompt[:len(ids)]) == ids:
         best, best_len = index, len(ids)
     return best
 
   def _reuse(self, handle: Handle, index: int) -> bool:
     """Extends parked row `index` with the rest of the prompt, if it holds a prefix of it."""
     row, prompt = self._rows[index], list(handle.request.prompt_ids)
-    if not (row.parked and len(row.ids) < len(prompt) and prompt[:len(row.ids)] == row.ids):
+    if not (row.parked and len(row.ids) <= len(prompt) and prompt[:len(row.ids)] == row.ids):
       return False
     new = prompt[len(row.ids):]
     self._install(handle, [index])
-    self._state = self.sampler.set_rows(self._state, False, [index],
+    # The row's last token is pending (not in its cache yet): with nothing new it resumes as is.
+    self._state = self.sampler.set_rows(self._state, not new, [index],
                                         [len(prompt) + handle.request.max_tokens],
                                         self._row_seeds(handle))
-    self._state = self.sampler.extend_rows(self._params, self._state, {index: new})
+    if new:
+      self._state = self.sampler.extend_rows(self._params, self._state, {index: new})
     handle.cached_tokens = len(prompt) - len(new)
     self.stats["cached_tokens"] += handle.cached_tokens
     self.stats["prefill_tokens"] += len(new)

@@ -1,0 +1,431 @@
+"""The OpenAI-compatible HTTP API over the serving engine (FastAPI; run it with uvicorn).
+
+Endpoints: `/v1/chat/completions` and `/v1/completions` (streaming over server-sent events or
+not), `/v1/models`, `/health`, `/tokenize` and `/detokenize`. Beyond OpenAI's fields, as vLLM:
+`top_k`, and `return_token_ids` (the prompt's ids and each choice's sampled ids in the
+response); `/v1/completions` also takes its prompt as token ids. Every error has OpenAI's shape
+(`{"error": {"message", "type", "param", "code"}}`) and its status: 400 a bad request (malformed
+JSON, wrong types, a prompt past the context), 404 an unknown model, 429 a full queue, 503 while
+shutting down, 500 anything else; no request takes the server down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+import fastapi
+import pydantic
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from coa_jax.data.tokenizer import CoATokenizer
+from coa_jax.rollout.sampler import SamplingConfig
+from coa_jax.serving import chat
+from coa_jax.serving.engine import (CANCELLED, DEADLINE, ERROR, STOP, Engine, EngineError,
+                                    Finished, Handle, Request, ShuttingDown, Tokens)
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+
+
+class _Sampling(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="ignore")  # clients send fields we do not use
+
+  model: str
+  temperature: float = pydantic.Field(1.0, ge=0.0, le=2.0)
+  top_p: float = pydantic.Field(1.0, gt=0.0, le=1.0)
+  top_k: int = pydantic.Field(0, ge=0)
+  max_tokens: int | None = pydantic.Field(None, ge=1)
+  n: int = pydantic.Field(1, ge=1, le=128)
+  stop: str | list[str] | None = None
+  seed: int | None = None
+  stream: bool = False
+  stream_options: dict | None = None
+  return_token_ids: bool = False
+
+
+class ChatRequest(_Sampling):
+  messages: list[dict] = pydantic.Field(min_length=1)
+  tools: list[dict] | None = None
+  tool_choice: Any = None
+  max_completion_tokens: int | None = pydantic.Field(None, ge=1)
+  logprobs: bool = False
+  top_logprobs: int | None = pydantic.Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Sampling):
+  prompt: str | list[int] = pydantic.Field(min_length=1)
+  logprobs: int | None = pydantic.Field(None, ge=0, le=20)
+  echo: Literal[False] = False
+
+
+@dataclasses.dataclass
+class Server:
+  """What the API serves: the engine, the model's tokenizer and name, the system prompt of a
+  request that declares no tools and brings none (the one the model was trained with)."""
+
+  engine: Engine
+  tokenizer: CoATokenizer
+  model_name: str
+  system_prompt: str
+  max_observation_tokens: int = 1024
+  max_tokens: int = 1024  # a request's default max_tokens (at most what its context leaves)
+  transcripts: chat.Transcripts = dataclasses.field(default_factory=chat.Transcripts)
+  closing: bool = False
+
+
+def error(status: int, message: str, code: str | None = None) -> JSONResponse:
+  body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+                    "param": None, "code": code}}
+  return JSONResponse(body, status_code=status)
+
+
+def create_app(server: Server) -> fastapi.FastAPI:
+  app = fastapi.FastAPI(title="coa-jax", docs_url=None, redoc_url=None)
+  tokenizer, engine = server.tokenizer, server.engine
+
+  @app.exception_handler(RequestValidationError)
+  async def invalid(_, e: RequestValidationError):
+    first = e.errors()[0] if e.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    return error(400, f"{where}: {first.get('msg', 'invalid request')}" if where
+                 else first.get("msg", "invalid request"))
+
+  @app.exception_handler(HTTPException)
+  async def http_error(_, e: HTTPException):
+    return error(e.status_code, str(e.detail))
+
+  @app.exception_handler(EngineError)
+  async def refused(_, e: EngineError):
+    return error(e.status, str(e))
+
+  @app.exception_handler(Exception)
+  async def failed(_, e: Exception):
+    return error(500, f"{type(e).__name__}: {e}")
+
+  def check(request: _Sampling) -> None:
+    if server.closing:
+      raise ShuttingDown("the server is shutting down")
+    if request.model != server.model_name:
+      raise HTTPException(404, f"the model {request.model!r} does not exist; this server serves "
+                               f"{server.model_name!r}")
+
+  @app.get("/health")
+  async def health():
+    if server.closing or engine.error:
+      return error(503, engine.error or "shutting down")
+    return {"status": "ok", "in_flight": engine.in_flight}
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": server.model_name, "object": "model",
+                                        "created": 0, "owned_by": "coa-jax",
+                                        "max_model_len": engine.settings.cache_size}]}
+
+  @app.post("/tokenize")
+  async def tokenize(body: dict):
+    if "messages" in body:
+      ids = chat.prompt_ids(tokenizer, body["messages"], body.get("tools"), server.system_prompt,
+                            server.transcripts, server.max_observation_tokens).ids
+    elif isinstance(body.get("prompt"), str):
+      ids = tokenizer.encode(body["prompt"])
+    else:
+      return error(400, "give `prompt` (a string) or `messages`")
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.settings.cache_size}
+
+  @app.post("/detokenize")
+  async def detokenize(body: dict):
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size
+                                            for i in ids):
+      return error(400, f"`tokens` must be a list of token ids in [0, {tokenizer.vocab_size})")
+    return {"prompt": tokenizer.decode(ids)}
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(body: ChatRequest, http: fastapi.Request):
+    check(body)
+    conversation = chat.prompt_ids(tokenizer, body.messages, body.tools, server.system_prompt,
+                                   server.transcripts, server.max_observation_tokens)
+    top = body.top_logprobs or 0 if body.logprobs else 0
+    job = _Job(server, body, conversation.ids, body.max_completion_tokens or body.max_tokens, top)
+    make = _ChatChoices(server, conversation, body)
+    return await job.respond(http, make)
+
+  @app.post("/v1/completions")
+  async def completions(body: CompletionRequest, http: fastapi.Request):
+    check(body)
+    ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    job = _Job(server, body, ids, body.max_tokens, body.logprobs or 0)
+    return await job.respond(http, _TextChoices(server, body))
+
+  return app
+
+
+@dataclasses.dataclass
+class _Sample:
+  """One choice as it arrives: ids, log-probs, top log-probs; its text cut at a stop string."""
+
+  ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  reason: str = ""
+  sent: int = 0  # tokens already streamed
+
+
+class _Job:
+  """One request's run through the engine: submits it, collects or streams its samples."""
+
+  def __init__(self, server: Server, body: _Sampling, prompt: list[int], max_tokens: int | None,
+               top_logprobs: int):
+    self.server, self.body, self.prompt = server, body, prompt
+    room = server.engine.settings.cache_size - len(prompt)
+    if room < 1:
+      raise EngineError(f"the prompt has {len(prompt)} tokens; the model's context is "
+                        f"{server.engine.settings.cache_size}")
+    self.stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
+    self.request = Request(prompt, max_tokens or min(server.max_tokens, room), sampling, body.n,
+                           body.seed, top_logprobs=top_logprobs)
+    self.samples = [_Sample() for _ in range(body.n)]
+    self.id = f"{uuid.uuid4().hex[:24]}"
+    self.created = int(time.time())
+
+  async def respond(self, http: fastapi.Request, choices) -> Any:
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    handle = self.server.engine.submit(self.request,
+                                       lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+    if self.body.stream:
+      return StreamingResponse(self._stream(handle, events, choices),
+                               media_type="text/event-stream")
+    try:
+      while not handle.done or not events.empty():
+        try:
+          event = await asyncio.wait_for(events.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+          if await http.is_disconnected():
+            handle.cancel()
+            return error(499, "the client disconnected")
+          continue
+        self._take(event, handle)
+    finally:
+      handle.cancel()  # a no-op once every sample finished
+    self._check_failed()
+    return choices.response(self, handle)
+
+  async def _stream(self, handle: Handle, events: asyncio.Queue, choices
+                    ) -> AsyncIterator[str]:
+    try:
+      yield _sse(choices.chunk(self, [choices.first_delta(self, i) for i in range(self.body.n)]))
+      while not handle.done or not events.empty():
+        event = await events.get()
+        sample = event.sample
+        self._take(event, handle)
+        yield _sse(choices.chunk(self, [choices.delta(self, sample)]))
+      self._check_failed()
+      if (self.body.stream_options or {}).get("include_usage"):
+        yield _sse({**choices.chunk(self, []), "usage": self.usage(handle)})
+      yield "data: [DONE]\n\n"
+    finally:
+      handle.cancel()  # the client left mid-stream, or the stream ended: the rows are freed
+
+  def _take(self, event: Any, handle: Handle) -> None:
+    sample = self.samples[event.sample]
+    if sample.reason:  # ended here at a stop string; the engine's late events are dropped
+      return
+    if isinstance(event, Finished):
+      sample.reason = {CANCELLED: "stop", DEADLINE: "length"}.get(event.reason, event.reason)
+      return
+    sample.ids += event.ids
+    sample.logprobs += event.logprobs
+    sample.top += event.top
+    if self.stops:
+      cut = self._stop_at(sample.ids)
+      if cut is not None:
+        del sample.ids[cut:], sample.logprobs[cut:], sample.top[cut:]
+        sample.reason = STOP
+        handle.cancel(event.sample)
+
+  def _stop_at(self, ids: list[int]) -> int | None:
+    """Returns how many tokens a sample keeps when its text holds a stop string: up to the
+    token that completes the first one (the text is cut before it); None when none does."""
+    text = self.server.tokenizer.decode(ids)
+    if not any(stop in text for stop in self.stops):
+      return None
+    return next(k for k in range(1, len(ids) + 1)
+                if any(s in self.server.tokenizer.decode(ids[:k]) for s in self.stops))
+
+  def text(self, ids: list[int]) -> str:
+    """The text of ids: the end token dropped, cut before the first stop string."""
+    tokenizer = self.server.tokenizer
+    if ids and ids[-1] == tokenizer.end_id:
+      ids = ids[:-1]
+    text = tokenizer.decode(ids)
+    cuts = [text.find(s) for s in self.stops if s in text]
+    return text[:min(cuts)] if cuts else text
+
+  def _check_failed(self) -> None:
+    if any(s.reason == ERROR for s in self.samples):
+      raise RuntimeError(f"the engine failed: {self.server.engine.error}")
+
+  def usage(self, handle: Handle) -> dict:
+    completion = sum(len(s.ids) for s in self.samples)
+    return {"prompt_tokens": len(self.prompt), "completion_tokens": completion,
+            "total_tokens": len(self.prompt) + completion,
+            "prompt_tokens_details": {"cached_tokens": handle.cached_tokens}}
+
+  def token_logprobs(self, sample: _Sample, start: int, end: int) -> list[dict]:
+    """OpenAI's chat `logprobs.content` entries of tokens [start, end)."""
+    tokenizer, out = self.server.tokenizer, []
+    for k in range(start, end):
+      entry = _token_entry(tokenizer, sample.ids[k], sample.logprobs[k])
+      entry["top_logprobs"] = [_token_entry(tokenizer, i, lp) for i, lp in
+                               (sample.top[k] if k < len(sample.top) else [])]
+      out.append(entry)
+    return out
+
+
+def _token_entry(tokenizer: CoATokenizer, token: int, logprob: float) -> dict:
+  text = tokenizer.decode([token])
+  return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _sse(payload: dict) -> str:
+  return f"data: {json.dumps(payload)}\n\n"
+
+
+class _ChatChoices:
+  """A chat completion's choices: messages with tool calls, or deltas when streamed."""
+
+  def __init__(self, server: Server, conversation: chat.Conversation, body: ChatRequest):
+    self.server, self.conversation, self.body = server, conversation, body
+
+  def reply(self, job: _Job, index: int) -> chat.Reply:
+    sample = job.samples[index]
+    call_id = f"call_{job.id[:12]}_{index}"
+    reply = chat.reply(self.server.tokenizer, sample.ids, sample.reason,
+                       self.conversation.functions, call_id)
+    if not reply.tool_calls:
+      reply = dataclasses.replace(reply, content=job.text(sample.ids))
+    key = chat.Transcripts.key(reply.content, reply.tool_calls)
+    self.server.transcripts.remember(key, sample.ids)
+    return reply
+
+  def response(self, job: _Job, handle: Handle) -> dict:
+    choices = []
+    for index, sample in enumerate(job.samples):
+      reply = self.reply(job, index)
+      message = {"role": "assistant", "content": reply.content}
+      if reply.tool_calls:
+        message["tool_calls"] = reply.tool_calls
+      choice = {"index": index, "message": message, "finish_reason": reply.finish_reason,
+                "logprobs": ({"content": job.token_logprobs(sample, 0, len(sample.ids))}
+                             if self.body.logprobs else None)}
+      if self.body.return_token_ids:
+        choice["token_ids"] = sample.ids
+      choices.append(choice)
+    out = {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created,
+           "model": self.server.model_name, "choices": choices, "usage": job.usage(handle)}
+    if self.body.return_token_ids:
+      out["prompt_token_ids"] = job.prompt
+    return out
+
+  def chunk(self, job: _Job, choices: list[dict]) -> dict:
+    out = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk",
+           "created": job.created, "model": self.server.model_name, "choices": choices}
+    if self.body.return_token_ids and all(c.get("delta", {}).get("role") for c in choices):
+      out["prompt_token_ids"] = job.prompt
+    return out
+
+  def first_delta(self, job: _Job, index: int) -> dict:
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}
+
+  def visible(self, job: _Job, ids: list[int]) -> str:
+    """The text a stream shows of `ids`: up to an opening tool tag (the call is sent whole at
+    the end), the end token dropped, cut at a stop string."""
+    text, calling = chat.text_until_call(self.server.tokenizer, ids)
+    return text if calling else job.text(ids)
+
+  def delta(self, job: _Job, index: int) -> dict:
+    """The new text of sample `index`, and at its end its tool call and finish reason."""
+    sample = job.samples[index]
+    start = sample.sent
+    sample.sent = len(sample.ids)
+    reply = self.reply(job, index) if sample.reason else None
+    # Until it ends, a sample shows its text up to an opening tool tag; at its end, its content.
+    text = self.visible(job, sample.ids) if reply is None else reply.content or ""
+    choice = {"index": index, "delta": {"content": _new_text(
+        self.visible(job, sample.ids[:start]), text, reply is not None)},
+              "logprobs": None, "finish_reason": None}
+    if self.body.logprobs:
+      choice["logprobs"] = {"content": job.token_logprobs(sample, start, len(sample.ids))}
+    if self.body.return_token_ids:
+      choice["token_ids"] = sample.ids[start:]
+    if reply is not None:
+      if reply.tool_calls:
+        choice["delta"]["tool_calls"] = [{"index": 0, **reply.tool_calls[0]}]
+      choice["finish_reason"] = reply.finish_reason
+    return choice
+
+
+def _new_text(shown: str, text: str, finished: bool) -> str:
+  """The part of `text` past what was `shown` of it before; an unfinished sample's text is held
+  back from a broken multi-byte character on (the next token completes it)."""
+  if not finished:
+    text, shown = text.rstrip("\ufffd"), shown.rstrip("\ufffd")
+  return text[len(shown):] if text.startswith(shown) else ""
+
+
+class _TextChoices:
+  """A text completion's choices (`/v1/completions`)."""
+
+  def __init__(self, server: Server, body: CompletionRequest):
+    self.server, self.body = server, body
+
+  def logprobs(self, job: _Job, sample: _Sample, start: int, end: int) -> dict | None:
+    if self.body.logprobs is None:
+      return None
+    decode = lambda i: self.server.tokenizer.decode([i])
+    return {"tokens": [decode(i) for i in sample.ids[start:end]],
+            "token_logprobs": sample.logprobs[start:end],
+            "top_logprobs": [{decode(i): lp for i, lp in step} for step in sample.top[start:end]]}
+
+  def response(self, job: _Job, handle: Handle) -> dict:
+    choices = []
+    for index, sample in enumerate(job.samples):
+      choice = {"index": index, "text": job.text(sample.ids), "finish_reason": sample.reason,
+                "logprobs": self.logprobs(job, sample, 0, len(sample.ids))}
+      if self.body.return_token_ids:
+        choice["token_ids"] = sample.ids
+      choices.append(choice)
+    out = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
+           "model": self.server.model_name, "choices": choices, "usage": job.usage(handle)}
+    if self.body.return_token_ids:
+      out["prompt_token_ids"] = job.prompt
+    return out
+
+  def chunk(self, job: _Job, choices: list[dict]) -> dict:
+    return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
+            "model": self.server.model_name, "choices": choices}
+
+  def first_delta(self, job: _Job, index: int) -> dict:
+    return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+
+  def delta(self, job: _Job, index: int) -> dict:
+    sample = job.samples[index]
+    start = sample.sent
+    sample.sent = len(sample.ids)
+    choice = {"index": index, "text": _new_text(job.text(sample.ids[:start]),
+                                                job.text(sample.ids), bool(sample.reason)),
+              "logprobs": self.logprobs(job, sample, start, len(sample.ids)),
+              "finish_reason": sample.reason or None}
+    if self.body.return_token_ids:
+      choice["token_ids"] = sample.ids[start:]
+    return choice
