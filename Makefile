@@ -22,13 +22,13 @@ PY = $(if $(TCMALLOC),LD_PRELOAD=$(TCMALLOC) )$(BIN)/python
 # `make lock` re-resolves it from setup.py; upgrading is a deliberate change that re-runs the
 # main job (docs/pipeline.md).
 LOCK := requirements.lock
-EXTRAS := test,tpu,plots,tfds,mcp
+EXTRAS := test,tpu,plots,tfds,mcp,serve
 MAIN_EXTRAS := plots
 # `make pod-fit` adds gpu-aot (XLA:GPU and cuDNN for ahead-of-time GPU compiles, 2 GB) to the
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile device-check view benchmark clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate serve bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile device-check view benchmark clean
 
 # The main job's install: what `make pipeline` and the other jobs import (plots for their
 # figures), from the same lock; `make test`, the benchmarks and the ahead-of-time compiles add
@@ -153,6 +153,18 @@ profile: $(GPU_AOT_STAMP)
 # ARGS=--fetch_wheels downloads the wheels the GPU machine lacks.
 device-check: $(STAMP)
 	$(PY) experiments/device_check.py $(ARGS)
+
+# The main job's model (or MODEL=<dir>, a coa-jax export or a local HF checkpoint folder) behind
+# an OpenAI-compatible API (docs/serving.md): make serve [MODEL=<dir>] [ARGS="--config.port=8001"].
+MODEL ?= runs/pipeline_tiny/seed-0/dapo/hf_export
+SERVE_STAMP := $(VENV)/.installed-serve
+$(SERVE_STAMP): $(MAIN_STAMP)
+	$(BIN)/pip install --quiet -c $(LOCK) -e ".[$(MAIN_EXTRAS),serve]"
+	touch $(SERVE_STAMP)
+
+serve: $(SERVE_STAMP)
+	@test -d "$(MODEL)" || { echo "no model folder $(MODEL): run 'make pipeline' first, or give MODEL=<dir>" >&2; exit 2; }
+	$(PY) experiments/serve.py --model=$(MODEL) $(ARGS)
 
 # The trajectory viewer's page of a run (an evaluation, RL or pipeline folder), written again:
 # make view RUN=runs/pipeline_tiny [ARGS="--tasks=<task file> --out=<page>"] (prints its path).

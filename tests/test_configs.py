@@ -19,10 +19,11 @@ from coa_jax.rl.settings import rl_settings
 from coa_jax.rollout.settings import rollout_settings
 from coa_jax.runtime import cli, hardware, load_model, sharding
 from coa_jax.runtime.settings import build, to_section
+from coa_jax.serving.job import serve_settings
 from coa_jax.sft.settings import sft_settings
 from coa_jax.train import lm_demo
 from configs import (aot_train, dapo_tiny_cpu, demo_tiny, distill_tiny, evaluate_tiny,
-                     pipeline_tiny_cpu, rollout_tiny_cpu, sft_tiny_cpu)
+                     pipeline_tiny_cpu, rollout_tiny_cpu, serve_tiny_cpu, sft_tiny_cpu)
 
 NAMES = sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(__file__), "..",
                                                        "configs"))
@@ -72,7 +73,7 @@ def test_config_paths_through_python_keywords_parse_on_the_command_line():
 JOBS = {"sft_": sft_settings, "dapo_": rl_settings, "ppo_": rl_settings,
         "rollout_": rollout_settings, "evaluate_": evaluation_settings,
         "distill_": distill_settings, "aot_": pod_fit.run_settings,
-        "demo_": lm_demo.demo_settings}
+        "demo_": lm_demo.demo_settings, "serve_": serve_settings}
 JOB_CONFIGS = [(n, job) for n in NAMES for prefix, job in JOBS.items() if n.startswith(prefix)]
 
 
@@ -176,6 +177,8 @@ BAD_VALUES = [
      r"evaluation: unknown key\(s\) evaluation\.copy_probes"),
     (lm_demo.demo_settings, demo_tiny, "steps", 0, r"demo: steps=0, .*: expected >= 1"),
     (pod_fit.run_settings, aot_train, "seq_len", "4k", r"aot\.seq_len='4k': expected an integer"),
+    (serve_settings, serve_tiny_cpu, "port", 70000, r"port=70000: expected 0\.\.65535"),
+    (serve_settings, serve_tiny_cpu, "max_queu", 8, r"serving job: unknown key\(s\) serving job\.max_queu"),
 ]
 
 

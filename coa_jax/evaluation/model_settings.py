@@ -42,6 +42,19 @@ def evaluation_config(defaults: ml_collections.ConfigDict, model_dir: str, tasks
   """Returns the config that evaluates the model in `model_dir` on the task file `tasks` (k
   samples a task, default the saved k): the saved settings over `defaults` (an evaluation
   config), and a line saying where its settings come from."""
+  config, source = saved_config(defaults, model_dir, SAVED)
+  config.system, config.tasks, config.max_tasks = "model", tasks, max_tasks
+  config.copy_probe, config.output_dir = "", output_dir
+  if k:
+    config.k = k
+  config.batch_size = max(config.k, config.batch_size // config.k * config.k)
+  return config, source
+
+
+def saved_config(defaults: ml_collections.ConfigDict, model_dir: str, keys: tuple[str, ...]
+                 ) -> tuple[ml_collections.ConfigDict, str]:
+  """Returns `defaults` with the `keys` that the model folder's saved settings hold (`FILE`)
+  and model.checkpoint set to the folder, and a line saying where its settings come from."""
   if not os.path.isdir(model_dir):
     raise ConfigError(f"model folder {model_dir!r} does not exist")
   config = ml_collections.ConfigDict(defaults.to_dict())
@@ -50,7 +63,8 @@ def evaluation_config(defaults: ml_collections.ConfigDict, model_dir: str, tasks
     with open(path) as f:
       saved = json.load(f)
     for key, value in saved.items():
-      config[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+      if key in keys:
+        config[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
     source = (f"the settings of the run that trained it ({path}): "
               f"temperature {config.sampling.temperature}, "
               f"{config.rollout.max_response_tokens}-token responses, tools "
@@ -60,9 +74,4 @@ def evaluation_config(defaults: ml_collections.ConfigDict, model_dir: str, tasks
               f"{config.sampling.temperature}, {config.rollout.max_response_tokens}-token "
               f"responses, tools {', '.join(sorted(config.tools)) or 'none'})")
   config.model.checkpoint = model_dir
-  config.system, config.tasks, config.max_tasks = "model", tasks, max_tasks
-  config.copy_probe, config.output_dir = "", output_dir
-  if k:
-    config.k = k
-  config.batch_size = max(config.k, config.batch_size // config.k * config.k)
   return config, source

@@ -112,15 +112,22 @@ def engine(settings: AgentSettings, tokenizer: CoATokenizer,
   settings' limits (the evaluation's k samples a task)."""
   rollout = rollout or settings.rollout
   _check_hosts(settings)  # before the model loads
+  model_config, host, params = policy(settings, tokenizer)
+  decode = sampler(settings, model_config, host, tokenizer, rollout)
+  return Rollout(decode, decode.sampling_params(params), tokenizer, tools(settings, tokenizer),
+                 rollout, settings.system_prompt, seed=settings.seed)
+
+
+def policy(settings: AgentSettings, tokenizer: CoATokenizer) -> tuple[ModelConfig, Mesh, Any]:
+  """Returns a trained policy (`settings.model.checkpoint`; empty: a freshly initialized model):
+  its config, this host's decode mesh and its parameters there."""
   mesh = sharding.make_mesh(settings.mesh)
   model_config, params = distributed.agreed(lambda: load_model(settings.model, tokenizer, mesh),
                                            "loading the model")
   if params is None:
-    say("model.checkpoint is empty: rolling out a freshly initialized (untrained) model")
+    say("model.checkpoint is empty: a freshly initialized (untrained) model")
     params = sharding.init_params(Transformer(model_config), mesh, jax.random.key(settings.seed))
   host = sharding.host_mesh(mesh)
   params = sharding.to_host_mesh(params, mesh, host,
                                  sharding.param_shardings(Transformer(model_config), host))
-  decode = sampler(settings, model_config, host, tokenizer, rollout)
-  return Rollout(decode, decode.sampling_params(params), tokenizer, tools(settings, tokenizer),
-                 rollout, settings.system_prompt, seed=settings.seed)
+  return model_config, host, params

@@ -73,9 +73,9 @@ class EngineSettings:
     for name in ("slots", "cache_size", "chunk", "max_queue"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
-        raise ConfigError(f"serve.{name}={value!r}: expected a positive integer")
+        raise ConfigError(f"{name}={value!r}: expected a positive integer")
     if not 0 <= self.max_top_logprobs <= 20:
-      raise ConfigError(f"serve.max_top_logprobs={self.max_top_logprobs!r}: expected 0..20")
+      raise ConfigError(f"max_top_logprobs={self.max_top_logprobs!r}: expected 0..20")
 
 
 @dataclasses.dataclass
