@@ -199,3 +199,21 @@ def test_a_completion_that_closes_a_tool_tag_is_a_tool_call():
   response = conversation.ids[conversation.response_start:]
   assert response[:len(think + call)] == think + call
   assert TOKENIZER.decode(response[len(think + call):]) == "\n<observation>\n1\n</observation>"
+
+
+def test_a_sessions_calls_are_recorded_with_the_ids_the_client_got(server):
+  url, state = server
+  client = openai.OpenAI(base_url=url + "/sessions/s1/v1", api_key="none", max_retries=0)
+  kwargs = dict(model=MODEL, temperature=1.0, max_tokens=6, extra_body=IDS)
+  first = client.chat.completions.create(messages=MESSAGES, **kwargs)
+  history = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content}]
+  streamed = list(client.chat.completions.create(messages=history, stream=True, **kwargs))
+  calls = state.sessions.pop("s1")
+  assert [len(c.completion_ids) for c in calls] == [6, 6] and state.sessions.pop("s1") == []
+  assert list(calls[0].prompt_ids) == first.model_extra["prompt_token_ids"]
+  assert list(calls[0].completion_ids) == first.choices[0].model_extra["token_ids"]
+  assert list(calls[1].completion_ids) == [i for c in streamed if c.choices
+                                           for i in c.choices[0].model_extra.get("token_ids", [])]
+  assert calls[1].prompt_ids == calls[0].prompt_ids + calls[0].completion_ids
+  assert calls[0].finish_reason == first.choices[0].finish_reason
+  assert set(calls[0].versions) == {0} and len(calls[0].logprobs) == 6

@@ -28,7 +28,8 @@ from coa_jax.data.tokenizer import CoATokenizer
 from coa_jax.rollout.sampler import SamplingConfig
 from coa_jax.serving import chat
 from coa_jax.serving.engine import (CANCELLED, DEADLINE, ERROR, STOP, Engine, EngineError,
-                                    Finished, Handle, Request, ShuttingDown, Tokens)
+                                    Finished, Handle, Request, ShuttingDown)
+from coa_jax.serving.sessions import Call, Sessions
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
@@ -77,6 +78,7 @@ class Server:
   max_observation_tokens: int = 1024
   max_tokens: int = 1024  # a request's default max_tokens (at most what its context leaves)
   transcripts: chat.Transcripts = dataclasses.field(default_factory=chat.Transcripts)
+  sessions: Sessions = dataclasses.field(default_factory=Sessions)
   closing: bool = False
 
 
@@ -147,7 +149,11 @@ def create_app(server: Server) -> fastapi.FastAPI:
       return error(400, f"`tokens` must be a list of token ids in [0, {tokenizer.vocab_size})")
     return {"prompt": tokenizer.decode(ids)}
 
-  @app.post("/v1/chat/completions")
+  # The completions, also under a session's path (`/sessions/<id>/v1/...`): an agent program
+  # whose base URL names its session has every call recorded for RL (`Server.sessions`).
+  completions_api = fastapi.APIRouter()
+
+  @completions_api.post("/v1/chat/completions")
   async def chat_completions(body: ChatRequest, http: fastapi.Request):
     check(body)
     conversation = chat.prompt_ids(tokenizer, body.messages, body.tools, server.system_prompt,
@@ -157,13 +163,15 @@ def create_app(server: Server) -> fastapi.FastAPI:
     make = _ChatChoices(server, conversation, body)
     return await job.respond(http, make)
 
-  @app.post("/v1/completions")
+  @completions_api.post("/v1/completions")
   async def completions(body: CompletionRequest, http: fastapi.Request):
     check(body)
     ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
     job = _Job(server, body, ids, body.max_tokens, body.logprobs or 0)
     return await job.respond(http, _TextChoices(server, body))
 
+  app.include_router(completions_api)
+  app.include_router(completions_api, prefix="/sessions/{session}")
   return app
 
 
@@ -173,8 +181,10 @@ class _Sample:
 
   ids: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
   top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-  reason: str = ""
+  reason: str = ""  # the engine's, or "stop" at a stop string
+  finish_reason: str = ""  # the client's, once streamed ("tool_calls" for a call)
   sent: int = 0  # tokens already streamed
 
 
@@ -202,7 +212,7 @@ class _Job:
     handle = self.server.engine.submit(self.request,
                                        lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
     if self.body.stream:
-      return StreamingResponse(self._stream(handle, events, choices),
+      return StreamingResponse(self._stream(http, handle, events, choices),
                                media_type="text/event-stream")
     try:
       while not handle.done or not events.empty():
@@ -217,10 +227,12 @@ class _Job:
     finally:
       handle.cancel()  # a no-op once every sample finished
     self._check_failed()
-    return choices.response(self, handle)
+    response = choices.response(self, handle)
+    self._record(http, response)
+    return response
 
-  async def _stream(self, handle: Handle, events: asyncio.Queue, choices
-                    ) -> AsyncIterator[str]:
+  async def _stream(self, http: fastapi.Request, handle: Handle, events: asyncio.Queue,
+                    choices) -> AsyncIterator[str]:
     try:
       yield _sse(choices.chunk(self, [choices.first_delta(self, i) for i in range(self.body.n)]))
       while not handle.done or not events.empty():
@@ -229,11 +241,27 @@ class _Job:
         self._take(event, handle)
         yield _sse(choices.chunk(self, [choices.delta(self, sample)]))
       self._check_failed()
+      self._record(http, None)
       if (self.body.stream_options or {}).get("include_usage"):
         yield _sse({**choices.chunk(self, []), "usage": self.usage(handle)})
       yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - the client learns why its stream ends
+      yield _sse(json.loads(error(500, f"{type(e).__name__}: {e}").body))
     finally:
       handle.cancel()  # the client left mid-stream, or the stream ended: the rows are freed
+
+  def _record(self, http: fastapi.Request, response: dict | None) -> None:
+    """Records each choice as a call of the request's session (if its path names one), with
+    the finish reason the client got."""
+    session = http.path_params.get("session")
+    if not session:
+      return
+    for index, sample in enumerate(self.samples):
+      reason = (response["choices"][index]["finish_reason"] if response else
+                sample.finish_reason or sample.reason)
+      self.server.sessions.record(session, Call(tuple(self.prompt), tuple(sample.ids),
+                                                tuple(sample.logprobs), tuple(sample.versions),
+                                                reason))
 
   def _take(self, event: Any, handle: Handle) -> None:
     sample = self.samples[event.sample]
@@ -244,11 +272,12 @@ class _Job:
       return
     sample.ids += event.ids
     sample.logprobs += event.logprobs
+    sample.versions += [event.version] * len(event.ids)
     sample.top += event.top
     if self.stops:
       cut = self._stop_at(sample.ids)
       if cut is not None:
-        del sample.ids[cut:], sample.logprobs[cut:], sample.top[cut:]
+        del sample.ids[cut:], sample.logprobs[cut:], sample.versions[cut:], sample.top[cut:]
         sample.reason = STOP
         handle.cancel(event.sample)
 
@@ -371,7 +400,7 @@ class _ChatChoices:
     if reply is not None:
       if reply.tool_calls:
         choice["delta"]["tool_calls"] = [{"index": 0, **reply.tool_calls[0]}]
-      choice["finish_reason"] = reply.finish_reason
+      choice["finish_reason"] = sample.finish_reason = reply.finish_reason
     return choice
 
 

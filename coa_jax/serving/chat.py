@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import json
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 from coa_jax.data import coa_format
 from coa_jax.data.tokenize import step_ids
@@ -182,7 +182,7 @@ def _text(message: dict) -> str:
     return content
   if isinstance(content, list):  # content parts: their text joined
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-  raise ChatError(f"message content must be a string or a list of text parts")
+  raise ChatError("message content must be a string or a list of text parts")
 
 
 def _assistant_ids(tokenizer: CoATokenizer, message: dict, functions: Sequence[Function],
