@@ -54,6 +54,22 @@ _END = object()  # the end of a task source
 FINISH_REASONS = (ANSWER, EOS, MAX_TURNS, LENGTH, ERROR)
 
 
+def call_body(tokenizer: CoATokenizer, ids: list[int], tag: str) -> str | None:
+  """Returns the body of the tool call that `ids` (what was sampled since the last observation)
+  end with, closing `tag`; None when the call is malformed (not a closed `tag` step, or empty)."""
+  steps, _ = coa_format.parse(tokenizer.decode(ids), tokenizer.tool_tags)
+  call = steps[-1] if steps else None
+  if call is None or call.tag != tag or not call.closed or not call.content.strip():
+    return None
+  return call.content
+
+
+def malformed_call(tag: str) -> ToolResult:
+  """The observation of a malformed call of `tag` (the tool is not run)."""
+  return ToolResult(f"Error: malformed tool call: write {coa_format.opening(tag)}..."
+                    f"{coa_format.closing(tag)} with a non-empty body", False, "bad_request")
+
+
 def observation_bucket(cap: int) -> int:
   """Returns the padded length of the longest extend: an observation of `cap` tokens plus its
   tags."""
@@ -130,6 +146,7 @@ class RolloutRecord:
   decode_s: float = 0.0
   tool_s: float = 0.0
   task_data: dict[str, Any] = dataclasses.field(default_factory=dict)
+  reward: float | None = None  # an agent program's own score (`serving.agent`); None: the rewards'
 
   def append(self, ids: list[int], logprobs: list[float] | None = None, version: int = 0) -> None:
     """Appends sampled tokens (with their log-probs: mask 1) or given ones (mask 0), tagged
@@ -338,16 +355,12 @@ class Rollout:
       return self._finish(row, MAX_TURNS)
     record.turns += 1
     record.tool_calls[tag] = record.tool_calls.get(tag, 0) + 1
-    steps, _ = coa_format.parse(self.tokenizer.decode(record.ids[row.call_start:]),
-                               self.tokenizer.tool_tags)
-    call = steps[-1] if steps else None
-    if call is None or call.tag != tag or not call.closed or not call.content.strip():
+    body = call_body(self.tokenizer, record.ids[row.call_start:], tag)
+    if body is None:
       row.future = concurrent.futures.Future()
-      row.future.set_result(ToolResult(
-          f"Error: malformed tool call: write {coa_format.opening(tag)}...{coa_format.closing(tag)}"
-          f" with a non-empty body", False, "bad_request"))
+      row.future.set_result(malformed_call(tag))
     else:
-      row.future = pool.submit(row.session.call, tag, call.content)
+      row.future = pool.submit(row.session.call, tag, body)
     row.submitted = time.perf_counter()
 
   def _collect_tools(self, state, rows, waiting_only: bool):

@@ -79,6 +79,12 @@ class Server:
   max_tokens: int = 1024  # a request's default max_tokens (at most what its context leaves)
   transcripts: chat.Transcripts = dataclasses.field(default_factory=chat.Transcripts)
   sessions: Sessions = dataclasses.field(default_factory=Sessions)
+  # An RL trainer's sessions (`serving.agent`): the row seed of a session's calls that bring
+  # none, the sampling every call uses (the policy the update assumes; None: the request's),
+  # and each session's response budget past its first prompt (0: none), as a rollout's.
+  session_seeds: dict[str, int] = dataclasses.field(default_factory=dict)
+  session_sampling: SamplingConfig | None = None
+  session_response_tokens: int = 0
   closing: bool = False
 
 
@@ -159,7 +165,8 @@ def create_app(server: Server) -> fastapi.FastAPI:
     conversation = chat.prompt_ids(tokenizer, body.messages, body.tools, server.system_prompt,
                                    server.transcripts, server.max_observation_tokens)
     top = body.top_logprobs or 0 if body.logprobs else 0
-    job = _Job(server, body, conversation.ids, body.max_completion_tokens or body.max_tokens, top)
+    job = _Job(server, body, conversation.ids, body.max_completion_tokens or body.max_tokens, top,
+               http.path_params.get("session"))
     make = _ChatChoices(server, conversation, body)
     return await job.respond(http, make)
 
@@ -167,7 +174,8 @@ def create_app(server: Server) -> fastapi.FastAPI:
   async def completions(body: CompletionRequest, http: fastapi.Request):
     check(body)
     ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    job = _Job(server, body, ids, body.max_tokens, body.logprobs or 0)
+    job = _Job(server, body, ids, body.max_tokens, body.logprobs or 0,
+               http.path_params.get("session"))
     return await job.respond(http, _TextChoices(server, body))
 
   app.include_router(completions_api)
@@ -192,21 +200,40 @@ class _Job:
   """One request's run through the engine: submits it, collects or streams its samples."""
 
   def __init__(self, server: Server, body: _Sampling, prompt: list[int], max_tokens: int | None,
-               top_logprobs: int):
-    self.server, self.body, self.prompt = server, body, prompt
-    room = server.engine.settings.cache_size - len(prompt)
-    if room < 1:
-      raise EngineError(f"the prompt has {len(prompt)} tokens; the model's context is "
-                        f"{server.engine.settings.cache_size}")
+               top_logprobs: int, session: str | None):
+    self.server, self.body, self.prompt, self.session = server, body, prompt, session
     self.stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
-    self.request = Request(prompt, max_tokens or min(server.max_tokens, room), sampling, body.n,
-                           body.seed, top_logprobs=top_logprobs)
     self.samples = [_Sample() for _ in range(body.n)]
     self.id = f"{uuid.uuid4().hex[:24]}"
     self.created = int(time.time())
+    context = server.engine.settings.cache_size
+    room, row_seeds = context - len(prompt), None
+    if session:  # an RL trainer's session: its sampling, its row seed, its token budget
+      sampling = server.session_sampling or sampling
+      seed = server.session_seeds.get(session)
+      if seed is not None and body.seed is None and body.n == 1:
+        row_seeds = [seed]
+      if server.session_response_tokens:
+        budget = server.sessions.budget(session, len(prompt), server.session_response_tokens)
+        room = min(room, budget - len(prompt))
+        if room < 1:  # the conversation has used its budget: it ends here, as a rollout does
+          self.prompt, self.request = prompt[:budget], None
+          for sample in self.samples:
+            sample.reason = "length"
+          return
+        max_tokens = min(max_tokens or room, room)  # the budget caps what a program asks
+    if room < 1 or (max_tokens or 1) > room:
+      raise EngineError(f"the prompt's {len(prompt)} tokens and max_tokens={max_tokens} exceed "
+                        f"the model's context of {context} tokens")
+    self.request = Request(prompt, max_tokens or min(server.max_tokens, room), sampling, body.n,
+                           body.seed, top_logprobs=top_logprobs, row_seeds=row_seeds)
 
   async def respond(self, http: fastapi.Request, choices) -> Any:
+    if self.request is None:  # nothing to sample
+      response = choices.response(self, None)
+      self._record(response)
+      return response
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     handle = self.server.engine.submit(self.request,
@@ -228,7 +255,7 @@ class _Job:
       handle.cancel()  # a no-op once every sample finished
     self._check_failed()
     response = choices.response(self, handle)
-    self._record(http, response)
+    self._record(response)
     return response
 
   async def _stream(self, http: fastapi.Request, handle: Handle, events: asyncio.Queue,
@@ -241,7 +268,7 @@ class _Job:
         self._take(event, handle)
         yield _sse(choices.chunk(self, [choices.delta(self, sample)]))
       self._check_failed()
-      self._record(http, None)
+      self._record(None)
       if (self.body.stream_options or {}).get("include_usage"):
         yield _sse({**choices.chunk(self, []), "usage": self.usage(handle)})
       yield "data: [DONE]\n\n"
@@ -250,10 +277,10 @@ class _Job:
     finally:
       handle.cancel()  # the client left mid-stream, or the stream ended: the rows are freed
 
-  def _record(self, http: fastapi.Request, response: dict | None) -> None:
+  def _record(self, response: dict | None) -> None:
     """Records each choice as a call of the request's session (if its path names one), with
     the finish reason the client got."""
-    session = http.path_params.get("session")
+    session = self.session
     if not session:
       return
     for index, sample in enumerate(self.samples):
@@ -303,11 +330,11 @@ class _Job:
     if any(s.reason == ERROR for s in self.samples):
       raise RuntimeError(f"the engine failed: {self.server.engine.error}")
 
-  def usage(self, handle: Handle) -> dict:
+  def usage(self, handle: Handle | None) -> dict:
     completion = sum(len(s.ids) for s in self.samples)
     return {"prompt_tokens": len(self.prompt), "completion_tokens": completion,
             "total_tokens": len(self.prompt) + completion,
-            "prompt_tokens_details": {"cached_tokens": handle.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": handle.cached_tokens if handle else 0}}
 
   def token_logprobs(self, sample: _Sample, start: int, end: int) -> list[dict]:
     """OpenAI's chat `logprobs.content` entries of tokens [start, end)."""

@@ -28,7 +28,7 @@ from typing import Sequence
 from coa_jax.data import coa_format
 from coa_jax.data.tokenize import step_ids
 from coa_jax.data.tokenizer import CoATokenizer
-from coa_jax.rollout.tool_loop import observation_ids
+from coa_jax.rollout.tool_loop import call_body, observation_ids
 from coa_jax.serving.engine import EngineError
 
 PREAMBLE = "Solve the question with tools:"
@@ -217,19 +217,20 @@ class Reply:
 def reply(tokenizer: CoATokenizer, ids: Sequence[int], reason: str,
           functions: Sequence[Function], call_id: str) -> Reply:
   """Returns the assistant message of a completion's `ids` that ended for `reason` ("stop" or
-  "length"): a completion closing a tool tag is a tool call (see the module docstring)."""
+  "length"). A completion that closes a tool tag is a tool call, as the built-in rollout takes
+  it (`rollout.tool_loop.call_body`): its body, or "" when the call is malformed (the program
+  should answer as the built-in loop does, `malformed_call`); `content` is the text before the
+  call's opening tag (all of it when there is none)."""
   ids = list(ids)
   if ids and ids[-1] == tokenizer.end_id:
     ids = ids[:-1]
   closes = {tokenizer.tag_id(tag, close=True): tag for tag in tokenizer.tool_tags}
   tag = closes.get(ids[-1]) if ids and reason == "stop" else None
-  opening = tokenizer.tag_id(tag) if tag else None
-  if tag is None or opening not in ids:
+  if tag is None:
     return Reply(tokenizer.decode(ids), [], reason)
-  start = len(ids) - 1 - ids[::-1].index(opening)
-  body = tokenizer.decode(ids[start + 1:-1])
-  body = body[1:] if body.startswith("\n") else body
-  body = body[:-1] if body.endswith("\n") else body
+  body = call_body(tokenizer, ids, tag) or ""
+  opening = tokenizer.tag_id(tag)
+  start = len(ids) - 1 - ids[::-1].index(opening) if opening in ids else len(ids)
   function = next((f for f in functions if f.name == tag), Function(tag, {}))
   content = tokenizer.decode(ids[:start]) or None
   call = {"id": call_id, "type": "function",

@@ -92,6 +92,9 @@ class Request:
   stop_ids: Sequence[int] = ()
   top_logprobs: int = 0
   deadline: float | None = None
+  # The rows' sampling seeds as they are (one a sample), in place of those `seed` derives: an
+  # RL session samples with its row seed as the built-in rollout does (`sample_seed`).
+  row_seeds: Sequence[int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,17 +201,19 @@ class Engine:
 
   def __init__(self, model_config: ModelConfig, mesh: Mesh, params: Any,
                settings: EngineSettings, stop_ids: Sequence[int]):
-    if jax.process_count() != 1:
-      raise ConfigError("the serving engine runs in one process (its mesh may span that "
-                        "process's devices)")
+    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+      raise ConfigError("the serving engine decodes on one process's devices (each host of an "
+                        "RL job serves on its own decode mesh)")
     self.settings = settings
     self.sampler = Sampler(model_config, mesh, batch_size=settings.slots,
                            cache_size=settings.cache_size, chunk=settings.chunk,
                            stop_ids=stop_ids, sampling=None,
                            top_logprobs=settings.max_top_logprobs)
     self.stop_ids = frozenset(int(i) for i in stop_ids)
-    self._params = self.sampler.sampling_params(params)
+    # None: nothing is decoded until `set_params` (an RL trainer's weights arrive per step).
+    self._params = None if params is None else self.sampler.sampling_params(params)
     self._next_params: tuple[Any, int] | None = None
+    self._next_key: jax.Array | None = None
     self.version = 0
     self._state = self.sampler.init_state()
     self._key = jax.random.key(settings.seed)
@@ -248,6 +253,12 @@ class Engine:
     with self._lock:
       self._next_params = (params, version)
 
+  def set_key(self, key: jax.Array) -> None:
+    """Samples with `key` from the next round on (a row's tokens depend on the key, its seed
+    and its tokens: an RL run gives each run of rollouts a key of its own)."""
+    with self._lock:
+      self._next_key = key
+
   def start(self) -> Engine:
     self._thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
     self._thread.start()
@@ -280,6 +291,10 @@ class Engine:
     if n + request.max_tokens > s.cache_size:
       raise EngineError(f"the prompt's {n} tokens and max_tokens={request.max_tokens} exceed the "
                         f"model's context of {s.cache_size} tokens")
+    if request.row_seeds is not None and (
+        len(request.row_seeds) != request.n or not all(0 <= int(x) < 2**31
+                                                       for x in request.row_seeds)):
+      raise EngineError(f"row_seeds: expected {request.n} seeds in [0, 2**31)")
     if not 0 <= request.top_logprobs <= s.max_top_logprobs:
       raise EngineError(f"top_logprobs={request.top_logprobs!r}: expected 0..{s.max_top_logprobs}")
     vocab = self.sampler.config.vocab_size
@@ -322,11 +337,17 @@ class Engine:
     """One round: swap weights, end cancelled and late samples, admit, decode a chunk."""
     with self._lock:
       swap, self._next_params = self._next_params, None
+      if self._next_key is not None:
+        self._key, self._next_key = self._next_key, None
     if swap is not None:
       self._params, self.version = self.sampler.sampling_params(swap[0]), swap[1]
       for row in self._rows:  # their caches hold the old weights' keys and values
         row.parked = False
     self._end_early()
+    if self._params is None:  # no weights yet: requests wait
+      with self._lock:
+        self._lock.wait(timeout=0.05)
+      return
     self._admit()
     active = [i for i, r in enumerate(self._rows) if r.handle is not None]
     if not active:
@@ -441,6 +462,8 @@ class Engine:
   def _row_seeds(self, handle: Handle) -> list[int]:
     """The rows' sampling seeds: from the request's seed (the same seed, the same samples), or
     fresh ones."""
+    if handle.request.row_seeds is not None:
+      return [int(s) for s in handle.request.row_seeds]
     seed = handle.request.seed
     if seed is None:
       seed = next(self._seeds) * 7919 + (time.monotonic_ns() & 0xFFFF)

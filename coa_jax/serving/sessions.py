@@ -38,7 +38,13 @@ class Sessions:
 
   def __init__(self):
     self._calls: dict[str, list[Call]] = collections.defaultdict(list)
+    self._budgets: dict[str, int] = {}
     self._lock = threading.Lock()
+
+  def budget(self, session: str, prompt_len: int, response_tokens: int) -> int:
+    """Returns the session's token budget: its first call's prompt and `response_tokens`."""
+    with self._lock:
+      return self._budgets.setdefault(session, prompt_len + response_tokens)
 
   def record(self, session: str, call: Call) -> None:
     with self._lock:
@@ -47,6 +53,7 @@ class Sessions:
   def pop(self, session: str) -> list[Call]:
     """Returns the session's calls in the order they finished, and forgets them."""
     with self._lock:
+      self._budgets.pop(session, None)
       return self._calls.pop(session, [])
 
   def __len__(self) -> int:
