@@ -89,7 +89,8 @@ def rl(steps: int, **overrides) -> ml_collections.ConfigDict:
       eps_low=0.2, eps_high=0.28, dual_clip=10.0, aggregation="token-mean", norm_tokens=0,
       log_ratio_clamp=20.0, kl_coef=0.0, entropy_coef=0.0,
       eval_every=10, log_every=1, stop_after=0, nonfinite_skips=0,  # as in train()
-      track_prompts=True)  # write the tasks always / never solved to workdir/prompts.json
+      track_prompts=True,  # write the tasks always / never solved to workdir/prompts.json
+      agent="")  # "module:function": an agent program trained through the endpoint (serving)
   # Asynchronous RL (coa_jax.rl.async_trainer): rollouts on their own devices overlap the
   # updates; a group is trained on only while its oldest token's policy is within `staleness`
   # updates of the trainer's. rollout_devices: devices (per host) given to rollouts, 0: half.

@@ -46,6 +46,7 @@ from coa_jax.rl.settings import RLSettings
 from coa_jax.rollout import settings as agent
 from coa_jax.rollout.tool_loop import Rollout, RolloutRecord, check_prompt_lengths
 from coa_jax.runtime import distributed, sharding
+from coa_jax.serving.agent import AgentRollout, load_agent
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
@@ -118,9 +119,16 @@ class Trainer:
 
     self.seq_len = self.rollout_config.cache_size
     self.host_shardings = sharding.param_shardings(self.model, self.host)
-    sampler = agent.sampler(settings, model_config, self.host, self.tokenizer)
-    self.engine = Rollout(sampler, None, self.tokenizer, agent.tools(settings, self.tokenizer),
-                          self.rollout_config, settings.system_prompt, seed=settings.seed)
+    tools = agent.tools(settings, self.tokenizer)
+    if rl.agent:  # an agent program through the trainer's own endpoint
+      self.engine = AgentRollout(load_agent(rl.agent), model_config, self.host, self.tokenizer,
+                                 tools, self.rollout_config, settings.system_prompt,
+                                 settings.sampling, slots=settings.batch_size // self.hosts,
+                                 chunk=settings.chunk, seed=settings.seed)
+    else:
+      sampler = agent.sampler(settings, model_config, self.host, self.tokenizer)
+      self.engine = Rollout(sampler, None, self.tokenizer, tools, self.rollout_config,
+                            settings.system_prompt, seed=settings.seed)
     temperature = settings.sampling.temperature
     self.update = update.jit_dapo_step(self.model, self.tx, self.mesh,
                                        loss_config=self.loss_config,
@@ -187,14 +195,18 @@ class Trainer:
                                                       self.host_shardings))
 
   def score(self, group: list[RolloutRecord]) -> ScoredGroup:
-    """Returns the group with its rewards (overlong shaping included) and correctness."""
+    """Returns the group with its rewards (overlong shaping included) and correctness: an
+    agent program's own reward where it gave one (correct when positive), else the rewards'."""
     texts = [record.response_text(self.tokenizer) for record in group]
     data = group[0].task_data
     rewards = list(self.reward_pool.map(
-        lambda text, record: self.rewarder(text, data, record.response_len, sum(record.loss_mask)),
-        texts, group))
-    scores = [r.score + self._overlong(record.response_len) for r, record in zip(rewards, group)]
-    return ScoredGroup(group[0].task_id, group, scores, [r.correct for r in rewards])
+        lambda text, record: (None if record.reward is not None else
+                              self.rewarder(text, data, record.response_len,
+                                            sum(record.loss_mask))), texts, group))
+    scores = [(record.reward if r is None else r.score) + self._overlong(record.response_len)
+              for r, record in zip(rewards, group)]
+    correct = [record.reward > 0 if r is None else r.correct for r, record in zip(rewards, group)]
+    return ScoredGroup(group[0].task_id, group, scores, correct)
 
   def _overlong(self, response_len: int) -> float:
     rl = self.settings.rl
@@ -279,7 +291,7 @@ class Trainer:
       batch = rollout_batch(records[part], advantages[part], groups, self.seq_len, drop[part],
                             proximal_version,
                             None if outcomes is None else (outcomes[0][part], outcomes[1][part]),
-                            truncated_sampling=self.engine.sampler.sampling.truncates)
+                            truncated_sampling=self.settings.sampling.truncates)
       mini_batches.append(sharding.shard_batch(batch, self.mesh))
     mini_batches, health = self._with_old_logprobs(mini_batches)
     actor_trains, critic_metrics = True, {}
@@ -406,6 +418,8 @@ class Trainer:
 
   def close(self) -> None:
     self.reward_pool.shutdown(wait=False, cancel_futures=True)
+    if isinstance(self.engine, AgentRollout):
+      self.engine.close()  # the endpoint and its engine
     self.engine.tools.close()  # MCP servers stop with the job
 
 

@@ -75,6 +75,9 @@ class RLConfig:
   stop_after: int
   nonfinite_skips: int
   track_prompts: bool  # the tasks always / never solved, in workdir/prompts.json
+  # An agent program ("module:function", `coa_jax.serving.agent`) rolled out through the
+  # trainer's own OpenAI-compatible endpoint in place of the built-in tool loop ("": that loop).
+  agent: str
   async_: AsyncSettings = dataclasses.field(metadata={"key": "async"})
   critic: CriticConfig
 
@@ -91,6 +94,9 @@ class RLConfig:
       raise ConfigError(f"negative_weight={self.negative_weight} scales group advantages; "
                         f"with advantage='gae' it must be 1")
     self.policy_loss()  # its checks name the field
+    if self.agent and self.async_.enabled:
+      raise ConfigError(f"agent={self.agent!r} runs with the synchronous trainer; set "
+                        f"rl.async.enabled=False")
 
   @property
   def uses_critic(self) -> bool:

@@ -1,0 +1,39 @@
+"""DAPO through the endpoint: a toy agent program, trained by the synchronous trainer on its
+sessions' recorded ids, gains reward over updates (`rl.agent`, coa_jax.serving.agent)."""
+
+import json
+
+from coa_jax.rl import job as rl_job
+from configs import common, dapo_tiny_cpu
+
+VOCAB_HALF = 512
+
+
+def low_ids_agent(task, client):
+  """Rewards a completion whose first token's id is below 512 (about half of a fresh model's):
+  a preference the policy learns in a few updates from what the endpoint recorded."""
+  reply = client.chat.completions.create(
+      model="policy", max_tokens=2, messages=[{"role": "user", "content": task.question}],
+      extra_body={"return_token_ids": True})
+  return float(reply.choices[0].model_extra["token_ids"][0] < VOCAB_HALF)
+
+
+def test_a_toy_agent_gains_reward_through_the_endpoint(tmp_path):
+  config = dapo_tiny_cpu.get_config()
+  config.model.checkpoint = ""
+  config.max_tasks, config.eval_tasks = 16, ""
+  config.mesh = common.mesh(data=2, fsdp=2, tensor=2)  # the 8 fake devices
+  config.batch_size, config.chunk = 32, 4
+  config.rollout.update(group_size=8, max_prompt_tokens=192, max_response_tokens=8)
+  config.rl = common.rl(steps=6, batch_groups=4, prompts_per_round=4, max_rounds=1,
+                        mini_batch_groups=2, overlong_shaping=False, eval_every=100,
+                        dynamic_sampling=False, agent="test_serving_rl:low_ids_agent")
+  config.optimizer = common.optimizer(learning_rate=1e-2, schedule="constant", weight_decay=0.0)
+  config.checkpoint = common.checkpoint(str(tmp_path / "ckpt"), every=100, async_save=False)
+  config.workdir, config.export_dir = str(tmp_path), ""
+  rl_job.run(config)
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  rewards = [row["reward"] for row in rows]
+  assert len(rewards) == 6
+  assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.2, rewards
+  assert all(row["logp_diff_max"] < 1e-3 for row in rows)  # recorded = teacher-forced log-probs
