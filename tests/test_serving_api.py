@@ -4,6 +4,7 @@ calls, concurrency, prefix reuse and the error matrix."""
 
 import asyncio
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -217,3 +218,41 @@ def test_a_sessions_calls_are_recorded_with_the_ids_the_client_got(server):
   assert calls[1].prompt_ids == calls[0].prompt_ids + calls[0].completion_ids
   assert calls[0].finish_reason == first.choices[0].finish_reason
   assert set(calls[0].versions) == {0} and len(calls[0].logprobs) == 6
+
+
+def _rss_mb() -> float:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def test_a_thousand_requests_one_in_ten_bad_leak_nothing(server):
+  """Rows, threads and memory stay flat over 1,000 requests of which 100 are bad (malformed,
+  unknown model, too long), 50 at a time; the server answers every one."""
+  url, state = server
+  good = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+  bad = [b"{", {**good, "model": "x"}, {**good, "max_tokens": 10_000},
+         {**good, "messages": [{"role": "tool", "content": "1"}]}]
+
+  async def main():
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    loop = asyncio.get_running_loop()
+
+    async def one(i):
+      if i % 10 == 9:
+        return (await loop.run_in_executor(None, post, url + "/v1/chat/completions",
+                                           bad[i % len(bad)]))[0]
+      await client.chat.completions.create(**good)
+      return 200
+
+    statuses = []
+    for start in range(0, 1000, 50):
+      statuses += await asyncio.gather(*(one(i) for i in range(start, start + 50)))
+      if start == 100:  # warm: every program compiled, every pool started
+        baseline = (threading.active_count(), _rss_mb())
+    return statuses, baseline
+
+  statuses, (threads, rss) = asyncio.run(main())
+  assert statuses.count(200) == 900 and statuses.count(400) + statuses.count(404) == 100
+  assert state.engine.in_flight == 0 and threading.active_count() <= threads
+  assert _rss_mb() - rss < 50, (_rss_mb(), rss)
+  assert post(url + "/v1/chat/completions", good)[0] == 200
