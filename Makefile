@@ -28,7 +28,7 @@ MAIN_EXTRAS := plots
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate serve bench bench-tools bench-rollout bench-sampler bench-async aot pod-fit profile device-check view benchmark clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate serve bench bench-tools bench-rollout bench-sampler bench-async bench-serve aot pod-fit profile device-check view benchmark clean
 
 # The main job's install: what `make pipeline` and the other jobs import (plots for their
 # figures), from the same lock; `make test`, the benchmarks and the ahead-of-time compiles add
@@ -120,6 +120,11 @@ bench-rollout: $(STAMP)
 # The sampler's host overhead: its decode loop against the decode step alone (tiny model, batch 16).
 bench-sampler: $(STAMP)
 	$(PY) experiments/bench_rollout.py --host_overhead_only $(ARGS)
+
+# Serving: 64 concurrent streaming sessions of the official client against the offline sampler,
+# latencies, a session's second turn (docs/benchmarks.md, "Serving").
+bench-serve: $(STAMP)
+	$(PY) experiments/bench_serve.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) experiments/bench_model.py $(ARGS)
