@@ -1,5 +1,6 @@
 """DAPO through the endpoint: a toy agent program, trained by the synchronous trainer on its
-sessions' recorded ids, gains reward over updates (`rl.agent`, coa_jax.serving.agent)."""
+sessions' recorded ids (two calls a session, packed), gains reward over updates (`rl.agent`,
+coa_jax.serving.agent)."""
 
 import json
 
@@ -10,12 +11,15 @@ VOCAB_HALF = 512
 
 
 def low_ids_agent(task, client):
-  """Rewards a completion whose first token's id is below 512 (about half of a fresh model's):
-  a preference the policy learns in a few updates from what the endpoint recorded."""
-  reply = client.chat.completions.create(
-      model="policy", max_tokens=2, messages=[{"role": "user", "content": task.question}],
-      extra_body={"return_token_ids": True})
-  return float(reply.choices[0].model_extra["token_ids"][0] < VOCAB_HALF)
+  """Rewards completions whose first token's id is below 512 (about half of a fresh model's): a
+  preference the policy learns in a few updates from what the endpoint recorded. It asks
+  twice, the second time without the first answer in its history: its session is not
+  append-only, so its two calls are packed as two samples of one row."""
+  ask = lambda question: client.chat.completions.create(
+      model="policy", max_tokens=2, messages=[{"role": "user", "content": question}],
+      extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+  firsts = [ask(task.question)[0], ask("Once more: " + task.question)[0]]
+  return sum(i < VOCAB_HALF for i in firsts) / 2
 
 
 def test_a_toy_agent_gains_reward_through_the_endpoint(tmp_path):
@@ -36,4 +40,5 @@ def test_a_toy_agent_gains_reward_through_the_endpoint(tmp_path):
   rewards = [row["reward"] for row in rows]
   assert len(rewards) == 6
   assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.2, rewards
-  assert all(row["logp_diff_max"] < 1e-3 for row in rows)  # recorded = teacher-forced log-probs
+  # The recorded log-probs equal the update's teacher-forced ones, segment by segment.
+  assert all(row["logp_diff_max"] < 1e-3 for row in rows)

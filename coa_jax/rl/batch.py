@@ -57,8 +57,17 @@ def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
     arrays["targets"][b, :n] = ids[1:]
     if not (drop_mask is not None and drop_mask[b]):
       arrays["loss_mask"][b, :n] = record.loss_mask[1:]
-    arrays["positions"][b, :n] = np.arange(n)
-    arrays["segment_ids"][b, :n] = 1
+    if record.segments:  # packed samples: positions restart, attention stays within each
+      if sum(record.segments) != len(record.ids):
+        raise ValueError(f"task {record.task_id} sample {record.sample}: segments "
+                         f"{record.segments} do not add up to its {len(record.ids)} tokens")
+      segment = np.repeat(np.arange(1, len(record.segments) + 1), record.segments)
+      starts = np.repeat(np.cumsum([0] + record.segments[:-1]), record.segments)
+      arrays["positions"][b, :n] = (np.arange(len(record.ids)) - starts)[:n]
+      arrays["segment_ids"][b, :n] = segment[:n]
+    else:
+      arrays["positions"][b, :n] = np.arange(n)
+      arrays["segment_ids"][b, :n] = 1
     arrays["sampler_logp"][b, :n] = record.logprobs[1:]
     arrays["advantages"][b, :n] = advantages[b]
     if truncated_sampling:

@@ -147,6 +147,9 @@ class RolloutRecord:
   tool_s: float = 0.0
   task_data: dict[str, Any] = dataclasses.field(default_factory=dict)
   reward: float | None = None  # an agent program's own score (`serving.agent`); None: the rewards'
+  # Lengths of the samples packed in `ids` one after another (an agent session's calls that do
+  # not extend each other, `serving.sessions`); the update keeps them apart. Empty: one.
+  segments: list[int] = dataclasses.field(default_factory=list)
 
   def append(self, ids: list[int], logprobs: list[float] | None = None, version: int = 0) -> None:
     """Appends sampled tokens (with their log-probs: mask 1) or given ones (mask 0), tagged

@@ -43,7 +43,7 @@ from coa_jax.rollout.tool_loop import (RolloutConfig, RolloutRecord, malformed_c
                                        stop_ids)
 from coa_jax.serving.api import Server, create_app
 from coa_jax.serving.engine import Engine, EngineSettings
-from coa_jax.serving.sessions import session_records
+from coa_jax.serving.sessions import session_record
 from tools_env import ToolRegistry, ToolResult, TrajectoryTools
 
 
@@ -173,19 +173,14 @@ class AgentRollout:
 
   def _sample(self, task: Task, session: str, sample: int, reward: Any,
               error: str) -> RolloutRecord:
-    records = session_records(self.server.sessions.pop(session), task.id, sample)
-    if len(records) > 1:
-      raise RuntimeError(f"the agent's session for task {task.id!r} is not append-only (a call's "
-                         f"prompt does not extend the previous call's prompt and completion): "
-                         f"training on one sample a call is not supported by this trainer")
-    if records:
-      record = records[0]
-    else:  # no call reached the model: an empty response, scored as such
+    record = session_record(self.server.sessions.pop(session), task.id, sample,
+                            self.config.cache_size)
+    if record is None:  # no call reached the model: an empty response, scored as such
       prompt = self.tokenizer.prompt_ids(self.server.system_prompt, task.question)
       record = RolloutRecord(task.id, sample, [], [], [], len(prompt))
       record.append(prompt)
       error = error or "the agent made no call"
-    record.task_data = dict(task.data)
+    record.task_data = {**task.data, **record.task_data}
     if error:
       record.finish_reason, record.task_data["error"] = "error", error
     if reward is not None:

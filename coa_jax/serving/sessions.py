@@ -3,13 +3,14 @@
 An agent program gets a base URL with a session id in its path (`/sessions/<id>/v1`); every
 completion served under it is recorded as a `Call`: the prompt's ids, the sampled ids, their
 log-probs and the version of the weights that sampled each. The samples are built from those
-ids, never from text tokenized again (`session_records`):
+ids, never from text tokenized again (`session_record`):
 
 - when every call's prompt extends the previous call's prompt and completion (an append-only
   conversation: the CoA tool loop, or any chat that sends back what it got), the session is one
   sequence, with loss on the sampled tokens only;
-- otherwise each call is a sample of its own (a framework that rewrites its history), and
-  every one gets the session's reward.
+- otherwise each call is a sample of its own (a framework that rewrites its history), all with
+  the session's reward: packed in one row of the update, each its own segment (positions
+  restart, attention stays within it).
 """
 
 from __future__ import annotations
@@ -70,14 +71,39 @@ def append_only(calls: Sequence[Call]) -> bool:
   return True
 
 
-def session_records(calls: Sequence[Call], task_id: str, sample: int) -> list[RolloutRecord]:
-  """Returns the samples of one session's calls (see the module docstring): one record of the
-  whole conversation when it is append-only, else one record a call."""
+def session_record(calls: Sequence[Call], task_id: str, sample: int, max_len: int = 0
+                   ) -> RolloutRecord | None:
+  """Returns the sample of one session's calls (see the module docstring): the conversation as
+  one sequence when it is append-only, else each call's prompt and completion packed one after
+  another (`RolloutRecord.segments`), the latest calls that fit in `max_len` tokens (0: all;
+  `task_data["calls_dropped"]` counts the others). None for a session without calls."""
   if not calls:
-    return []
-  if not append_only(calls):
-    return [_record([call], task_id, sample) for call in calls]
-  return [_record(calls, task_id, sample)]
+    return None
+  if append_only(calls):
+    return _record(calls, task_id, sample)
+  parts, length = [], 0
+  for call in reversed(calls):
+    size = len(call.prompt_ids) + len(call.completion_ids)
+    if max_len and length + size > max_len and parts:
+      break
+    parts.insert(0, _record([call], task_id, sample))
+    length += size
+  record = RolloutRecord(task_id, sample, [], [], [], 0)
+  for part in parts:
+    record.ids += part.ids
+    record.loss_mask += part.loss_mask
+    record.logprobs += part.logprobs
+    record.versions += part.versions
+  record.segments = [len(part.ids) for part in parts]
+  # The response (what rewards read, and overlong shaping counts) is the last call's.
+  record.prompt_len = len(record.ids) - len(calls[-1].completion_ids)
+  record.finish_reason, record.turns = calls[-1].finish_reason, len(calls) - 1
+  tool_calls = sum(call.finish_reason == "tool_calls" for call in calls)
+  if tool_calls:
+    record.tool_calls = {"endpoint": tool_calls}
+  if len(parts) < len(calls):
+    record.task_data["calls_dropped"] = len(calls) - len(parts)
+  return record
 
 
 def _record(calls: Sequence[Call], task_id: str, sample: int) -> RolloutRecord:
