@@ -2,17 +2,14 @@
 its engine and the OpenAI-compatible app in a uvicorn thread on a free local port."""
 
 import contextlib
-import threading
-import time
 
 import jax
-import uvicorn
 
 from coa_jax.data.tokenizer import default_tokenizer
 from coa_jax.model import build_config
 from coa_jax.model.transformer import Transformer
 from coa_jax.runtime import sharding
-from coa_jax.serving.api import Server, create_app
+from coa_jax.serving.api import Server, ThreadServer, create_app
 from coa_jax.serving.engine import Engine, EngineSettings
 
 TOKENIZER = default_tokenizer("plain")
@@ -37,16 +34,9 @@ def served(engine=None, **settings):
     engine = Engine(CONFIG, mesh, weights, EngineSettings(**settings),
                     stop_ids=[TOKENIZER.end_id]).start()
   server = Server(engine, TOKENIZER, MODEL, SYSTEM, max_observation_tokens=64, max_tokens=16)
-  http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=0,
-                                       log_level="warning", timeout_graceful_shutdown=5))
-  thread = threading.Thread(target=http.run, daemon=True)
-  thread.start()
-  while not http.started:
-    time.sleep(0.01)
-  port = http.servers[0].sockets[0].getsockname()[1]
+  http = ThreadServer(create_app(server), timeout_graceful_shutdown=5)
   try:
-    yield f"http://127.0.0.1:{port}", server
+    yield http.url, server
   finally:
-    http.should_exit = True
-    thread.join(10)
+    http.close()
     engine.close(drain=False, timeout=30)

@@ -20,19 +20,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
 import time
 from typing import Any
 
 import jax
 import numpy as np
 import openai
-import uvicorn
 
 from coa_jax.data.tokenizer import CoATokenizer
 from coa_jax.model import ModelConfig
 from coa_jax.rollout.sampler import RowSampling, Sampler, SamplingConfig
-from coa_jax.serving.api import Server, create_app
+from coa_jax.serving.api import Server, ThreadServer, create_app
 from coa_jax.serving.engine import Engine, EngineSettings
 
 MODEL = "bench"
@@ -91,17 +89,11 @@ def serving(model_config: ModelConfig, mesh, params: Any, tokenizer: CoATokenize
                             prefix_cache=prefix_cache)
   engine = Engine(model_config, mesh, params, settings, stop_ids).start()
   server = Server(engine, tokenizer, MODEL, system_prompt, max_tokens=work.max_tokens)
-  http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=0,
-                                       log_level="warning"))
-  thread = threading.Thread(target=http.run, daemon=True)
-  thread.start()
-  while not http.started:
-    time.sleep(0.01)
+  http = ThreadServer(create_app(server))
   try:
-    yield f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}/v1", server
+    yield f"{http.url}/v1", server
   finally:
-    http.should_exit = True
-    thread.join(10)
+    http.close()
     engine.close(drain=False, timeout=30)
 
 

@@ -26,14 +26,11 @@ import dataclasses
 import importlib
 import inspect
 import json
-import threading
-import time
 import uuid
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import openai
-import uvicorn
 
 from coa_jax.data import Task
 from coa_jax.data.tokenizer import CoATokenizer
@@ -41,7 +38,7 @@ from coa_jax.model import ConfigError, ModelConfig
 from coa_jax.rollout.sampler import SamplingConfig
 from coa_jax.rollout.tool_loop import (RolloutConfig, RolloutRecord, malformed_call, sample_seed,
                                        stop_ids)
-from coa_jax.serving.api import Server, create_app
+from coa_jax.serving.api import Server, ThreadServer, create_app
 from coa_jax.serving.engine import Engine, EngineSettings
 from coa_jax.serving.sessions import session_record
 from tools_env import ToolRegistry, ToolResult, TrajectoryTools
@@ -91,15 +88,8 @@ class AgentRollout:
                          config.max_observation_tokens, config.max_response_tokens,
                          session_sampling=sampling,
                          session_response_tokens=config.max_response_tokens)
-    self._http = uvicorn.Server(uvicorn.Config(create_app(self.server), host="127.0.0.1",
-                                               port=0, log_level="warning"))
-    self._thread = threading.Thread(target=self._http.run, name="agent-endpoint", daemon=True)
-    self._thread.start()
-    while not self._http.started:
-      if not self._thread.is_alive():
-        raise RuntimeError("the agent endpoint did not start")
-      time.sleep(0.01)
-    self.url = f"http://127.0.0.1:{self._http.servers[0].sockets[0].getsockname()[1]}"
+    self._http = ThreadServer(create_app(self.server))
+    self.url = self._http.url
     self.context = AgentContext(self.MODEL, tools, tokenizer.tool_tags, config, system_prompt)
     self._takes_context = "context" in inspect.signature(agent).parameters
     self._pool = concurrent.futures.ThreadPoolExecutor(workers or slots, "agent")
@@ -188,8 +178,7 @@ class AgentRollout:
     return record
 
   def close(self) -> None:
-    self._http.should_exit = True
-    self._thread.join(10)
+    self._http.close()
     self.engine.close(drain=False, timeout=30)
     self._pool.shutdown(wait=False, cancel_futures=True)
 

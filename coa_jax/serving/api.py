@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Literal
 
 import fastapi
 import pydantic
+import uvicorn
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -28,7 +30,7 @@ from coa_jax.data.tokenizer import CoATokenizer
 from coa_jax.rollout.sampler import SamplingConfig
 from coa_jax.serving import chat
 from coa_jax.serving.engine import (CANCELLED, DEADLINE, ERROR, STOP, Engine, EngineError,
-                                    Finished, Handle, Request, ShuttingDown)
+                                    Finished, Handle, Request, Sample, ShuttingDown)
 from coa_jax.serving.sessions import Call, Sessions
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
@@ -86,6 +88,26 @@ class Server:
   session_sampling: SamplingConfig | None = None
   session_response_tokens: int = 0
   closing: bool = False
+
+
+class ThreadServer:
+  """An app served by uvicorn in a thread of this process (an RL trainer's endpoint, tests,
+  benchmarks); `port` 0 takes a free one. `url` is its base URL, `close` stops it."""
+
+  def __init__(self, app: fastapi.FastAPI, host: str = "127.0.0.1", port: int = 0, **options):
+    self._http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                               **options))
+    self._thread = threading.Thread(target=self._http.run, name="http", daemon=True)
+    self._thread.start()
+    while not self._http.started:
+      if not self._thread.is_alive():
+        raise RuntimeError(f"the server did not start on {host}:{port}")
+      time.sleep(0.01)
+    self.url = f"http://{host}:{self._http.servers[0].sockets[0].getsockname()[1]}"
+
+  def close(self, timeout: float = 10) -> None:
+    self._http.should_exit = True
+    self._thread.join(timeout)
 
 
 def error(status: int, message: str, code: str | None = None) -> JSONResponse:
@@ -184,15 +206,11 @@ def create_app(server: Server) -> fastapi.FastAPI:
 
 
 @dataclasses.dataclass
-class _Sample:
-  """One choice as it arrives: ids, log-probs, top log-probs; its text cut at a stop string."""
+class _Sample(Sample):
+  """One choice as it arrives, cut at a stop string; `finish_reason` is the client's once
+  streamed ("tool_calls" for a call)."""
 
-  ids: list[int] = dataclasses.field(default_factory=list)
-  logprobs: list[float] = dataclasses.field(default_factory=list)
-  versions: list[int] = dataclasses.field(default_factory=list)
-  top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
   reason: str = ""  # the engine's, or "stop" at a stop string
-  finish_reason: str = ""  # the client's, once streamed ("tool_calls" for a call)
   sent: int = 0  # tokens already streamed
 
 
@@ -330,6 +348,18 @@ class _Job:
     if any(s.reason == ERROR for s in self.samples):
       raise RuntimeError(f"the engine failed: {self.server.engine.error}")
 
+  def envelope(self, prefix: str, kind: str, choices: list[dict], usage: dict | None = None,
+               prompt: bool = True) -> dict:
+    """A response (with its `usage`) or a stream chunk around `choices`; with
+    `return_token_ids`, the prompt's ids where `prompt` (a response, a stream's first chunk)."""
+    out = {"id": f"{prefix}-{self.id}", "object": kind, "created": self.created,
+           "model": self.server.model_name, "choices": choices}
+    if usage is not None:
+      out["usage"] = usage
+    if self.body.return_token_ids and prompt:
+      out["prompt_token_ids"] = self.prompt
+    return out
+
   def usage(self, handle: Handle | None) -> dict:
     completion = sum(len(s.ids) for s in self.samples)
     return {"prompt_tokens": len(self.prompt), "completion_tokens": completion,
@@ -386,18 +416,11 @@ class _ChatChoices:
       if self.body.return_token_ids:
         choice["token_ids"] = sample.ids
       choices.append(choice)
-    out = {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created,
-           "model": self.server.model_name, "choices": choices, "usage": job.usage(handle)}
-    if self.body.return_token_ids:
-      out["prompt_token_ids"] = job.prompt
-    return out
+    return job.envelope("chatcmpl", "chat.completion", choices, job.usage(handle))
 
   def chunk(self, job: _Job, choices: list[dict]) -> dict:
-    out = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk",
-           "created": job.created, "model": self.server.model_name, "choices": choices}
-    if self.body.return_token_ids and all(c.get("delta", {}).get("role") for c in choices):
-      out["prompt_token_ids"] = job.prompt
-    return out
+    first = bool(choices) and all(c.get("delta", {}).get("role") for c in choices)
+    return job.envelope("chatcmpl", "chat.completion.chunk", choices, prompt=first)
 
   def first_delta(self, job: _Job, index: int) -> dict:
     return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -461,15 +484,10 @@ class _TextChoices:
       if self.body.return_token_ids:
         choice["token_ids"] = sample.ids
       choices.append(choice)
-    out = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
-           "model": self.server.model_name, "choices": choices, "usage": job.usage(handle)}
-    if self.body.return_token_ids:
-      out["prompt_token_ids"] = job.prompt
-    return out
+    return job.envelope("cmpl", "text_completion", choices, job.usage(handle))
 
   def chunk(self, job: _Job, choices: list[dict]) -> dict:
-    return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
-            "model": self.server.model_name, "choices": choices}
+    return job.envelope("cmpl", "text_completion", choices, prompt=False)
 
   def first_delta(self, job: _Job, index: int) -> dict:
     return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
