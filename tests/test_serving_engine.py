@@ -4,38 +4,20 @@ cancellation, deadlines, backpressure and shutdown (coa_jax.serving.engine)."""
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coa_jax.model import build_config
 from coa_jax.model.transformer import Transformer
 from coa_jax.rollout.sampler import SamplingConfig
 from coa_jax.runtime import sharding
 from coa_jax.runtime.sharding import init_params
 from coa_jax.serving.engine import (CANCELLED, DEADLINE, LENGTH, STOP, Engine, EngineError,
                                     EngineSettings, QueueFull, Request, ShuttingDown, Tokens)
+from test_sampler import CONFIG, full_logits, mesh1, params  # noqa: F401 - the same tiny model
 
-CONFIG = build_config({"preset": "tiny", "tie_embeddings": False})
 GREEDY = SamplingConfig(temperature=0.0)
 HOT = SamplingConfig(temperature=1.0)
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
-
-
-@pytest.fixture(scope="module")
-def mesh1():
-  return sharding.make_mesh(devices=jax.devices()[:1])
-
-
-@pytest.fixture(scope="module")
-def params(mesh1):
-  return init_params(Transformer(CONFIG), mesh1, jax.random.key(0))
-
-
-@pytest.fixture(scope="module")
-def full_logits(params):
-  apply = jax.jit(lambda ids: Transformer(CONFIG).apply({"params": params}, ids))
-  return lambda seq: np.asarray(apply(jnp.asarray([seq]))[0])
 
 
 def engine(mesh, params, stop_ids=(), **settings):
