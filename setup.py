@@ -36,9 +36,11 @@ setup(
         # torch must stay pinned: an unpinned torch pulls a multi-GB CUDA build.
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "torch==2.13.0",
                  "peft>=0.13", "mcp==2.3.0", "openai>=1.40", "fastapi>=0.110",
-                 "uvicorn>=0.30"],
+                 "uvicorn>=0.30", "openai-agents>=0.2"],
         # coa_jax.serving.api: the OpenAI-compatible server (`make serve`).
         "serve": ["fastapi>=0.110", "uvicorn>=0.30"],
+        # tools_env/examples/shop_agents_sdk.py: an agent built with the OpenAI Agents SDK.
+        "agents": ["openai-agents>=0.2"],
         "tpu": ["jax[tpu]>=0.10.2"],
         "tfds": ["tensorflow-datasets>=4.9", "array_record", "tensorflow-cpu>=2.20"],
         "plots": ["matplotlib"],

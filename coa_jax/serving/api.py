@@ -184,11 +184,13 @@ def create_app(server: Server) -> fastapi.FastAPI:
   @completions_api.post("/v1/chat/completions")
   async def chat_completions(body: ChatRequest, http: fastapi.Request):
     check(body)
+    session = http.path_params.get("session")
     conversation = chat.prompt_ids(tokenizer, body.messages, body.tools, server.system_prompt,
-                                   server.transcripts, server.max_observation_tokens)
+                                   server.transcripts, server.max_observation_tokens,
+                                   session or "")
     top = body.top_logprobs or 0 if body.logprobs else 0
     job = _Job(server, body, conversation.ids, body.max_completion_tokens or body.max_tokens, top,
-               http.path_params.get("session"))
+               session)
     make = _ChatChoices(server, conversation, body)
     return await job.respond(http, make)
 
@@ -399,7 +401,7 @@ class _ChatChoices:
                        self.conversation.functions, call_id)
     if not reply.tool_calls:
       reply = dataclasses.replace(reply, content=job.text(sample.ids))
-    key = chat.Transcripts.key(reply.content, reply.tool_calls)
+    key = chat.Transcripts.key(reply.content, reply.tool_calls, job.session or "")
     self.server.transcripts.remember(key, sample.ids)
     return reply
 

@@ -4,8 +4,9 @@ A CoA conversation is one prompt (a system prompt and one user message, the ques
 assistant response whose tool steps are each followed by an observation. In OpenAI's terms:
 
 - a request's `tools` (function schemas) name tools whose tags the model's tokenizer has; the
-  system prompt, unless the request brings one, lists them as the main job's prompt does
-  ("Solve the question with tools: web_search, crawl_page, code.");
+  system prompt, unless the request brings one, is the one the model was trained with when
+  they are its tools, else lists them as the main job's prompt does ("Solve the question with
+  tools: web_search, code.");
 - a completion that ends in a closing tool tag is an assistant message with the steps before
   the call as its `content` and one `tool_calls` entry (name = the tag, arguments = the body as
   JSON: `{"<the one string parameter>": body}`, or the body itself when it is a JSON object);
@@ -109,10 +110,13 @@ class Transcripts:
     self._lock = threading.Lock()
 
   @staticmethod
-  def key(content: str | None, tool_calls: Sequence[dict] | None) -> str:
-    calls = [(c["function"]["name"], c["function"].get("arguments", ""))
+  def key(content: str | None, tool_calls: Sequence[dict] | None, session: str = "") -> str:
+    """A message's key: its content and calls (each call's id, which is unique, with them),
+    within its session's path (RL sessions never read each other's: two completions may
+    decode to the same text from other ids, e.g. broken multi-byte characters)."""
+    calls = [(c.get("id", ""), c["function"]["name"], c["function"].get("arguments", ""))
              for c in tool_calls or ()]
-    return json.dumps([content or "", calls])
+    return json.dumps([session, content or "", calls])
 
   def remember(self, key: str, ids: list[int]) -> None:
     with self._lock:
@@ -140,12 +144,15 @@ class Conversation:
 
 def prompt_ids(tokenizer: CoATokenizer, messages: Sequence[dict], tools: Sequence[dict] | None,
                default_system: str, transcripts: Transcripts,
-               max_observation_tokens: int) -> Conversation:
+               max_observation_tokens: int, session: str = "") -> Conversation:
   """Returns the CoA prompt of `messages` (see the module docstring); raises ChatError for a
   conversation that is not one: no question, two questions, or a tool result without a call."""
   functions = declared_functions(tools, tokenizer)
   messages = list(messages)
-  system = default_system if not functions else tools_prompt(functions)
+  # The prompt the model was trained with, unless the request declares other tools than its.
+  system = default_system
+  if functions and {f.name for f in functions} != set(tokenizer.tool_tags):
+    system = tools_prompt(functions)
   if messages and messages[0].get("role") in ("system", "developer"):
     system = _text(messages.pop(0))
   if not messages or messages[0].get("role") != "user":
@@ -157,7 +164,8 @@ def prompt_ids(tokenizer: CoATokenizer, messages: Sequence[dict], tools: Sequenc
   for message in messages[1:]:
     role = message.get("role")
     if role == "assistant":
-      ids += _assistant_ids(tokenizer, message, functions, transcripts, first=len(ids) == start)
+      ids += _assistant_ids(tokenizer, message, functions, transcripts, len(ids) == start,
+                            session)
       pending_call = bool(message.get("tool_calls"))
     elif role == "tool":
       if not pending_call:
@@ -186,9 +194,9 @@ def _text(message: dict) -> str:
 
 
 def _assistant_ids(tokenizer: CoATokenizer, message: dict, functions: Sequence[Function],
-                   transcripts: Transcripts, first: bool) -> list[int]:
+                   transcripts: Transcripts, first: bool, session: str) -> list[int]:
   calls = message.get("tool_calls") or []
-  remembered = transcripts.recall(Transcripts.key(message.get("content"), calls))
+  remembered = transcripts.recall(Transcripts.key(message.get("content"), calls, session))
   if remembered is not None:
     return remembered
   steps, _ = coa_format.parse(_text(message), tokenizer.tool_tags)
