@@ -188,11 +188,10 @@ def create_app(server: Server) -> fastapi.FastAPI:
     conversation = chat.prompt_ids(tokenizer, body.messages, body.tools, server.system_prompt,
                                    server.transcripts, server.max_observation_tokens,
                                    session or "")
-    top = body.top_logprobs or 0 if body.logprobs else 0
+    top = (body.top_logprobs or 0) if body.logprobs else 0
     job = _Job(server, body, conversation.ids, body.max_completion_tokens or body.max_tokens, top,
                session)
-    make = _ChatChoices(server, conversation, body)
-    return await job.respond(http, make)
+    return await job.respond(http, _ChatChoices(server, conversation, body))
 
   @completions_api.post("/v1/completions")
   async def completions(body: CompletionRequest, http: fastapi.Request):
