@@ -256,3 +256,22 @@ def test_a_thousand_requests_one_in_ten_bad_leak_nothing(server):
   assert state.engine.in_flight == 0 and threading.active_count() <= threads
   assert _rss_mb() - rss < 50, (_rss_mb(), rss)
   assert post(url + "/v1/chat/completions", good)[0] == 200
+
+
+def test_a_session_past_its_response_budget_ends_with_length_streamed_or_not(server):
+  url, state = server
+  state.session_response_tokens = 4
+  try:
+    client = openai.OpenAI(base_url=url + "/sessions/b1/v1", api_key="none", max_retries=0)
+    kwargs = dict(model=MODEL, temperature=0, extra_body=IDS)
+    first = client.chat.completions.create(messages=MESSAGES, max_tokens=50, **kwargs)
+    # The budget caps what the program asked for.
+    assert first.usage.completion_tokens == 4 and first.choices[0].finish_reason == "length"
+    history = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content}]
+    again = client.chat.completions.create(messages=history, **kwargs)
+    assert again.choices[0].finish_reason == "length" and again.usage.completion_tokens == 0
+    chunks = list(client.chat.completions.create(messages=history, stream=True, **kwargs))
+    assert chunks[-1].choices[0].finish_reason == "length"
+  finally:
+    state.session_response_tokens = 0
+    state.sessions.pop("b1")

@@ -249,10 +249,14 @@ class _Job:
                            body.seed, top_logprobs=top_logprobs, row_seeds=row_seeds)
 
   async def respond(self, http: fastapi.Request, choices) -> Any:
-    if self.request is None:  # nothing to sample
+    if self.request is None:  # nothing to sample: the session's budget is spent
       response = choices.response(self, None)
       self._record(response)
-      return response
+      if not self.body.stream:
+        return response
+      end = choices.chunk(self, [choices.delta(self, i) for i in range(self.body.n)])
+      return StreamingResponse(iter([_sse(end), "data: [DONE]\n\n"]),
+                               media_type="text/event-stream")
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     handle = self.server.engine.submit(self.request,
