@@ -50,6 +50,7 @@ from coa_jax.rl.settings import RLSettings
 from coa_jax.rl.staleness import QueueClosed, StalenessQueue
 from coa_jax.rollout import Rollout
 from coa_jax.runtime import distributed, paths, sharding
+from coa_jax.serving.agent import AgentRollout
 
 PLOT_KEYS = ("reward", "accuracy", "response_len", "entropy", "stale", "behaviour_weight")
 SHOWN = ("reward", "accuracy", "kept", "pg_loss", "queue_depth", "staleness_mean", "stale",
@@ -82,8 +83,11 @@ class RolloutWorker:
   def __init__(self, trainer: "AsyncTrainer", queue: StalenessQueue, box: PolicyBox):
     self.trainer, self.queue, self.box = trainer, queue, box
     base = trainer.engine
-    self.engine = Rollout(base.sampler, None, base.tokenizer, base.tools, base.config,
-                          base.system_prompt)
+    if isinstance(base, AgentRollout):  # an agent program's sessions, on an engine of their own
+      self.engine = base.fork()
+    else:
+      self.engine = Rollout(base.sampler, None, base.tokenizer, base.tools, base.config,
+                            base.system_prompt)
     self.engine.version, self.engine.params = box.latest()
     self.engine.key = jax.random.fold_in(jax.random.key(trainer.settings.seed), queue.version)
     self.engine.before_chunk = self._before_chunk
@@ -107,6 +111,8 @@ class RolloutWorker:
     self.queue.close()
     if self.thread.is_alive():
       self.thread.join(timeout)
+    if isinstance(self.engine, AgentRollout):
+      self.engine.close()
 
   def drain(self) -> tuple[list[ScoredGroup], dict[str, int], float, int]:
     """Returns the groups scored since the last drain, the dynamic-sampling counts, the

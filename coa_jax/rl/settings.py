@@ -94,9 +94,6 @@ class RLConfig:
       raise ConfigError(f"negative_weight={self.negative_weight} scales group advantages; "
                         f"with advantage='gae' it must be 1")
     self.policy_loss()  # its checks name the field
-    if self.agent and self.async_.enabled:
-      raise ConfigError(f"agent={self.agent!r} runs with the synchronous trainer; set "
-                        f"rl.async.enabled=False")
 
   @property
   def uses_critic(self) -> bool:

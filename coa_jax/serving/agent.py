@@ -9,13 +9,20 @@ rewards (which read the session's last completion as the response). A function t
 (to run on the client's side), the rollout limits. An `async def` function gets an
 `openai.AsyncOpenAI` client.
 
-`AgentRollout` has the built-in tool loop's interface (`run`, `key`, `params`, `sampler`,
-`tools`), so the synchronous trainer takes either: `group_size` sessions per task run
-concurrently against the current policy, every call is sampled with the trainer's sampling
-settings (the policy the update assumes) and each session's sample is built from its recorded
-ids (`serving.sessions`). Sessions get the built-in rollout's row seeds (`sample_seed`) and the
-run's key: the built-in loop written as an agent function (`coa_loop`) samples exactly what the
-built-in rollout samples.
+`AgentRollout` has the built-in tool loop's interface (`run`, `key`, `params`, `version`,
+`before_chunk`, `in_flight`, `sampler`, `tools`), so both trainers take either: `group_size`
+sessions per task run concurrently against the current policy, every call is sampled with the
+trainer's sampling settings (the policy the update assumes) and each session's sample is built
+from its recorded ids (`serving.sessions`). Sessions get the built-in rollout's row seeds
+(`sample_seed`) and the run's key: the built-in loop written as an agent function (`coa_loop`)
+samples exactly what the built-in rollout samples.
+
+The asynchronous trainer feeds `run` a task source that yields None while its staleness budget
+is spent and sessions are in flight; `before_chunk` is then called at least every
+`POLL_S` seconds and may swap the weights (`version`, then `params`). A call decoding at the swap
+continues with the new weights, and every token keeps the version that sampled it; a session's
+next call after a swap prefills its history again with the new weights (the engine drops parked
+caches when the weights change).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import openai
 from coa_jax.data import Task
 from coa_jax.data.tokenizer import CoATokenizer
 from coa_jax.model import ConfigError, ModelConfig
-from coa_jax.rollout.sampler import SamplingConfig
+from coa_jax.rollout.sampler import Sampler, SamplingConfig
 from coa_jax.rollout.tool_loop import (RolloutConfig, RolloutRecord, malformed_call, sample_seed,
                                        stop_ids)
 from coa_jax.serving.api import Server, ThreadServer, create_app
@@ -73,16 +80,20 @@ class AgentRollout:
   """The tool loop's interface over agent programs served by an in-process endpoint."""
 
   MODEL = "policy"
+  POLL_S = 0.05  # the longest wait between `before_chunk` calls while sessions run
 
   def __init__(self, agent: Callable[..., Any], model_config: ModelConfig, mesh,
                tokenizer: CoATokenizer, tools: ToolRegistry, config: RolloutConfig,
                system_prompt: str, sampling: SamplingConfig, slots: int, chunk: int,
-               seed: int = 0, workers: int = 0):
+               seed: int = 0, workers: int = 0, sampler: Sampler | None = None):
     self.agent, self.config, self.tokenizer, self.tools = agent, config, tokenizer, tools
     self.sampling = sampling
+    self._fork_args = (agent, model_config, mesh, tokenizer, tools, config, system_prompt,
+                       sampling, slots, chunk, seed, workers)
     settings = EngineSettings(slots=slots, cache_size=config.cache_size, chunk=chunk,
                               max_queue=max(256, 4 * slots), max_top_logprobs=0, seed=seed)
-    self.engine = Engine(model_config, mesh, None, settings, stop_ids(tokenizer)).start()
+    self.engine = Engine(model_config, mesh, None, settings, stop_ids(tokenizer),
+                         sampler).start()
     self.sampler = self.engine.sampler  # the trainer casts its weights with it
     self.server = Server(self.engine, tokenizer, self.MODEL, system_prompt,
                          config.max_observation_tokens, config.max_response_tokens,
@@ -95,9 +106,18 @@ class AgentRollout:
     self._pool = concurrent.futures.ThreadPoolExecutor(workers or slots, "agent")
     self.key = jax.random.key(seed)
     self.shard = (jax.process_index(), jax.process_count())
-    self.version = 0
+    self.version = 0  # the policy version of `params`, tagged on every token it samples
+    self.before_chunk: Callable[[], None] | None = None  # may swap params and version
+    self.in_flight = 0  # sessions running
+    self.tokens_sampled = 0
     self.tool_wait_s = 0.0  # the engine decodes whoever is ready; no wait is the loop's own
     self._params = None
+
+  def fork(self) -> AgentRollout:
+    """Returns another rollout of the same agent with an engine (and endpoint) of its own on
+    the same devices, sharing this one's compiled programs: the asynchronous trainer's worker
+    rolls out on it while the trainer evaluates on this one."""
+    return AgentRollout(*self._fork_args, sampler=self.sampler)
 
   @property
   def params(self) -> Any:
@@ -105,34 +125,53 @@ class AgentRollout:
 
   @params.setter
   def params(self, params: Any) -> None:
-    """The trainer's sampling weights for the next rollouts (None between them)."""
+    """The sampling weights (version `version`) for the calls from the engine's next round
+    on (None between the synchronous trainer's rollouts: nothing is served then)."""
     self._params = params
     if params is not None:
-      self.version += 1
       self.engine.set_params(params, self.version)
 
-  def run(self, tasks: Iterable[Task]) -> Iterator[list[RolloutRecord]]:
-    """Yields each task's group of samples, in the order the groups finish."""
+  def run(self, tasks: Iterable[Task | None]) -> Iterator[list[RolloutRecord]]:
+    """Yields each task's group of samples, in the order the groups finish. A None from `tasks`
+    means no task now: it is asked again once a session ends or `POLL_S` has passed."""
     key, self.key = jax.random.split(self.key)
     self.engine.set_key(key)
     run = uuid.uuid4().hex[:8]
     n = self.config.group_size
     pending: dict[concurrent.futures.Future, tuple[int, int]] = {}
     groups: dict[int, list] = {}
-    for taken, task in enumerate(tasks):
-      number = self.shard[0] + self.shard[1] * taken
-      groups[number] = [task, [None] * n, 0]
-      for sample in range(n):
-        session = f"{run}-{number}-{sample}"
-        self.server.session_seeds[session] = sample_seed(number, sample, n)
-        pending[self._pool.submit(self._session, task, session, sample)] = (number, sample)
-    for future in concurrent.futures.as_completed(pending):
-      number, sample = pending[future]
-      group = groups[number]
-      group[1][sample] = future.result()
-      group[2] += 1
-      if group[2] == n:
-        yield group[1]
+    tasks, taken = iter(tasks), 0
+    while tasks is not None or pending:
+      task = next(tasks, StopIteration) if tasks is not None else None
+      if task is StopIteration:
+        tasks = None
+      elif task is not None:
+        number = self.shard[0] + self.shard[1] * taken
+        taken += 1
+        groups[number] = [[None] * n, 0]
+        for sample in range(n):
+          session = f"{run}-{number}-{sample}"
+          self.server.session_seeds[session] = sample_seed(number, sample, n)
+          pending[self._pool.submit(self._session, task, session, sample)] = (number, sample)
+        self.in_flight = len(pending)
+        continue
+      if tasks is None:  # every task is out: only the sessions' ends matter
+        done = next(concurrent.futures.as_completed(pending)),
+      else:
+        done = concurrent.futures.wait(pending, self.POLL_S,
+                                       concurrent.futures.FIRST_COMPLETED)[0]
+      if self.before_chunk:
+        self.before_chunk()
+      for future in done:
+        number, sample = pending.pop(future)
+        group = groups[number]
+        group[0][sample] = record = future.result()
+        self.tokens_sampled += sum(record.loss_mask)
+        group[1] += 1
+        if group[1] == n:
+          del groups[number]
+          yield group[0]
+      self.in_flight = len(pending)
 
   def _session(self, task: Task, session: str, sample: int) -> RolloutRecord:
     """Runs the agent function once; returns the session's sample."""

@@ -201,15 +201,17 @@ class Engine:
   """Continuous batching over one `Sampler`; see the module docstring."""
 
   def __init__(self, model_config: ModelConfig, mesh: Mesh, params: Any,
-               settings: EngineSettings, stop_ids: Sequence[int]):
+               settings: EngineSettings, stop_ids: Sequence[int],
+               sampler: Sampler | None = None):
+    """`sampler`: another engine's, to share its compiled programs (the same settings)."""
     if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
       raise ConfigError("the serving engine decodes on one process's devices (each host of an "
                         "RL job serves on its own decode mesh)")
     self.settings = settings
-    self.sampler = Sampler(model_config, mesh, batch_size=settings.slots,
-                           cache_size=settings.cache_size, chunk=settings.chunk,
-                           stop_ids=stop_ids, sampling=None,
-                           top_logprobs=settings.max_top_logprobs)
+    self.sampler = sampler or Sampler(model_config, mesh, batch_size=settings.slots,
+                                      cache_size=settings.cache_size, chunk=settings.chunk,
+                                      stop_ids=stop_ids, sampling=None,
+                                      top_logprobs=settings.max_top_logprobs)
     self.stop_ids = frozenset(int(i) for i in stop_ids)
     # None: nothing is decoded until `set_params` (an RL trainer's weights arrive per step).
     self._params = None if params is None else self.sampler.sampling_params(params)
