@@ -169,3 +169,52 @@ def test_clipped_value_loss_and_gradient_match_numpy(clip):
   np.testing.assert_allclose(float(metrics["value_clip_frac"]), want_frac, rtol=1e-6)
   assert (want_frac > 0) == bool(clip)
   np.testing.assert_allclose(float(metrics["value_pred_mean"]), v[mask > 0].mean(), rtol=1e-5)
+
+
+def _packed(mask, values, outcome, cuts):
+  """Row 0 cut into segments at `cuts` (each an episode with the row's outcome): the packed row,
+  its segment ids, and the separate rows it packs (each at the start of its own row)."""
+  t = mask.shape[1]
+  n = int(np.flatnonzero(mask[0]).max()) + 2  # the row's tokens, padding after
+  bounds = [0, *cuts, n]
+  segment_ids = np.zeros((1, t), np.int32)
+  rows = np.zeros((len(cuts) + 1, t), np.int32), np.zeros((len(cuts) + 1, t), np.float32)
+  for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    segment_ids[0, a:b] = s + 1
+    rows[0][s, :b - a], rows[1][s, :b - a] = mask[0, a:b], values[0, a:b]
+  packed_mask = np.where(np.arange(t) < n, mask[0], 0)[None]
+  return packed_mask, values[:1], segment_ids, rows, np.full(len(cuts) + 1, outcome[0])
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_each_packed_segment_is_an_episode_of_its_own(adaptive):
+  """A row of packed samples (an agent session's calls, one sample each) gets, segment by
+  segment, the advantages and returns of the samples as separate rows; its last segment
+  continues from the row's bootstrap value, the others end terminal."""
+  mask, values, outcome = _rows(seed=4)
+  mask[0, :] = 0
+  mask[0, [1, 2, 5, 6, 7, 11, 12, 15, 16, 17]] = 1  # trainable spans in three segments
+  packed_mask, packed_values, segment_ids, (rows_mask, rows_values), outcomes = _packed(
+      mask, values, outcome, cuts=[4, 9])
+  seg = jnp.asarray(segment_ids)
+  rewards = gae_lib.outcome_rewards(jnp.asarray(outcome[:1]), jnp.asarray(packed_mask), seg)
+  assert list(np.flatnonzero(np.asarray(rewards)[0])) == [2, 7, 17]  # each segment's last
+  alpha = 0.5
+  lam = (gae_lib.adaptive_lambda(jnp.asarray(packed_mask), alpha, seg) if adaptive
+         else jnp.full((1,), 0.9))
+  lams = (gae_lib.adaptive_lambda(jnp.asarray(rows_mask), alpha) if adaptive
+          else jnp.full((3,), 0.9))
+  if adaptive:  # segments of 2, 3 and 5 trainable tokens
+    np.testing.assert_allclose(np.asarray(lam)[0, [1, 5, 11]], np.asarray(lams), rtol=1e-6)
+  bootstrap = 0.6
+  adv, ret = gae_lib.gae(rewards, jnp.asarray(packed_values), jnp.asarray(packed_mask), 0.99,
+                         lam, jnp.full((1,), bootstrap), seg)
+  want_adv, want_ret = _numpy_gae(np.asarray(gae_lib.outcome_rewards(
+      jnp.asarray(outcomes), jnp.asarray(rows_mask))), rows_values, rows_mask, 0.99,
+      np.asarray(lams), np.array([0.0, 0.0, bootstrap], np.float32))
+  for s, start in enumerate([0, 4, 9]):
+    where = np.flatnonzero(rows_mask[s])
+    np.testing.assert_allclose(np.asarray(adv)[0, start + where], want_adv[s, where], rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ret)[0, start + where], want_ret[s, where], rtol=1e-5,
+                               atol=1e-5)

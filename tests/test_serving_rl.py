@@ -5,6 +5,7 @@ devices, the weights swapped while they run, staleness bounded)."""
 
 import json
 
+import numpy as np
 import pytest
 
 from coa_jax.rl import job as rl_job
@@ -36,9 +37,10 @@ def test_a_toy_agent_gains_reward_through_the_endpoint(tmp_path, asynchronous):
   config.rl = common.rl(steps=6, batch_groups=4, prompts_per_round=4, max_rounds=1,
                         mini_batch_groups=2, overlong_shaping=False, eval_every=100,
                         dynamic_sampling=False, agent="test_serving_rl:low_ids_agent")
-  if asynchronous:  # 4 devices decode, 4 train
+  if asynchronous:  # 4 devices decode, 4 train; PPO, its critic on each call's sample
     config.mesh = common.mesh(data=1, fsdp=2, tensor=2)
     config.rl["async"].update(enabled=True, staleness=1)
+    config.rl.update(advantage="gae", negative_weight=1.0)
   config.optimizer = common.optimizer(learning_rate=1e-2, schedule="constant", weight_decay=0.0)
   config.checkpoint = common.checkpoint(str(tmp_path / "ckpt"), every=100, async_save=False)
   config.workdir, config.export_dir = str(tmp_path), ""
@@ -52,4 +54,5 @@ def test_a_toy_agent_gains_reward_through_the_endpoint(tmp_path, asynchronous):
   assert all(row["logp_diff_max"] < 1e-5 for row in rows if not row.get("stale"))
   if asynchronous:
     assert all(row["staleness_0"] + row["staleness_1"] == 4 for row in rows)  # bounded
+    assert all(np.isfinite(row["value_loss"]) for row in rows)
     assert sum(row["staleness_1"] + row["stale_dropped"] for row in rows) > 0  # ran ahead

@@ -10,7 +10,8 @@ rules on the same mesh, and it is checkpointed with the actor.
 A step: the critic values every rollout token (the value at position t is read after input
 token t, the state in which target t, the next token, is sampled; a bootstrapped row also gets
 the value after its last token, `values_with_value_after`); masked GAE (`coa_jax.losses.gae`) turns each sample's outcome
-reward, placed on its last trainable token, into token advantages for the actor (lambda_actor,
+reward, placed on its last trainable token (on each segment's, for an agent session's calls
+packed one sample each), into token advantages for the actor (lambda_actor,
 or VAPO's length-adaptive lambda) and returns for the critic (lambda_critic); the advantages
 are whitened over the step's trainable tokens. The actor then takes the DAPO update with these
 token advantages, and the critic the clipped value loss (token-mean over the loss mask). Each
@@ -178,13 +179,14 @@ def estimate(model: Transformer, config: CriticConfig, params: Any, batch: Polic
     next_value_B = jnp.where(batch.bootstrap, after_B, 0.0)
   else:
     values_BxT = values(model, params, batch)
-  rewards_BxT = gae_lib.outcome_rewards(batch.rewards, mask)
-  lam_actor = (gae_lib.adaptive_lambda(mask, config.adaptive_lambda) if config.adaptive_lambda
-               else config.lambda_actor)
+  segments = batch.segment_ids  # packed samples: an episode each
+  rewards_BxT = gae_lib.outcome_rewards(batch.rewards, mask, segments)
+  lam_actor = (gae_lib.adaptive_lambda(mask, config.adaptive_lambda, segments)
+               if config.adaptive_lambda else config.lambda_actor)
   advantages, _ = gae_lib.gae(rewards_BxT, values_BxT, mask, config.gamma, lam_actor,
-                              next_value_B)
+                              next_value_B, segments)
   _, returns = gae_lib.gae(rewards_BxT, values_BxT, mask, config.gamma, lambda_critic,
-                           next_value_B)
+                           next_value_B, segments)
   # Targets, not functions of the critic: neither update's gradient reaches the other's params.
   advantages, returns = jax.lax.stop_gradient((advantages, returns))
   moments = jnp.stack([gae_lib.masked_moments(advantages, mask),

@@ -270,9 +270,6 @@ class Trainer:
     the critic's warm-up and pre-training."""
     rl = self.settings.rl
     records = [record for group in kept for record in group.records]
-    if self.critic is not None and any(record.segments for record in records):
-      raise ValueError("PPO's critic needs each sample to be one sequence: an agent session "
-                       "whose calls do not extend each other packs one sample a call")
     scores = np.array([g.scores for g in kept])
     outcomes = None
     if self.critic is None:
