@@ -1,7 +1,8 @@
-"""Every GPU figure of issue 53 in one call on a lent GPU: decode against HF `generate` and the
-HBM roofline, the 1.5B train steps against HF transformers and PEFT, the 7B LoRA preset's step
-and memory, and the per-kernel profiles traced on the GPU, in one table against the issue's
-targets (docs/benchmarks.md#the-prepared-gpu-check-make-device-check).
+"""Every GPU figure in one call on a lent GPU: decode against HF `generate` and the HBM
+roofline, the 1.5B train steps against HF transformers and PEFT, serving at 16, 64 and 128
+concurrent sessions, the 7B LoRA preset's step and memory, and the per-kernel profiles traced on
+the GPU, in one table against the targets
+(docs/benchmarks.md#the-prepared-gpu-check-make-device-check).
 
 Here, once: the packages the device machine lacks (ml_collections, grain and two of grain's),
 as wheels at the lock's versions in .whl/ (git ignores it):
@@ -31,6 +32,9 @@ with its log's tail. The steps, in order of value (--only picks some):
   decode_b128         against HF generate; and at batch 128
   train_1p5b          experiments/bench_model.py: the 1.5B train step's MFU against HF
   train_1p5b_lora     transformers; its LoRA step's against PEFT
+  serve_1p5b          experiments/bench_serve.py: 16, 64 and 128 concurrent sessions of the
+                      official openai client against the roofline, HF generate and the
+                      offline sampler
   sft_7b_lora         experiments/device_fit.py: the 7B LoRA preset's step, MFU and memory
   profile_decode_b16  experiments/profile_step.py, traced here: per-kernel tables
   profile_train_1p5b
@@ -116,7 +120,7 @@ class Step:
   """One command of the check and how its figures become a row."""
   name: str
   what: str
-  kind: str  # how its JSON reads: env, decode, train, preset or profile
+  kind: str  # how its JSON reads: env, decode, train, serve, preset or profile
   argv: tuple[str, ...]  # after the Python interpreter
   output: str  # the JSON the command writes
   share_s: float  # its time limit, when the budget has that much left
@@ -165,6 +169,13 @@ def plan(smoke: bool, scratch: str) -> list[Step]:
         ("experiments/bench_model.py", f"--config={bench_config}", f"--models={spec}",
          f"--output={out(name)}", *extra, *([f"--config.steps.{spec}=2"] if smoke else [])),
         out(name), 120, 45, target, peer=peer))
+  serve = (["--preset=tiny", "--dtype=float32", "--sessions=2,4", "--max_tokens=8"] if smoke else
+           [f"--preset={model}", "--dtype=bfloat16", "--sessions=16,64,128"])
+  steps.append(Step(
+      "serve_1p5b", f"serving: 16, 64 and 128 concurrent sessions of the openai client ({model})",
+      "serve", ("experiments/bench_serve.py", *serve, "--peers", "--nosecond_turn",
+                f"--out={out('serve_1p5b')}"), out("serve_1p5b"), 150, 60,
+      peer="HF generate"))
   steps.append(Step(
       "sft_7b_lora", "7B LoRA SFT preset (sft_qwen2_5_7b_lora_gpu): step and memory", "preset",
       ("experiments/device_fit.py", "--config=configs/sft_qwen2_5_7b_lora_gpu.py",
@@ -295,6 +306,17 @@ def _train_cells(figures: dict, cells: dict, step: Step) -> dict:
   return dict(mfu=r["jax_mfu"], ratio=r["ratio"])
 
 
+def _serve_cells(figures: dict, cells: dict, step: Step) -> dict:
+  rows = figures["rows"]
+  cells.update(
+      coa_jax="; ".join(f"{r['sessions']}: {r['served']['tokens_per_s']:,.0f} tok/s, "
+                        f"{r['served_of_roofline']:.1%} of the roofline, "
+                        f"{r['served_over_offline']:.2f}x the offline sampler" for r in rows),
+      peer="; ".join(f"{r['sessions']}: {r['hf_tokens_per_s']:,.0f} tok/s" for r in rows),
+      ratio="; ".join(f"{r['served_over_hf']:.2f}x" for r in rows))
+  return {}
+
+
 def _preset_cells(figures: dict, cells: dict, step: Step) -> dict:
   gib = lambda b: "n/a" if b is None else f"{b / (1 << 30):.2f} GiB"
   mfu = "n/a" if figures["mfu"] is None else f"{figures['mfu']:.1%}"
@@ -313,14 +335,14 @@ def _profile_cells(figures: dict, cells: dict, step: Step) -> dict:
   return {}
 
 
-_CELLS = dict(env=_env_cells, decode=_decode_cells, train=_train_cells, preset=_preset_cells,
-              profile=_profile_cells)
+_CELLS = dict(env=_env_cells, decode=_decode_cells, train=_train_cells, serve=_serve_cells,
+              preset=_preset_cells, profile=_profile_cells)
 
 
 def markdown(info: dict, rows: list[dict], results: list[dict]) -> str:
   """Returns device_check.md: where it ran, the table, and the log tails of the steps that
   did not finish."""
-  lines = ["# Issue 53 on a GPU: experiments/device_check.py", ""]
+  lines = ["# The GPU figures: experiments/device_check.py", ""]
   lines += [f"- {k}: {v}" for k, v in info.items() if k not in ("versions", "smi")]
   lines += [f"- nvidia-smi: {info['smi']}",
             "- versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()), ""]

@@ -110,8 +110,8 @@ def test_a_step_runs_under_its_share_or_what_is_left_and_is_skipped_below_its_mi
 def test_the_plan_runs_the_issues_benches_in_order_of_value_and_keeps_few_files(smoke):
   steps = device_check.plan(smoke, "/scratch")
   assert [s.name for s in steps] == [
-      "env", "decode_b16", "decode_b128", "train_1p5b", "train_1p5b_lora", "sft_7b_lora",
-      "profile_decode_b16", "profile_train_1p5b"]
+      "env", "decode_b16", "decode_b128", "train_1p5b", "train_1p5b_lora", "serve_1p5b",
+      "sft_7b_lora", "profile_decode_b16", "profile_train_1p5b"]
   for step in steps[1:]:
     assert (ROOT / step.argv[0]).is_file() and step.output.startswith("/scratch/")
   by_name = {s.name: s for s in steps}
@@ -125,6 +125,8 @@ def test_the_plan_runs_the_issues_benches_in_order_of_value_and_keeps_few_files(
     assert "--config=configs/bench_model_gpu.py" in by_name["decode_b16"].argv
     assert "--models=qwen2_5_1_5b_lora" in by_name["train_1p5b_lora"].argv
     assert "--steps=2" in by_name["sft_7b_lora"].argv
+    assert {"--preset=qwen2_5_1_5b", "--sessions=16,64,128", "--peers"} <= set(
+        by_name["serve_1p5b"].argv)
     assert "--target=train_1p5b" in by_name["profile_train_1p5b"].argv
     assert by_name["decode_b16"].target.text() == ">= 60% of the HBM roofline, >= 3x the peer"
     assert by_name["decode_b128"].target.text() == ">= 70% of the HBM roofline"

@@ -13,6 +13,12 @@
 
 The served run pays for HTTP, JSON, scheduling between chunks and detokenizing; the ratio of
 its tokens per second to the offline sampler's is what serving costs.
+
+4. **Against the hardware and a peer** (on a GPU, `experiments/device_check.py`): the served
+   tokens per second as a fraction of the decode roofline (every weight and each row's filled
+   KV slots read once a step at the memory bandwidth, or 2 x params FLOPs a row at the peak,
+   whichever binds: `roofline`), and HF transformers `generate` on the same weights, batch,
+   prompt length and new tokens (greedy, its static cache: `bench.hf_agent_decode`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import openai
 
 from coa_jax.data.tokenizer import CoATokenizer
 from coa_jax.model import ModelConfig
+from coa_jax.perf import bench
 from coa_jax.rollout.sampler import RowSampling, Sampler, SamplingConfig
 from coa_jax.serving.api import Server, ThreadServer, create_app
 from coa_jax.serving.engine import Engine, EngineSettings
@@ -171,3 +178,32 @@ def second_turn(url: str, server: Server, cold_url: str, cold: Server, firsts: l
     out[f"{name}_prefill_tokens"] = state.engine.stats["prefill_tokens"] - before
     out[f"{name}_ttft_p50_s"] = float(np.percentile([r["ttft"] for r in results], 50))
   return out
+
+
+def prompt_len(tokenizer: CoATokenizer, system_prompt: str, sessions: int) -> int:
+  """The sessions' mean prompt length in tokens."""
+  return round(np.mean([len(tokenizer.prompt_ids(system_prompt, q))
+                        for q in questions(sessions)]))
+
+
+def roofline(model_config: ModelConfig, sessions: int, prompt: int, work: Work,
+             bandwidth: float, peak: float) -> dict[str, Any]:
+  """Returns the decode roofline of `sessions` rows generating `work.max_tokens` after prompts
+  of `prompt` tokens: tokens/s at the binding limit, and which binds."""
+  filled = prompt + work.max_tokens / 2  # a row's filled slots, averaged over its steps
+  bounds = {"memory": bench.decode_step_bytes(model_config, sessions, filled) / bandwidth,
+            "compute": 2 * model_config.num_params() * sessions / peak}
+  bound = max(bounds, key=bounds.get)
+  return {"roofline_tokens_per_s": sessions / bounds[bound], "bound": bound}
+
+
+def hf_generate(folder: str, model_config: ModelConfig, sessions: int, prompt: int,
+                work: Work) -> float:
+  """Tokens/s of HF transformers `generate` on the checkpoint in `folder`: `sessions` random
+  prompts of `prompt` tokens, `work.max_tokens` new tokens each, greedy."""
+  decode = bench.AgentDecode(prompt_len=prompt, new_tokens=work.max_tokens, rounds=1,
+                             observation_len=0)
+  prompts, observations = decode.inputs(sessions, model_config.vocab_size)
+  seconds, _ = bench.hf_agent_decode(folder, model_config.dtype, decode, prompts, observations,
+                                     warmup=1, steps=1)
+  return sessions * work.max_tokens / seconds
