@@ -107,8 +107,11 @@ def get_config() -> ml_collections.ConfigDict:
       # Failed samples get no push down (negative_weight 0): with 32 samples a step, pushing
       # down the wrong digits of failed look-ups also weakened the copying that every family
       # uses (arithmetic fell). Successes alone move the policy to the code tool.
+      # agent: "" rolls out with the built-in tool loop; "coa_jax.serving.agent:coa_loop", the
+      # same loop as an agent program through the trainer's own endpoint (docs/serving.md).
       rl=dict(steps=16, batch_groups=8, prompts_per_round=8, max_rounds=1, mini_batch_groups=4,
-              overlong_cache=64, eval_every=1000, dynamic_sampling=False, negative_weight=0.0)))
+              overlong_cache=64, eval_every=1000, dynamic_sampling=False, negative_weight=0.0,
+              agent="")))
   # RL query selection (coa_jax.rl.query_selection): before DAPO, the SFT model samples k
   # solutions of each of the first max_tasks training tasks, and DAPO trains on the tasks whose
   # pass rate lies in [low, high]. [0, 1]: off (every task, nothing sampled).
