@@ -156,7 +156,7 @@ class AgentRollout:
         self.in_flight = len(pending)
         continue
       if tasks is None:  # every task is out: only the sessions' ends matter
-        done = next(concurrent.futures.as_completed(pending)),
+        done = {next(concurrent.futures.as_completed(pending))}
       else:
         done = concurrent.futures.wait(pending, self.POLL_S,
                                        concurrent.futures.FIRST_COMPLETED)[0]
