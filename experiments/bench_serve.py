@@ -26,6 +26,7 @@ from absl import app, flags
 
 from coa_jax.data import prompts
 from coa_jax.data.tokenizer import default_tokenizer
+from coa_jax.evaluation import model_settings
 from coa_jax.model import ModelSettings, Transformer, build_config
 from coa_jax.perf import bench, serve_bench
 from coa_jax.rollout.tool_loop import stop_ids
@@ -60,6 +61,10 @@ def model(tokenizer, mesh):
                                   f"parameters, random weights, {_DTYPE.value})")
   trained = os.path.isdir(_MODEL.value)
   spec = dict(pipeline_tiny_cpu.get_config().model)
+  saved = os.path.join(_MODEL.value, model_settings.FILE)
+  if os.path.isfile(saved):  # the shape the run that trained it saved (make serve reads it too)
+    with open(saved) as f:
+      spec.update(json.load(f)["model"])
   spec["checkpoint"] = _MODEL.value if trained else ""
   model_config, params = load_model(ModelSettings.from_section(spec), tokenizer, mesh)
   if params is None:
