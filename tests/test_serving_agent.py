@@ -3,6 +3,9 @@ loop written as an agent function over the OpenAI client samples exactly what th
 rollout samples, and an agent's own reward, errors and async functions reach the samples."""
 
 
+import concurrent.futures
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -14,8 +17,8 @@ from coa_jax.model.transformer import Transformer
 from coa_jax.rollout.sampler import Sampler, SamplingConfig
 from coa_jax.rollout.tool_loop import Rollout, RolloutConfig, stop_ids
 from coa_jax.runtime import sharding
-from coa_jax.serving.agent import AgentRollout, coa_loop, load_agent
-from tools_env import Tool, ToolRegistry
+from coa_jax.serving.agent import AgentContext, AgentRollout, coa_loop, load_agent
+from tools_env import Tool, ToolRegistry, TrajectoryTools
 
 TOKENIZER = default_tokenizer("plain")
 SYSTEM = "You are an agent."
@@ -111,3 +114,30 @@ def test_an_agent_is_named_module_colon_function():
   for bad in ("coa_loop", "coa_jax.serving.agent:nothing", "no.such.module:f"):
     with pytest.raises(ConfigError, match="rl.agent"):
       load_agent(bad)
+
+
+class Slow(Tool):
+  tag = "slow"
+
+  def _run(self, body, goal):
+    if body == "raise":
+      raise RuntimeError("it broke")
+    time.sleep(float(body))
+    return "done", {}
+
+
+def test_an_agents_tool_calls_run_as_the_builtin_loop_runs_them():
+  """On the rollout's tool workers, with its timeout and its error observations."""
+  config = RolloutConfig(group_size=1, tool_workers=2, tool_timeout_s=0.3)
+  pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers)
+  context = AgentContext("policy", ToolRegistry({"slow": Slow()}), ("slow",), config, SYSTEM, pool)
+  session = TrajectoryTools(context.tools, "a question")
+  try:
+    assert context.call_tool(session, "slow", "0").observation == "done"
+    late = context.call_tool(session, "slow", "2")
+    assert (late.ok, late.error_kind) == (False, "timeout") and "0.3 s" in late.observation
+    broken = context.call_tool(session, "slow", "raise")
+    assert broken.error_kind == "tool_error" and "it broke" in broken.observation
+    assert context.call_tool(session, "slow", "").error_kind == "bad_request"  # not run
+  finally:
+    pool.shutdown(wait=False, cancel_futures=True)

@@ -70,6 +70,19 @@ def malformed_call(tag: str) -> ToolResult:
                     f"{coa_format.closing(tag)} with a non-empty body", False, "bad_request")
 
 
+def call_result(future: concurrent.futures.Future, timed_out: bool,
+                timeout_s: float) -> ToolResult:
+  """The observation of a submitted tool call: its result; an error observation when it raised,
+  or when it is still running past `timeout_s` (`timed_out`; it is cancelled if not started)."""
+  if not future.done() and timed_out:
+    future.cancel()
+    return ToolResult(f"Error: the tool did not answer within {timeout_s:g} s", False, "timeout")
+  try:
+    return future.result()
+  except Exception as e:  # noqa: BLE001 - a failing tool becomes an observation
+    return ToolResult(f"Error: the tool failed: {type(e).__name__}: {e}", False, "tool_error")
+
+
 def observation_bucket(cap: int) -> int:
   """Returns the padded length of the longest extend: an observation of `cap` tokens plus its
   tags."""
@@ -384,7 +397,7 @@ class Rollout:
       timed_out = now - row.submitted > self.config.tool_timeout_s
       if not row.future.done() and not timed_out:
         continue
-      result = self._result(row.future, timed_out)
+      result = call_result(row.future, timed_out, self.config.tool_timeout_s)
       row.future = None
       record = row.record
       record.tool_s += now - row.submitted
@@ -405,16 +418,6 @@ class Rollout:
     if appends:
       state = self.sampler.extend_rows(self.params, state, appends)
     return state
-
-  def _result(self, future, timed_out: bool) -> ToolResult:
-    if not future.done() and timed_out:
-      future.cancel()
-      return ToolResult(f"Error: the tool did not answer within {self.config.tool_timeout_s:g} s",
-                        False, "timeout")
-    try:
-      return future.result()
-    except Exception as e:  # noqa: BLE001 - a failing tool becomes an observation
-      return ToolResult(f"Error: the tool failed: {type(e).__name__}: {e}", False, "tool_error")
 
   def _observation_ids(self, text: str) -> list[int]:
     return observation_ids(self.tokenizer, text, self.config.max_observation_tokens)

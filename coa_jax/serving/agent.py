@@ -43,8 +43,8 @@ from coa_jax.data import Task
 from coa_jax.data.tokenizer import CoATokenizer
 from coa_jax.model import ConfigError, ModelConfig
 from coa_jax.rollout.sampler import Sampler, SamplingConfig
-from coa_jax.rollout.tool_loop import (RolloutConfig, RolloutRecord, malformed_call, sample_seed,
-                                       stop_ids)
+from coa_jax.rollout.tool_loop import (RolloutConfig, RolloutRecord, call_result, malformed_call,
+                                       sample_seed, stop_ids)
 from coa_jax.serving.api import Server, ThreadServer, create_app
 from coa_jax.serving.engine import Engine, EngineSettings
 from coa_jax.serving.sessions import session_record
@@ -60,6 +60,18 @@ class AgentContext:
   tool_tags: tuple[str, ...]  # the tools the model has tags for (a request may declare them)
   rollout: RolloutConfig  # the limits the built-in rollout keeps (turns, response tokens)
   system_prompt: str
+  tool_pool: concurrent.futures.Executor  # `rollout.tool_workers` threads, every session's
+
+  def call_tool(self, session: TrajectoryTools, tag: str, body: str) -> ToolResult:
+    """Runs a tool call as the built-in loop does: on the rollout's `tool_workers` threads
+    (shared by every session), its error observation for a malformed call (an empty body), a
+    tool that raises or one still running `tool_timeout_s` after the call was submitted."""
+    if not body:
+      return malformed_call(tag)
+    future = self.tool_pool.submit(session.call, tag, body)
+    timeout = self.rollout.tool_timeout_s
+    concurrent.futures.wait([future], timeout)
+    return call_result(future, not future.done(), timeout)
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
@@ -101,7 +113,9 @@ class AgentRollout:
                          session_response_tokens=config.max_response_tokens)
     self._http = ThreadServer(create_app(self.server))
     self.url = self._http.url
-    self.context = AgentContext(self.MODEL, tools, tokenizer.tool_tags, config, system_prompt)
+    self._tool_pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, "agent-tool")
+    self.context = AgentContext(self.MODEL, tools, tokenizer.tool_tags, config, system_prompt,
+                                self._tool_pool)
     self._takes_context = "context" in inspect.signature(agent).parameters
     self._pool = concurrent.futures.ThreadPoolExecutor(workers or slots, "agent")
     self.key = jax.random.key(seed)
@@ -220,13 +234,15 @@ class AgentRollout:
     self._http.close()
     self.engine.close(drain=False, timeout=30)
     self._pool.shutdown(wait=False, cancel_futures=True)
+    self._tool_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def coa_loop(task: Task, client: openai.OpenAI, context: AgentContext) -> None:
   """The built-in tool loop (`rollout.tool_loop.Rollout`) as an agent program: asks the model,
-  runs the tool it calls on this side (a malformed call gets the built-in loop's error), sends
-  the result back, until the model answers or stops, a call past `max_turns`, or the session's
-  response budget runs out (the endpoint ends it). Leaves scoring to the configured rewards."""
+  runs the tool it calls on this side as the built-in loop runs it (`AgentContext.call_tool`),
+  sends the result back, until the model answers or stops, a call past `max_turns`, or the
+  session's response budget runs out (the endpoint ends it). Leaves scoring to the configured
+  rewards."""
   tools = [{"type": "function", "function": {"name": tag, "parameters": {
       "type": "object", "properties": {"body": {"type": "string"}}}}} for tag in context.tool_tags]
   messages = [{"role": "system", "content": context.system_prompt},
@@ -239,10 +255,7 @@ def coa_loop(task: Task, client: openai.OpenAI, context: AgentContext) -> None:
       return None
     call = choice.message.tool_calls[0]
     name, body = call.function.name, json.loads(call.function.arguments)["body"]
-    try:
-      result = session.call(name, body) if body else malformed_call(name)
-    except Exception as e:  # noqa: BLE001 - a failing tool becomes an observation
-      result = ToolResult(f"Error: the tool failed: {type(e).__name__}: {e}", False, "tool_error")
+    result = context.call_tool(session, name, body)
     messages += [{"role": "assistant", "content": choice.message.content,
                   "tool_calls": [call.model_dump()]},
                  {"role": "tool", "tool_call_id": call.id, "content": result.observation}]
