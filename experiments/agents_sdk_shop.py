@@ -106,6 +106,8 @@ def _sdk_pass(model_dir: str, tasks_path: str, out: str) -> float:
         if server.poll() is not None:
           raise SystemExit(f"experiments/serve.py --model={model_dir} exited ({server.returncode})")
         time.sleep(1)
+    else:
+      raise SystemExit(f"experiments/serve.py --model={model_dir} did not answer /health in 600 s")
     import openai
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                 timeout=600)
