@@ -180,3 +180,25 @@ def test_sharded_serving_on_eight_devices_gives_the_one_device_tokens(params, ru
     assert [s.ids for s in eight.samples] == [s.ids for s in one.samples]
   finally:
     e.close()
+
+
+def test_a_warmed_up_engine_compiles_nothing_while_serving_and_samples_alike(mesh1, params,
+                                                                            running):
+  """Requests arriving alone, then together, decoding past two windows: every program was
+  compiled before the first one, and the tokens are those of an engine that was not warmed."""
+  e = engine(mesh1, params, cache_size=300, prefill_batch=2)
+  assert e.warm_up(len(PROMPT)) >= 4  # a prefill and the decode chunk at windows 128, 256, 300
+  before = e.sampler.compilations()
+  e.start()
+  try:
+    request = lambda seed: Request(PROMPT, max_tokens=40 + 70 * (seed % 3), sampling=HOT,
+                                   seed=seed)
+    first = e.generate(request(0), timeout=120)
+    handles = [e.submit(request(seed)) for seed in (1, 2, 3)]
+    results = [h.result(timeout=120) for h in handles]
+    assert e.sampler.compilations() == before
+    assert [len(r.samples[0].ids) for r in results] == [110, 180, 40]
+    cold = running.generate(Request(PROMPT, max_tokens=40, sampling=HOT, seed=0), timeout=120)
+    assert first.samples[0].ids == cold.samples[0].ids
+  finally:
+    e.close()

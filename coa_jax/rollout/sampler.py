@@ -474,10 +474,14 @@ class Sampler:
   def prefill_groups(self, params, state: DecodeState, groups: Sequence[tuple[Sequence[int],
                                                                               Sequence[int]]],
                      budgets: Sequence[int],
-                     seeds: Sequence[Sequence[int]] | None = None) -> DecodeState:
+                     seeds: Sequence[Sequence[int]] | None = None,
+                     pad_to: int | None = None) -> DecodeState:
     """Installs each (rows, prompt ids) group with its total-length budget and its rows'
-    sampling seeds (default: the row indices); pads to buckets."""
-    p = bucket(len(groups), 1)
+    sampling seeds (default: the row indices); pads the groups to `pad_to` (default: a power
+    of two) and the prompts to a bucket."""
+    if pad_to is not None and len(groups) > pad_to:
+      raise ValueError(f"{len(groups)} groups do not fit in pad_to={pad_to}")
+    p = pad_to or bucket(len(groups), 1)
     n = len(groups[0][0])
     t = bucket(max(len(ids) for _, ids in groups))
     rows = np.full((p, n), self.batch_size, np.int32)
