@@ -86,6 +86,30 @@ def test_a_chats_next_turn_reuses_the_cache_of_its_history(mesh1, params):
     fresh.close()
 
 
+def _drive(e, handles):
+  while not all(h.done for h in handles):
+    e.step()
+  return [h.result() for h in handles]
+
+
+def test_next_turns_arriving_together_resume_their_rows_beside_new_prompts(mesh1, params):
+  """Four chats' next turns arrive behind two new prompts, every row parked: the new prompts
+  take the rows nobody's history is in, the four resume theirs in one round, and each samples
+  what a fresh prefill does."""
+  e = engine(mesh1, params, slots=6)
+  prompts = [PROMPT[:3 + i] for i in range(6)]  # chats 0-3, then two that end
+  firsts = _drive(e, [e.submit(Request(p, max_tokens=6, sampling=GREEDY)) for p in prompts])
+  turns = [p + r.samples[0].ids + [40 + i] for i, (p, r) in enumerate(zip(prompts, firsts))][:4]
+  handles = [e.submit(Request([60 + i, 61, 62], max_tokens=4, sampling=GREEDY))
+             for i in range(2)] + [e.submit(Request(t, max_tokens=6, sampling=GREEDY))
+                                   for t in turns]
+  results = _drive(e, handles)
+  assert [r.cached_tokens for r in results] == [0, 0] + [len(t) - 1 for t in turns]
+  fresh = engine(mesh1, params, prefix_cache=False)
+  colds = _drive(fresh, [fresh.submit(Request(t, max_tokens=6, sampling=GREEDY)) for t in turns])
+  assert [r.samples[0].ids for r in results[2:]] == [r.samples[0].ids for r in colds]
+
+
 def test_a_request_stops_at_its_own_stop_token_and_at_the_engines(mesh1, params, running):
   greedy = running.generate(Request(PROMPT, max_tokens=12, sampling=GREEDY)).samples[0].ids
   stop = greedy[4]
@@ -202,3 +226,15 @@ def test_a_warmed_up_engine_compiles_nothing_while_serving_and_samples_alike(mes
     assert first.samples[0].ids == cold.samples[0].ids
   finally:
     e.close()
+
+
+def test_the_round_after_a_request_joins_is_short_and_samples_the_same_tokens(mesh1, params):
+  def events(first_chunk):
+    e, seen = engine(mesh1, params, first_chunk=first_chunk), []
+    handle = e.submit(Request(PROMPT, max_tokens=20, sampling=HOT, seed=9), seen.append)
+    _drive(e, [handle])
+    return [event.ids for event in seen if isinstance(event, Tokens)]
+  short, whole = events(1), events(8)
+  assert [len(ids) for ids in short] == [1, 8, 8, 3]
+  assert [len(ids) for ids in whole] == [8, 8, 4]
+  assert sum(short, []) == sum(whole, [])

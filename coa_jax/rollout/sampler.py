@@ -195,25 +195,31 @@ class Sampler:
     self._row_ranks = mesh.shape["data"] * mesh.shape["fsdp"]
 
     def decode_chunk(params, state: DecodeState, key, window: int | None = None,
-                     rows: Sequence[int] | None = None, row_sampling: RowSampling | None = None):
+                     rows: Sequence[int] | None = None, row_sampling: RowSampling | None = None,
+                     steps: int | None = None):
       """Returns (state, Chunk) of up to `chunk` steps reading the cache slots [0, window):
       by default `decode_window(state)` (which fetches the rows' lengths); a caller that knows
       them may pass `window_for` its longest active row. A caller that knows which rows are
       active may pass them as `rows`: when they fill at most half of the batch, only they
       are decoded (`_decode_rows`). `row_sampling`: the rows' settings, given exactly when the
-      sampler was built with `sampling=None`."""
+      sampler was built with `sampling=None`. `steps`: fewer steps than `chunk` (the same
+      program: a server's first tokens sooner)."""
       if (row_sampling is None) != (self.sampling is not None):
         raise ValueError("a sampler built with sampling=None takes row_sampling with every "
                          "decode chunk, and only such a sampler does")
       window = min(self.decode_window(state) if window is None else window, self.cache_size)
+      steps = np.int32(self.chunk if steps is None else steps)
+      if not 0 < steps <= self.chunk:
+        raise ValueError(f"steps={steps}: expected 1..{self.chunk}")
       padded = self._compact_rows(state, rows)
       if padded is None:
-        return decode(params, state, key, row_sampling, window=window)
-      return decode_rows(params, state, padded, key, row_sampling, window=window)
+        return decode(params, state, key, row_sampling, steps, window=window)
+      return decode_rows(params, state, padded, key, row_sampling, steps, window=window)
 
     # Lowering (ahead of time, an abstract state): the whole cache unless given a window.
     decode_chunk.lower = lambda params, state, key, window=None, row_sampling=None: decode.lower(
-        params, state, key, row_sampling, window=min(window or self.cache_size, self.cache_size))
+        params, state, key, row_sampling, np.int32(self.chunk),
+        window=min(window or self.cache_size, self.cache_size))
     self.decode_chunk = decode_chunk
 
   def sampling_params(self, params: Any) -> Any:
@@ -340,8 +346,8 @@ class Sampler:
                  jnp.zeros((b, k, n), jnp.float32))
 
   def _decode_chunk(self, params, state: DecodeState, key, row_sampling: RowSampling | None,
-                    window: int):
-    """Samples up to `chunk` tokens per active row, attending over the cache slots [0, window)
+                    steps, window: int):
+    """Samples up to `steps` (at most `chunk`) tokens per active row, attending over the cache slots [0, window)
     only (every active row's length + chunk - 1 must fit: `decode_window`); returns (state,
     Chunk)."""
     b = state.pending_B.shape[0]
@@ -378,13 +384,13 @@ class Sampler:
 
     def running(carry):
       i, state, _ = carry
-      return (i < self.chunk) & jnp.any(state.active_B)
+      return (i < steps) & jnp.any(state.active_B)
 
     _, state, out = jax.lax.while_loop(running, step, (jnp.int32(0), state, out))
     return state, out
 
   def _decode_rows(self, params, state: DecodeState, rows_R, key,
-                   row_sampling: RowSampling | None, window: int):
+                   row_sampling: RowSampling | None, steps, window: int):
     """`_decode_chunk` of the rows rows_R alone (indices >= B pad): a state of those rows and
     the window's slots (and the one after, which the last step writes) is gathered, decoded and
     written back. Rows not active in `state` (and the padding) are left as they were; the Chunk
@@ -402,7 +408,8 @@ class Sampler:
                        take(state.budget_B), take(state.seed_B))
     part = jax.lax.with_sharding_constraint(part, self.state_shardings())
     back_R = jnp.where(part.active_B, rows_R, b)  # where each decoded row goes; b: dropped
-    part, chunk = self._decode_chunk(params, part, key, jax.tree.map(take, row_sampling), window)
+    part, chunk = self._decode_chunk(params, part, key, jax.tree.map(take, row_sampling), steps,
+                                     window)
     put = lambda a, p: a.at[back_R].set(p, mode="drop")
     return (state.replace(cache=_scatter_rows(cache, back_R, part.cache, slots),
                           pending_B=put(state.pending_B, part.pending_B),
@@ -497,14 +504,17 @@ class Sampler:
     return self.prefill(params, state, rows, tokens, lengths, budget, row_seeds)
 
   def extend_rows(self, params, state: DecodeState, appends: dict[int, Sequence[int]],
-                  window: int | None = None) -> DecodeState:
+                  window: int | None = None, pad_to: int | None = None) -> DecodeState:
     """Appends the given ids to each row (at least one id each) and resumes those rows,
     reading the cache slots [0, window): by default those its rows can fill (`window_for` the
     longest of them and the padded ids, in 4x steps: an extend compiles once per (rows, tokens,
     window) bucket, so every window step multiplies its programs). Rows are padded to at least
     8 (or the batch), as a decode chunk's are: 1, 2 or 4 tool results arriving together were
-    one more program each (the main job's DAPO compiled 22 extends, 11 s of its 65)."""
-    r = min(bucket(len(appends)), self.batch_size)  # rows past B are padding
+    one more program each (the main job's DAPO compiled 22 extends, 11 s of its 65), or to
+    `pad_to` rows."""
+    if pad_to is not None and len(appends) > pad_to:
+      raise ValueError(f"{len(appends)} rows do not fit in pad_to={pad_to}")
+    r = pad_to or min(bucket(len(appends)), self.batch_size)  # rows past B are padding
     t = bucket(max(len(ids) for ids in appends.values()))
     if window is None:
       longest = self._longest(state, list(appends))

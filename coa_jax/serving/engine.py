@@ -15,8 +15,13 @@ thread only `submit` requests and read their `Handle`s.
 - **Prefix reuse.** A row that ended on the device (a stop token, or its budget) is parked with
   its sequence (prompt and completion) in its cache. A later request of one sample whose prompt
   extends a parked sequence (or is it) takes that row and only the new tokens are fed
-  (`extend`): a chat's next turn does not prefill its history again. Parked rows are the first taken back when no
-  row is free (least recently used first) and all are dropped when the weights change.
+  (`extend`, the round's resumed rows in one call): a chat's next turn does not prefill its
+  history again. Parked rows are taken back when no row is free, least recently used first
+  and those a waiting request extends last; all are dropped when the weights change.
+- **Latency.** New prompts are prefilled `prefill_batch` at a time (one program for any
+  arrival pattern), the round after requests join decodes `first_chunk` steps (their first
+  tokens sooner), and `warm_up` compiles the prefill and every decode window before the first
+  request. `first_token_s` keeps each request's time from arrival to its first token.
 - **Backpressure.** At most `max_queue` requests wait; `submit` then raises `QueueFull`. After
   `close` it raises `ShuttingDown`; `close(drain=True)` lets what is in flight finish.
 - **Weights.** `set_params` swaps the weights at the next round (an RL trainer serving its current
@@ -57,6 +62,11 @@ class ShuttingDown(EngineError):
   status = 503
 
 
+# What a chat's next turn adds to its parked row (padded to a power of two) that `warm_up`
+# compiles an extend for: a tool result and the chat template's few tokens around it.
+EXTEND_BUCKETS = (8, 16, 32, 64)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
   """The engine's shape: `slots` rows of `cache_size` tokens (prompt and completion) decoded
@@ -70,11 +80,14 @@ class EngineSettings:
   # Requests prefilled in one call, padded to this count: one program for every arrival
   # pattern (a count of its own for each arrival count compiled mid-run, 3.4 s on a CPU).
   prefill_batch: int = 8
+  # Steps of the round after requests joined: their first tokens leave the engine after this
+  # many steps instead of a whole chunk (the rows' tokens are the same either way).
+  first_chunk: int = 1
   prefix_cache: bool = True
   seed: int = 0  # the engine's sampling key; a request's seed picks its rows' seeds
 
   def __post_init__(self):
-    for name in ("slots", "cache_size", "chunk", "max_queue", "prefill_batch"):
+    for name in ("slots", "cache_size", "chunk", "max_queue", "prefill_batch", "first_chunk"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r}: expected a positive integer")
@@ -144,6 +157,8 @@ class Handle:
     self.request = request
     self.events: queue.Queue = queue.Queue()
     self.cached_tokens = 0
+    self.submitted = time.monotonic()
+    self.first_token: float | None = None  # when its first token left the engine
     self._on_event = on_event
     self._cancelled: set[int] = set()
     self._open = set(range(request.n))
@@ -231,6 +246,8 @@ class Engine:
     self._drain = True
     self._seeds = itertools.count(1)
     self.stats = collections.Counter()
+    # Seconds from each request's arrival to its first token leaving the engine (the latest).
+    self.first_token_s: collections.deque[float] = collections.deque(maxlen=4096)
     self.error = ""  # the engine's own failure, once it stopped on one
     self._thread: threading.Thread | None = None
 
@@ -270,8 +287,9 @@ class Engine:
     about `prompt_tokens` prompt tokens calls: their prefill, and a decode chunk at every
     window from theirs to the cache size, of the whole batch and of each row count decoded
     alone. Which of them a run needs depends on when its requests arrive; a program compiled
-    mid-run holds every row's next tokens (3-5 s on a CPU). Returns the programs compiled.
-    (A prompt that extends a parked row's may still compile an extend.)"""
+    mid-run holds every row's next tokens (3-5 s on a CPU). And the extend of a chat's next
+    turn for each of `EXTEND_BUCKETS` new tokens (a longer one compiles when it comes). Returns
+    the programs compiled."""
     if self._thread is not None or self._params is None:
       raise RuntimeError("warm_up runs with weights, before start")
     sampler, before = self.sampler, self.sampler.compilations()
@@ -290,7 +308,11 @@ class Engine:
         break
       window = min(2 * window, self.settings.cache_size)
     # A fresh state and one a decode chunk returned are placed apart: one program each.
-    self._state = jax.block_until_ready(prefill(state))
+    state = prefill(state)
+    for tokens in EXTEND_BUCKETS:  # a chat's next turn: what it adds to its parked row
+      state = sampler.extend_rows(self._params, state, {self.settings.slots: [0] * tokens},
+                                  window=self.settings.cache_size, pad_to=size)
+    self._state = jax.block_until_ready(state)
     return sampler.compilations() - before
 
   def start(self) -> Engine:
@@ -382,12 +404,14 @@ class Engine:
       with self._lock:
         self._lock.wait(timeout=0.05)
       return
-    self._admit()
+    joined = self._admit()
     active = [i for i, r in enumerate(self._rows) if r.handle is not None]
     if not active:
       return
+    steps = min(self.settings.first_chunk, self.settings.chunk) if joined else None
     self._state, chunk = self.sampler.decode_chunk(self._params, self._state, self._key,
-                                                   rows=active, row_sampling=self._sampling)
+                                                   rows=active, row_sampling=self._sampling,
+                                                   steps=steps)
     self._deliver(active, jax.tree.map(np.asarray, chunk), np.asarray(self._state.active_B))
 
   def _end_early(self) -> None:
@@ -422,9 +446,12 @@ class Engine:
     row.parked = park and self.settings.prefix_cache
     row.used = time.monotonic()
 
-  def _admit(self) -> None:
-    """Moves waiting requests into rows while rows last (a request takes all its n or waits)."""
+  def _admit(self) -> int:
+    """Moves waiting requests into rows while rows last (a request takes all its n or waits):
+    a request whose prompt extends a parked row's sequence resumes that row, the others are
+    prefilled. Returns how many requests joined."""
     prefills: dict[int, list[tuple[Handle, list[int]]]] = collections.defaultdict(list)
+    resumes: list[tuple[Handle, int, list[int]]] = []
     while True:
       with self._lock:
         if not self._waiting:
@@ -434,9 +461,13 @@ class Engine:
         if rows is None:
           break
         self._waiting.popleft()
-      if not (handle.request.n == 1 and self._reuse(handle, rows[0])):
-        self._install(handle, rows)  # the rows are taken before the next request picks
+      new = self._extension(handle.request, rows[0])
+      self._install(handle, rows)  # the rows are taken before the next request picks
+      if new is not None:
+        resumes.append((handle, rows[0], new))
+      else:
         prefills[handle.request.n].append((handle, rows))
+    self._resume(resumes)
     size = min(self.settings.prefill_batch, self.settings.slots)
     for requests in prefills.values():  # calls of `size` requests of one sample count
       for start in range(0, len(requests), size):
@@ -448,10 +479,12 @@ class Engine:
         self._state = self.sampler.prefill_groups(self._params, self._state, prompts, budgets,
                                                   seeds, pad_to=size)
         self.stats["prefill_tokens"] += sum(len(p) for _, p in prompts)
+    return len(resumes) + sum(map(len, prefills.values()))
 
   def _take_rows(self, request: Request) -> list[int] | None:
     """Returns n rows for `request` (free rows first, then the least recently used parked
-    ones; for one sample, a parked row holding its prompt's longest prefix first), or None."""
+    ones, those whose sequence a waiting request extends last; for one sample, a parked row
+    holding its prompt's longest prefix first), or None."""
     free = [i for i, r in enumerate(self._rows) if r.handle is None and not r.parked]
     parked = sorted((i for i, r in enumerate(self._rows) if r.parked),
                     key=lambda i: self._rows[i].used)
@@ -459,8 +492,14 @@ class Engine:
       prefix = self._longest_prefix(request.prompt_ids, parked)
       if prefix is not None:
         return [prefix]
-    pool = free + parked
-    return pool[:request.n] if len(pool) >= request.n else None
+    if len(free) >= request.n:
+      return free[:request.n]
+    if len(free) + len(parked) < request.n:
+      return None
+    claimed = {self._longest_prefix(h.request.prompt_ids, parked)
+               for h in self._waiting if h.request.n == 1} if self.settings.prefix_cache else ()
+    parked.sort(key=lambda i: i in claimed)  # stable: least recently used first in each part
+    return (free + parked)[:request.n]
 
   def _longest_prefix(self, prompt: Sequence[int], parked: list[int]) -> int | None:
     best, best_len = None, 0
@@ -470,23 +509,37 @@ class Engine:
         best, best_len = index, len(ids)
     return best
 
-  def _reuse(self, handle: Handle, index: int) -> bool:
-    """Extends parked row `index` with the rest of the prompt, if it holds a prefix of it."""
-    row, prompt = self._rows[index], list(handle.request.prompt_ids)
-    if not (row.parked and len(row.ids) <= len(prompt) and prompt[:len(row.ids)] == row.ids):
-      return False
-    new = prompt[len(row.ids):]
-    self._install(handle, [index])
-    # The row's last token is pending (not in its cache yet): with nothing new it resumes as is.
-    self._state = self.sampler.set_rows(self._state, not new, [index],
-                                        [len(prompt) + handle.request.max_tokens],
-                                        self._row_seeds(handle))
-    if new:
-      self._state = self.sampler.extend_rows(self._params, self._state, {index: new})
-    handle.cached_tokens = len(prompt) - len(new)
-    self.stats["cached_tokens"] += handle.cached_tokens
-    self.stats["prefill_tokens"] += len(new)
-    return True
+  def _extension(self, request: Request, index: int) -> list[int] | None:
+    """The ids `request`'s prompt adds to what parked row `index` held, or None when the row
+    was not parked or its sequence is not a prefix of the prompt."""
+    row, prompt = self._rows[index], list(request.prompt_ids)
+    if request.n != 1 or not row.parked or prompt[:len(row.ids)] != row.ids:
+      return None
+    return prompt[len(row.ids):]
+
+  def _resume(self, resumes: list[tuple[Handle, int, list[int]]]) -> None:
+    """Resumes parked rows, each with the rest of its request's prompt: rows with nothing new
+    resume as they are (their last token is pending, not in the cache yet), the others get
+    their new ids, `prefill_batch` rows an extend reading the whole cache."""
+    if not resumes:
+      return
+    for as_is in (True, False):
+      group = [(handle, index) for handle, index, new in resumes if (not new) == as_is]
+      if group:
+        self._state = self.sampler.set_rows(
+            self._state, as_is, [index for _, index in group],
+            [len(h.request.prompt_ids) + h.request.max_tokens for h, _ in group],
+            [seed for h, _ in group for seed in self._row_seeds(h)])
+    appends = [(index, new) for _, index, new in resumes if new]
+    size = min(self.settings.prefill_batch, self.settings.slots)
+    for start in range(0, len(appends), size):  # one program a token bucket, as `warm_up`'s
+      self._state = self.sampler.extend_rows(self._params, self._state,
+                                             dict(appends[start:start + size]),
+                                             window=self.settings.cache_size, pad_to=size)
+    for handle, _, new in resumes:
+      handle.cached_tokens = len(handle.request.prompt_ids) - len(new)
+      self.stats["cached_tokens"] += handle.cached_tokens
+      self.stats["prefill_tokens"] += len(new)
 
   def _install(self, handle: Handle, rows: list[int]) -> None:
     request = handle.request
@@ -528,6 +581,9 @@ class Engine:
       row.ids += ids
       self.stats["tokens"] += count
       if ids:
+        if row.handle.first_token is None:
+          row.handle.first_token = time.monotonic()
+          self.first_token_s.append(row.handle.first_token - row.handle.submitted)
         row.handle._emit(Tokens(row.sample, ids, logprobs, self.version, top))
       if extra:
         frozen.append(index)
