@@ -80,8 +80,8 @@ class EngineSettings:
   # Requests prefilled in one call, padded to this count: one program for every arrival
   # pattern (a count of its own for each arrival count compiled mid-run, 3.4 s on a CPU).
   prefill_batch: int = 8
-  # Steps of the round after requests joined: their first tokens leave the engine after this
-  # many steps instead of a whole chunk (the rows' tokens are the same either way).
+  # Steps of the round after requests joined (unless the round before was such a one): their
+  # first tokens leave after this many steps instead of a whole chunk (the same tokens).
   first_chunk: int = 1
   prefix_cache: bool = True
   seed: int = 0  # the engine's sampling key; a request's seed picks its rows' seeds
@@ -245,6 +245,7 @@ class Engine:
     self._closing = False
     self._drain = True
     self._seeds = itertools.count(1)
+    self._short = False  # the last round decoded first_chunk steps
     self.stats = collections.Counter()
     # Seconds from each request's arrival to its first token leaving the engine (the latest).
     self.first_token_s: collections.deque[float] = collections.deque(maxlen=4096)
@@ -408,7 +409,11 @@ class Engine:
     active = [i for i, r in enumerate(self._rows) if r.handle is not None]
     if not active:
       return
-    steps = min(self.settings.first_chunk, self.settings.chunk) if joined else None
+    # Short only after a whole chunk: joiners arriving every round (an agent's next turns) do
+    # not make every round a short one.
+    short = bool(joined) and not self._short and self.settings.first_chunk < self.settings.chunk
+    self._short = short
+    steps = self.settings.first_chunk if short else None
     self._state, chunk = self.sampler.decode_chunk(self._params, self._state, self._key,
                                                    rows=active, row_sampling=self._sampling,
                                                    steps=steps)
