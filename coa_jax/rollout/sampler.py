@@ -347,9 +347,9 @@ class Sampler:
 
   def _decode_chunk(self, params, state: DecodeState, key, row_sampling: RowSampling | None,
                     steps, window: int):
-    """Samples up to `steps` (at most `chunk`) tokens per active row, attending over the cache slots [0, window)
-    only (every active row's length + chunk - 1 must fit: `decode_window`); returns (state,
-    Chunk)."""
+    """Samples up to `steps` (at most `chunk`) tokens per active row, attending over the cache
+    slots [0, window) only (every active row's length + chunk - 1 must fit: `decode_window`);
+    returns (state, Chunk)."""
     b = state.pending_B.shape[0]
     if not 0 < window <= self.cache_size:
       raise ValueError(f"decode window {window}: expected 1..{self.cache_size} cache slots")
