@@ -294,14 +294,14 @@ class Engine:
     if self._thread is not None or self._params is None:
       raise RuntimeError("warm_up runs with weights, before start")
     sampler, before = self.sampler, self.sampler.compilations()
-    size = min(self.settings.prefill_batch, self.settings.slots)
+    size = self._call_rows
     prefill = lambda state: sampler.prefill_groups(  # rows past the batch are padding
         self._params, state, [([self.settings.slots], [0] * prompt_tokens)] * size,
         [prompt_tokens + 1] * size, pad_to=size)
     state = prefill(self._state)
     window = sampler.window_for(prompt_tokens)
+    alone = [r for r in (2**i for i in range(3, 16)) if 2 * r <= self.settings.slots]
     while True:
-      alone = [r for r in (2**i for i in range(3, 16)) if 2 * r <= self.settings.slots]
       for rows in [None, *(list(range(r)) for r in alone)]:
         state, _ = sampler.decode_chunk(self._params, state, self._key, window=window,
                                         rows=rows, row_sampling=self._sampling)
@@ -315,6 +315,11 @@ class Engine:
                                   window=self.settings.cache_size, pad_to=size)
     self._state = jax.block_until_ready(state)
     return sampler.compilations() - before
+
+  @property
+  def _call_rows(self) -> int:
+    """Requests (prefills) or rows (extends) in one call, padded to it."""
+    return min(self.settings.prefill_batch, self.settings.slots)
 
   def start(self) -> Engine:
     self._thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
@@ -473,7 +478,7 @@ class Engine:
       else:
         prefills[handle.request.n].append((handle, rows))
     self._resume(resumes)
-    size = min(self.settings.prefill_batch, self.settings.slots)
+    size = self._call_rows
     for requests in prefills.values():  # calls of `size` requests of one sample count
       for start in range(0, len(requests), size):
         group = requests[start:start + size]
@@ -536,7 +541,7 @@ class Engine:
             [len(h.request.prompt_ids) + h.request.max_tokens for h, _ in group],
             [seed for h, _ in group for seed in self._row_seeds(h)])
     appends = [(index, new) for _, index, new in resumes if new]
-    size = min(self.settings.prefill_batch, self.settings.slots)
+    size = self._call_rows
     for start in range(0, len(appends), size):  # one program a token bucket, as `warm_up`'s
       self._state = self.sampler.extend_rows(self._params, self._state,
                                              dict(appends[start:start + size]),
