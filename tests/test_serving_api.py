@@ -168,6 +168,30 @@ def test_a_full_queue_answers_429_and_shutdown_503(server):
     waiting.cancel()
 
 
+def test_what_is_open_when_the_shutdown_grace_ends_finishes_with_length_at_once():
+  # An engine that is never started stands for one still busy (compiling) at the grace's end.
+  weights, mesh = params()
+  idle = Engine(CONFIG, mesh, weights, EngineSettings(slots=2, cache_size=64, max_queue=2), [])
+  with served(idle) as (url, state):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    ask = lambda stream: client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                        max_tokens=4, stream=stream)
+    ends = {}
+    asks = {"whole": lambda: ask(False).choices[0].finish_reason,
+            "stream": lambda: [c.choices[0].finish_reason for c in ask(True) if c.choices][-1]}
+    threads = [threading.Thread(target=lambda k=k: ends.update({k: asks[k]()})) for k in asks]
+    for thread in threads:
+      thread.start()
+    for _ in range(200):
+      if idle.in_flight == 2:
+        break
+      time.sleep(0.05)
+    state.closing = state.cut = True
+    for thread in threads:
+      thread.join(10)
+  assert ends == {"whole": "length", "stream": "length"}
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_rows(server, client):
   stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0,
                                           max_tokens=140, stream=True)

@@ -1,5 +1,7 @@
 """`make serve`'s job in a process of its own: it prints where it serves, answers the official
-client, and on SIGTERM under load ends every stream cleanly, refuses new requests and exits."""
+client, and on SIGTERM under load ends every stream cleanly, refuses new requests and exits.
+With no grace, the engine ends the streams at once: each gets its last chunk and `[DONE]`
+(uvicorn's own cancel, a margin later, would cut them mid-body)."""
 
 import json
 import os
@@ -28,7 +30,7 @@ def test_serve_answers_and_stops_cleanly_on_sigterm_under_load(tmp_path):
   log = open(tmp_path / "serve.log", "w")
   server = subprocess.Popen(
       [sys.executable, "experiments/serve.py", "--config.model.checkpoint=", f"--config.port={port}",
-       "--config.batch_size=8", "--config.chunk=4", "--config.shutdown_grace_s=20",
+       "--config.batch_size=8", "--config.chunk=4", "--config.shutdown_grace_s=0",
        ], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
   url = f"http://127.0.0.1:{port}"
   try:
@@ -42,24 +44,29 @@ def test_serve_answers_and_stops_cleanly_on_sigterm_under_load(tmp_path):
         time.sleep(0.2)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
-    ends = []
+    ends, streaming = [], threading.Semaphore(0)
 
     def stream(i):
       chunks = client.chat.completions.create(
           model=model, messages=[{"role": "user", "content": f"Task {i}"}], temperature=1.0,
-          max_tokens=200, stream=True)
-      reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+          max_tokens=400, stream=True)
+      reasons = []
+      for chunk in chunks:
+        if not reasons:
+          streaming.release()
+        reasons += [choice.finish_reason for choice in chunk.choices]
       ends.append(reasons[-1])
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for thread in threads:
       thread.start()
-    time.sleep(1.0)
+    for _ in threads:  # every stream under way
+      assert streaming.acquire(timeout=120)
     server.send_signal(signal.SIGTERM)
     for thread in threads:
       thread.join(60)
-    # Every stream ran to its end (a random model closes a tool tag or samples the end token
-    # now and then) within the grace period.
+    # Every stream ended cleanly: cut at the shutdown ("length"), or at its own end before it (a
+    # random model closes a tool tag or samples the end token now and then).
     assert len(ends) == 4 and set(ends) <= {"stop", "length", "tool_calls"}, ends
     assert server.wait(timeout=60) == 0
   finally:

@@ -17,7 +17,7 @@ import json
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Literal
 
 import fastapi
 import pydantic
@@ -33,6 +33,9 @@ from coa_jax.serving.engine import (CANCELLED, DEADLINE, ERROR, STOP, Engine, En
                                     Finished, Handle, Request, Sample, ShuttingDown)
 from coa_jax.serving.sessions import Call, Sessions
 
+# How often a request waiting for the engine checks that its client is still there and that the
+# server's shutdown grace has not run out.
+POLL_S = 0.5
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
 
@@ -87,7 +90,8 @@ class Server:
   session_seeds: dict[str, int] = dataclasses.field(default_factory=dict)
   session_sampling: SamplingConfig | None = None
   session_response_tokens: int = 0
-  closing: bool = False
+  closing: bool = False  # a signal stopped the server: new requests get 503
+  cut: bool = False  # its grace is over: what is still open ends now ("length"), within POLL_S
 
 
 class ThreadServer:
@@ -257,17 +261,15 @@ class _Job:
       end = choices.chunk(self, [choices.delta(self, i) for i in range(self.body.n)])
       return StreamingResponse(iter([_sse(end), "data: [DONE]\n\n"]),
                                media_type="text/event-stream")
-    loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    handle = self.server.engine.submit(self.request,
-                                       lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+    handle = self.server.engine.submit(self.request, _into(events))
     if self.body.stream:
       return StreamingResponse(self._stream(http, handle, events, choices),
                                media_type="text/event-stream")
     try:
-      while not handle.done or not events.empty():
+      while (not handle.done or not events.empty()) and not self._cut():
         try:
-          event = await asyncio.wait_for(events.get(), timeout=0.5)
+          event = await asyncio.wait_for(events.get(), timeout=POLL_S)
         except asyncio.TimeoutError:
           if await http.is_disconnected():
             handle.cancel()
@@ -286,7 +288,13 @@ class _Job:
     try:
       yield _sse(choices.chunk(self, [choices.first_delta(self, i) for i in range(self.body.n)]))
       while not handle.done or not events.empty():
-        event = await events.get()
+        if cut := self._cut():
+          yield _sse(choices.chunk(self, [choices.delta(self, i) for i in cut]))
+          break
+        try:
+          event = await asyncio.wait_for(events.get(), timeout=POLL_S)
+        except asyncio.TimeoutError:
+          continue
         sample = event.sample
         self._take(event, handle)
         yield _sse(choices.chunk(self, [choices.delta(self, sample)]))
@@ -313,12 +321,23 @@ class _Job:
                                                 tuple(sample.logprobs), tuple(sample.versions),
                                                 reason))
 
+  def _cut(self) -> list[int]:
+    """Once the server's shutdown grace is over, ends the samples still open ("length", as
+    the engine's own cut would: it may be busy) and returns their indices; else none."""
+    if not self.server.cut:
+      return []
+    cut = [i for i, sample in enumerate(self.samples) if not sample.reason]
+    for i in cut:
+      self.samples[i].reason = "length"
+    return cut
+
   def _take(self, event: Any, handle: Handle) -> None:
     sample = self.samples[event.sample]
     if sample.reason:  # ended here at a stop string; the engine's late events are dropped
       return
-    if isinstance(event, Finished):
-      sample.reason = {CANCELLED: "stop", DEADLINE: "length"}.get(event.reason, event.reason)
+    if isinstance(event, Finished):  # cancelled by the shutdown: cut short, as at a deadline
+      cut = "length" if self.server.closing else "stop"
+      sample.reason = {CANCELLED: cut, DEADLINE: "length"}.get(event.reason, event.reason)
       return
     sample.ids += event.ids
     sample.logprobs += event.logprobs
@@ -457,6 +476,21 @@ class _ChatChoices:
         choice["delta"]["tool_calls"] = [{"index": 0, **reply.tool_calls[0]}]
       choice["finish_reason"] = sample.finish_reason = reply.finish_reason
     return choice
+
+
+def _into(events: asyncio.Queue) -> Callable[[Any], None]:
+  """Returns the engine thread's callback that puts its events into `events` on this event
+  loop; once the loop has closed (the server stopped), nobody is listening: they are dropped."""
+  loop = asyncio.get_running_loop()
+
+  def put(event: Any) -> None:
+    try:
+      loop.call_soon_threadsafe(events.put_nowait, event)
+    except RuntimeError:
+      if not loop.is_closed():
+        raise
+
+  return put
 
 
 def _new_text(shown: str, text: str, finished: bool) -> str:

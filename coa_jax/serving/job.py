@@ -3,13 +3,16 @@
 `run(config)` builds the typed `ServeSettings` once, loads the policy on the config's mesh
 (`rollout.settings.policy`), starts the engine and serves the app with uvicorn. On SIGTERM (or
 Ctrl-C) it stops taking requests (a new one gets 503), lets what is in flight finish for up to
-`shutdown_grace_s`, ends the rest, and returns.
+`shutdown_grace_s`, then ends the rest in the engine (each stream gets its last chunk, finish
+reason "length", and `[DONE]`), and returns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import threading
 from typing import Any
 
 import uvicorn
@@ -22,6 +25,9 @@ from coa_jax.runtime.settings import build
 from coa_jax.serving.api import Server, create_app
 from coa_jax.serving.engine import Engine, EngineSettings
 
+# How long after the grace uvicorn waits before it cancels the connections still open: every
+# request ends at the grace's end (`Server.cut`), and its response needs a moment to flush.
+CUT_MARGIN_S = 10
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeSettings(AgentSettings):
@@ -74,15 +80,26 @@ def server(settings: ServeSettings) -> Server:
 
 
 class _Uvicorn(uvicorn.Server):
-  """uvicorn, telling the API to refuse new requests (503) the moment a signal stops it."""
+  """uvicorn, telling the API to refuse new requests (503) the moment a signal stops it, and
+  the engine to end what is still in flight `grace_s` later."""
 
-  def __init__(self, config: uvicorn.Config, state: Server):
+  def __init__(self, config: uvicorn.Config, state: Server, grace_s: float):
     super().__init__(config)
-    self.state = state
+    self.state, self.grace_s = state, grace_s
 
   def handle_exit(self, sig, frame):
+    if not self.state.closing:
+      cut = threading.Timer(self.grace_s, self._cut)
+      cut.daemon = True
+      cut.start()
     self.state.closing = True
     super().handle_exit(sig, frame)
+
+  def _cut(self) -> None:
+    """The grace is over: every open request ends now (the API's, within its poll) and the
+    engine stops decoding."""
+    self.state.cut = True
+    self.state.engine.close(drain=False)
 
   @contextlib.contextmanager
   def capture_signals(self):
@@ -100,8 +117,9 @@ def run(config: Any) -> None:
   state = server(settings)
   http = _Uvicorn(uvicorn.Config(create_app(state), host=settings.host, port=settings.port,
                                  log_level="warning",
-                                 timeout_graceful_shutdown=int(settings.shutdown_grace_s)),
-                  state)
+                                 timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s)
+                                 + CUT_MARGIN_S),
+                  state, settings.shutdown_grace_s)
   url = f"http://{settings.host}:{settings.port}/v1"
   say(f"serving {state.model_name!r} ({settings.batch_size} rows of "
       f"{settings.rollout.cache_size} tokens) at {url}\n"
