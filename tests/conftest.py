@@ -50,8 +50,8 @@ def single_device_mesh():
 # which puts the files with most tests first), and a long file collected last keeps one worker
 # busy after the other has run out of files.
 SLOW_FILES = ("test_aot.py", "test_multihost.py", "test_pipeline.py", "test_sql_example.py",
-              "test_copy_guard.py", "test_ppo.py", "test_sft.py", "test_sampler.py",
-              "test_crash_recovery.py", "test_sharding.py")
+              "test_copy_guard.py", "test_serving_rl.py", "test_ppo.py", "test_sft.py",
+              "test_sampler.py", "test_crash_recovery.py", "test_sharding.py")
 
 
 def pytest_collection_modifyitems(items):
