@@ -3,8 +3,8 @@
 `run(config)` builds the typed `ServeSettings` once, loads the policy on the config's mesh
 (`rollout.settings.policy`), starts the engine and serves the app with uvicorn. On SIGTERM (or
 Ctrl-C) it stops taking requests (a new one gets 503), lets what is in flight finish for up to
-`shutdown_grace_s`, then ends the rest in the engine (each stream gets its last chunk, finish
-reason "length", and `[DONE]`), and returns.
+`shutdown_grace_s`, then ends the rest at once, even while the engine is busy (each response
+gets its last chunk, finish reason "length", and a stream its `[DONE]`), and returns.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from coa_jax.serving.engine import Engine, EngineSettings
 # How long after the grace uvicorn waits before it cancels the connections still open: every
 # request ends at the grace's end (`Server.cut`), and its response needs a moment to flush.
 CUT_MARGIN_S = 10
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeSettings(AgentSettings):
