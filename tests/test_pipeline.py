@@ -57,9 +57,11 @@ def test_quick_pipeline_runs_every_stage(quick_run):
 
 
 # The packages of the extras that `make pipeline`'s lean install leaves out (setup.py: test, tpu,
-# tfds, mcp; array_record stays, grain requires it), hidden from a process as if not installed.
+# tfds, mcp, serve, agents, gcs; array_record stays, grain requires it), hidden from a process as
+# if not installed.
 NOT_IN_THE_LEAN_INSTALL = ("pytest", "xdist", "hypothesis", "pyarrow", "torch", "math_verify",
-                           "peft", "mcp", "libtpu", "tensorflow", "tensorflow_datasets")
+                           "peft", "mcp", "libtpu", "tensorflow", "tensorflow_datasets", "openai",
+                           "fastapi", "starlette", "uvicorn", "agents", "gcsfs")
 HIDE_PACKAGES = f"""import sys
 HIDDEN = {NOT_IN_THE_LEAN_INSTALL!r}
 
@@ -85,8 +87,8 @@ def test_quick_pipeline_killed_in_three_stages_ends_with_the_uninterrupted_resul
   """The main job as a process, SIGKILLed while distillation writes its data, while SFT exports
   and while the SFT model is evaluated, each time launched again: it completes with quick_run's
   results and byte-equal SFT and DAPO exports (`make chaos` kills it in every stage). Its
-  processes cannot import the test, TPU, TFDS or MCP extras (a sitecustomize hides them): the
-  main job runs from the lean install."""
+  processes cannot import the packages of the extras (a sitecustomize hides them): the main job
+  runs from the lean install."""
   tmp_path, config, _ = quick_run
   hide = tmp_path / "lean"
   hide.mkdir()

@@ -50,7 +50,6 @@ from coa_jax.rl.settings import RLSettings
 from coa_jax.rl.staleness import QueueClosed, StalenessQueue
 from coa_jax.rollout import Rollout
 from coa_jax.runtime import distributed, paths, sharding
-from coa_jax.serving.agent import AgentRollout
 
 PLOT_KEYS = ("reward", "accuracy", "response_len", "entropy", "stale", "behaviour_weight")
 SHOWN = ("reward", "accuracy", "kept", "pg_loss", "queue_depth", "staleness_mean", "stale",
@@ -83,7 +82,7 @@ class RolloutWorker:
   def __init__(self, trainer: "AsyncTrainer", queue: StalenessQueue, box: PolicyBox):
     self.trainer, self.queue, self.box = trainer, queue, box
     base = trainer.engine
-    if isinstance(base, AgentRollout):  # an agent program's sessions, on an engine of their own
+    if trainer.settings.rl.agent:  # an agent program's sessions, on an engine of their own
       self.engine = base.fork()
     else:
       self.engine = Rollout(base.sampler, None, base.tokenizer, base.tools, base.config,
@@ -111,7 +110,7 @@ class RolloutWorker:
     self.queue.close()
     if self.thread.is_alive():
       self.thread.join(timeout)
-    if isinstance(self.engine, AgentRollout):
+    if self.trainer.settings.rl.agent:
       self.engine.close()
 
   def drain(self) -> tuple[list[ScoredGroup], dict[str, int], float, int]:

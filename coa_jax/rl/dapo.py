@@ -46,7 +46,6 @@ from coa_jax.rl.settings import RLSettings
 from coa_jax.rollout import settings as agent
 from coa_jax.rollout.tool_loop import Rollout, RolloutRecord, check_prompt_lengths
 from coa_jax.runtime import distributed, sharding
-from coa_jax.serving.agent import AgentRollout, load_agent
 from coa_jax.train import optimizer
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
@@ -121,6 +120,8 @@ class Trainer:
     self.host_shardings = sharding.param_shardings(self.model, self.host)
     tools = agent.tools(settings, self.tokenizer)
     if rl.agent:  # an agent program through the trainer's own endpoint
+      # imported here: the endpoint's packages (the `serve` extra) are not the main job's
+      from coa_jax.serving.agent import AgentRollout, load_agent
       self.engine = AgentRollout(load_agent(rl.agent), model_config, self.host, self.tokenizer,
                                  tools, self.rollout_config, settings.system_prompt,
                                  settings.sampling, slots=settings.batch_size // self.hosts,
@@ -418,7 +419,7 @@ class Trainer:
 
   def close(self) -> None:
     self.reward_pool.shutdown(wait=False, cancel_futures=True)
-    if isinstance(self.engine, AgentRollout):
+    if self.settings.rl.agent:
       self.engine.close()  # the endpoint and its engine
     self.engine.tools.close()  # MCP servers stop with the job
 
