@@ -3,7 +3,8 @@ main job's recipe (distil, SFT, DAPO, evaluate) on SQL over a shop's SQLite data
 
 The tool, the tasks, the reward and the teacher's behaviour are user code
 (`tools_env/examples/sqlite_shop.py`), declared here by import path; everything else is the
-main job's (`configs/pipeline_tiny_cpu.py`): the model, the SFT schedule's shape, DAPO.
+main job's (`configs/pipeline_tiny_cpu.py`, its 4-head recipe `FOUR_HEADS`, on which the
+example's results were measured): the model, the SFT schedule's shape, DAPO.
 
   make pipeline ARGS="--config=configs/pipeline_sql_cpu.py --seeds 3"
   make pipeline ARGS="--config=configs/pipeline_sql_cpu.py --quick"
@@ -12,6 +13,7 @@ main job's (`configs/pipeline_tiny_cpu.py`): the model, the SFT schedule's shape
 import ml_collections
 
 from coa_jax.data import prompts
+from coa_jax.experiments import with_overrides
 from configs import pipeline_tiny_cpu
 
 SHOP = "tools_env.examples.sqlite_shop"
@@ -19,7 +21,7 @@ stage_configs = pipeline_tiny_cpu.stage_configs
 
 
 def get_config() -> ml_collections.ConfigDict:
-  config = pipeline_tiny_cpu.get_config()
+  config = with_overrides(pipeline_tiny_cpu.get_config(), pipeline_tiny_cpu.FOUR_HEADS)
   config.output_dir = "runs/pipeline_sql"
   # The environment writes the database, the tasks and the tool spec ({"sql": {"kind":
   # "python", "class": SHOP + ":Sql", "options": {"database": ...}}}) that every stage reads.
