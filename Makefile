@@ -28,7 +28,7 @@ MAIN_EXTRAS := plots
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline chaos experiment distill evaluate serve bench bench-tools bench-rollout bench-sampler bench-async bench-serve aot pod-fit profile device-check view benchmark clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline fingerprint chaos experiment distill evaluate serve bench bench-tools bench-rollout bench-sampler bench-async bench-serve aot pod-fit profile device-check view benchmark clean
 
 # The main job's install: what `make pipeline` and the other jobs import (plots for their
 # figures), from the same lock; `make test`, the benchmarks and the ahead-of-time compiles add
@@ -93,6 +93,12 @@ rollout: $(MAIN_STAMP)
 # The main job: the end-to-end recipe on the embedded world (ARGS=--quick: a smoke test).
 pipeline: $(MAIN_STAMP)
 	$(PY) experiments/pipeline.py $(ARGS)
+
+# The main job's fingerprint (experiments/fingerprint.py): md5s of the quick job's and of a
+# 12-step SFT + 2-step DAPO main job's data and exports, equal before and after a change that is
+# meant not to move the main job.
+fingerprint: $(MAIN_STAMP)
+	$(PY) experiments/fingerprint.py $(ARGS)
 
 # The chaos run (docs/pipeline.md): the quick main job SIGKILLed in every stage, re-launched until
 # it completes, then compared with an uninterrupted quick run (runs/chaos/chaos_report.json).

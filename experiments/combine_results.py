@@ -28,6 +28,7 @@ def main(argv):
   results = pipeline.combine(runs, _K.value)
   results["sources"] = list(_RUNS.value)
   stem = os.path.splitext(_OUT.value)[0]
+  os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
   results["plot"] = pipeline.plot(results["summary"], _K.value, len(results["seeds"]),
                                   f"{stem}.png")
   write_json(_OUT.value, results)
