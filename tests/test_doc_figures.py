@@ -37,7 +37,7 @@ def _minutes(seconds: float) -> str:
 def test_the_model_size_line_is_the_model_size_results():
   summary = _results("model-size", "results.json")["summary"]
   main, big = summary["3x128"], summary["6x256"]
-  table = _results("pipeline_10_seeds", "before.json")["summary"]
+  table = _results("pipeline_10_seeds", "after.json")["summary"]
   line = _readme("More, one line each")
   assert (f"a {big['params'] / main['params']:.1f}x student reaches "
           f"{_mean_sd(big['dapo']['pass@1'])} after DAPO against "
@@ -46,6 +46,27 @@ def test_the_model_size_line_is_the_model_size_results():
   assert (f"the table above has {table['dapo']['pass@1']['mean']:.3f} over "
           f"{len(table['dapo']['pass@1']['values'])} seeds") in line
   assert f"the teacher's {big['teacher']['pass@1']['mean']:.3f}" in line
+
+
+def test_the_main_results_paragraph_is_the_ten_seed_results():
+  """The README's sentences under the main table: the worst seed and task family after DAPO,
+  each family's mean before and after DAPO, and the earlier recipe's mean on the same seeds."""
+  after = _results("pipeline_10_seeds", "after.json")
+  before = _results("pipeline_10_seeds", "before.json")["summary"]["dapo"]["pass@1"]
+  dapo = {seed: rows["dapo"] for seed, rows in after["per_seed"].items()}
+  worst = min(dapo, key=lambda seed: dapo[seed]["pass@1"])
+  family, seed = min(((family, seed) for seed in dapo for family in dapo[seed]["pass@1_by_family"]),
+                     key=lambda item: dapo[item[1]]["pass@1_by_family"][item[0]])
+  means = after["pass@1_by_family"]
+  text = _readme("Main result")
+  assert (f"After DAPO every seed scores at least {dapo[worst]['pass@1']:.3f} (seed {worst}) and "
+          f"every task family at least {dapo[seed]['pass@1_by_family'][family]:.3f} on every "
+          f"seed ({family}, seed {seed})") in text
+  assert "DAPO raises each family's mean over SFT (" + ", ".join(
+      f"{name} {means['sft'][name]:.3f} -> {means['dapo'][name]:.3f}"
+      for name in sorted(means["dapo"])) + ")" in text
+  assert all(means["dapo"][name] > means["sft"][name] for name in means["dapo"])
+  assert f"scored {_mean_sd(before)} on the same seeds" in text
 
 
 def test_the_near_miss_rl_line_is_the_near_miss_rl_results():

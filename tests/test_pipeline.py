@@ -269,12 +269,16 @@ def test_copy_curve_probes_each_segment_of_sft(tmp_path):
 
 
 def test_the_readme_table_is_the_committed_results_table():
-  """The README's main-result table is the `table` of the committed 10-seed results file."""
+  """The README's main-result table is the `table` of the committed 10-seed results file, and
+  docs/pipeline.md's per-seed table its `per_seed_table`."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  with open(os.path.join(root, "docs", "results", "pipeline_10_seeds", "before.json")) as f:
-    table = json.load(f)["table"].strip()
-  with open(os.path.join(root, "README.md")) as f:
-    assert table in f.read()
+  with open(os.path.join(root, "docs", "results", "pipeline_10_seeds", "after.json")) as f:
+    results = json.load(f)
+  assert len(results["seeds"]) == 10
+  for page, table in (("README.md", results["table"]),
+                      (os.path.join("docs", "pipeline.md"), results["per_seed_table"])):
+    with open(os.path.join(root, page)) as f:
+      assert table.strip() in f.read(), page
 
 
 def test_the_experiment_tables_are_the_committed_results_tables():
