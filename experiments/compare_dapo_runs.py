@@ -26,11 +26,8 @@ STEP_KEYS = ("reward", "accuracy", "response_len", "entropy", "pg_loss", "grad_n
 
 
 def _md5(path: str) -> str:
-  digest = hashlib.md5()
   with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
+    return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def run_figures(folder: str, seed: str) -> dict:

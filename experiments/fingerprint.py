@@ -33,11 +33,8 @@ FILES = {"data": "distill/trajectories.jsonl", "sft": "seed-0/sft/hf_export/mode
 
 
 def md5(path: str) -> str:
-  digest = hashlib.md5()
   with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
+    return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def main(argv):
