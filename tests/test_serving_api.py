@@ -17,7 +17,8 @@ import pytest
 
 from coa_jax.model.transformer import Transformer
 from coa_jax.serving import chat
-from coa_jax.serving.engine import Engine, EngineSettings, Request
+from coa_jax.serving.engine import Engine, EngineSettings
+from coa_jax.serving.requests import Request
 from serving_server import CONFIG, MODEL, SYSTEM, TOKENIZER, params, served
 
 QUESTION = "What is the population of City 12?"

@@ -11,8 +11,9 @@ from coa_jax.model.transformer import Transformer
 from coa_jax.rollout.sampler import SamplingConfig
 from coa_jax.runtime import sharding
 from coa_jax.runtime.sharding import init_params
-from coa_jax.serving.engine import (CANCELLED, DEADLINE, LENGTH, STOP, Engine, EngineError,
-                                    EngineSettings, QueueFull, Request, ShuttingDown, Tokens)
+from coa_jax.serving.engine import Engine, EngineSettings
+from coa_jax.serving.requests import (CANCELLED, DEADLINE, LENGTH, STOP, EngineError, QueueFull,
+                                      Request, ShuttingDown, Tokens)
 from test_sampler import CONFIG, full_logits, mesh1, params  # noqa: F401 - the same tiny model
 
 GREEDY = SamplingConfig(temperature=0.0)

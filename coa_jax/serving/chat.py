@@ -30,7 +30,7 @@ from coa_jax.data import coa_format
 from coa_jax.data.tokenize import step_ids
 from coa_jax.data.tokenizer import CoATokenizer
 from coa_jax.rollout.tool_loop import call_body, observation_ids
-from coa_jax.serving.engine import EngineError
+from coa_jax.serving.requests import EngineError
 
 PREAMBLE = "Solve the question with tools:"
 
