@@ -6,7 +6,7 @@ that overrides output_dir runs on another main job's outputs (scaling-distractor
 """
 
 from coa_jax.experiments import Experiment, filters
-from configs import pipeline_distractors_cpu
+from configs import pipeline_distractors_cpu, pipeline_tiny_cpu
 
 _SELECTION = {"selection.max_tasks": 1000, "selection.k": 4}
 
@@ -16,13 +16,15 @@ def _sized(size: dict) -> dict:
   return {f"model.{k}": v for k, v in size.items()}
 
 
-# The main job's model (3 layers x 128, 0.46M parameters) and two larger ones of its shape
-# family (heads of 16, the main job's head_dim; MLP twice the width): 1.28M (2.8x) and
-# 3.28M (7.1x). Each trains the main job's 1,700 SFT steps of the same batches (equal tokens)
-# with the same schedule, then its DAPO stage (`model-size`). At equal tokens the larger models
-# copied later and worse (4x192's SFT loss 0.307 at step 800 against 3x128's 0.17), so
-# `model-size-2x` trains every size twice the steps (3,400, the same warm-up and 500-step
-# decay), towards convergence.
+# The main job's model (3 layers x 128: 0.56M parameters with its 8 heads, 0.46M with the
+# earlier recipe's 4, on which `model-size` was published) and two larger ones of its shape
+# family (heads of 16, the main job's head_dim; MLP twice the width): 1.28M and 3.28M (2.8x and
+# 7.1x the 4-head model). Each trains the main job's SFT steps of the same batches (equal
+# tokens) with the same schedule, then its DAPO stage (`model-size`). At equal tokens the larger
+# models copied later and worse (4x192's SFT loss 0.307 at step 800 against 3x128's 0.17), so
+# `model-size-2x` trains every size twice the steps (the same warm-up and decay), towards
+# convergence.
+_MAIN_SFT_STEPS = pipeline_tiny_cpu.get_config().sft.steps
 MODEL_SIZES = {
     "4x192": dict(num_layers=4, hidden_size=192, intermediate_size=384, num_heads=6,
                   num_kv_heads=6),
@@ -92,7 +94,7 @@ EXPERIMENTS = {e.name: e for e in [
         about="the main job's recipe at 3 model sizes, equal SFT tokens"),
     Experiment(
         "model-size-2x", "recipe",
-        {f"{name}-2x": {**_sized(size), "sft.steps": 3400}
+        {f"{name}-2x": {**_sized(size), "sft.steps": 2 * _MAIN_SFT_STEPS}
          for name, size in {"3x128": {}, **MODEL_SIZES}.items()},
         about="the main job's recipe at 3 model sizes, twice the SFT steps"),
     Experiment(  # needs the main job on that world first (configs/pipeline_distractors_cpu.py)

@@ -425,7 +425,7 @@ def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
   (tmp_path / "main" / "results.json").write_text(json.dumps(
       {"per_seed": {"1": _recipe_rows(0.85, 0.92)}}))
   main = recipe.run_cell(_stages(config), 1, {"main_job": True})
-  assert main["params"] == 460_224 and main["dapo"]["pass@1"] == 0.92
+  assert main["params"] == 559_104 and main["dapo"]["pass@1"] == 0.92  # 3 x 128, 8 heads of 16
   assert set(main["sft"]) == set(recipe.METRICS)  # avg@3 is not carried
 
   calls = []
@@ -445,9 +445,9 @@ def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
   summary = recipe.summarize({"3x128": {"1": main}, "6x256": results})
   assert summary["6x256"]["dapo"]["pass@1"] == {"values": [0.95, 0.95], "mean": 0.95, "sd": 0.0}
   assert recipe.table(summary).splitlines()[2:] == [
-      "| 3x128 | 0.46M | 1,700 | 0.850 +- 0.000 | 0.920 +- 0.000 | 0.850 +- 0.000 | "
+      "| 3x128 | 0.56M | 2,000 | 0.850 +- 0.000 | 0.920 +- 0.000 | 0.850 +- 0.000 | "
       "0.920 +- 0.000 | 120 +- 0 | 0.997 +- 0.000 |",
-      f"| 6x256 | {results[0]['params'] / 1e6:.2f}M | 1,700 | 0.900 +- 0.000 | 0.950 +- 0.000 | "
+      f"| 6x256 | {results[0]['params'] / 1e6:.2f}M | 2,000 | 0.900 +- 0.000 | 0.950 +- 0.000 | "
       "0.900 +- 0.000 | 0.950 +- 0.000 | 120 +- 0 | 0.997 +- 0.000 |"]
   longer = recipe.run_cell(_stages(with_overrides(bigger, {"sft.steps": 3400})), 0, {})
   assert longer["sft_steps"] == 3400 and calls[-1][0] != folder  # a folder of its own
@@ -459,7 +459,7 @@ def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
   assert recipe.plot(report, str(tmp_path / "sizes.png")) and (tmp_path / "sizes.png").exists()
 
 
-def test_model_sizes_grow_to_about_8x_the_main_jobs_parameters_and_fit_a_cpu_run():
+def test_model_sizes_grow_to_about_6x_the_main_jobs_parameters_and_fit_a_cpu_run():
   from coa_jax.model import build_config
   from coa_jax.perf import flops
 
@@ -476,7 +476,7 @@ def test_model_sizes_grow_to_about_8x_the_main_jobs_parameters_and_fit_a_cpu_run
       "3x128": 1, "4x192": 1, "6x256": 1, "3x128-2x": 2, "4x192-2x": 2, "6x256-2x": 2}
   params = {name: model.num_params() for name, model in sizes.items()}
   assert params["3x128"] < params["4x192"] < params["6x256"] <= 8 * params["3x128"]
-  assert params["6x256"] >= 6 * params["3x128"]
+  assert params["6x256"] >= 5 * params["3x128"]  # 5.9x the 8-head main job's, 7.1x the 4-head
   assert all(params[f"{n}-2x"] == params[n] for n in ("3x128", "4x192", "6x256"))
   # The budget: the largest SFT run's model FLOPs stay within 25x the main job's (an afternoon
   # of this 2-core machine for 3 seeds), and its AdamW state within 100 MB.
