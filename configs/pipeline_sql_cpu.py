@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.system_prompt = prompts.for_tools({"sql": {"kind": "python", "class": f"{SHOP}:Sql"}})
   config.filters.update(min_tool_calls=0)  # an answer from memory calls no tool
   config.sft.upsample_by = ""  # the shop's task families are its own (no "mixed")
-  # The main job's SFT schedule (1,700 steps): with 600 (decay over the last 200) seed 0 had not
+  # The 4-head recipe's SFT schedule (1,700 steps): with 600 (decay over the last 200) seed 0 had not
   # learnt to copy the customer into its query (SFT pass@1 0.023, queries exact 0.015).
   config.rollout.update(max_turns=4)
   return config
