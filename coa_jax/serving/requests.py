@@ -28,7 +28,6 @@ class ShuttingDown(EngineError):
   status = 503
 
 
-
 @dataclasses.dataclass
 class Request:
   """What to generate: `n` samples of at most `max_tokens` after `prompt_ids`. A sample also
