@@ -1,26 +1,24 @@
 """The choices of a response, whole or streamed: a chat completion's messages (with tool calls)
 or deltas, and a text completion's texts (coa_jax.serving.api builds a `_Job` and hands it one
-of these)."""
+of these; `server`, `body`, `job` and `sample` are the API's `Server`, request body, `_Job` and
+`_Sample`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any
 
 from coa_jax.serving import chat
 from coa_jax.serving.requests import Handle
-
-if TYPE_CHECKING:  # the API's request bodies and jobs, for annotations only
-  from coa_jax.serving.api import ChatRequest, CompletionRequest, Server, _Job, _Sample
 
 
 class ChatChoices:
   """A chat completion's choices: messages with tool calls, or deltas when streamed."""
 
-  def __init__(self, server: Server, conversation: chat.Conversation, body: ChatRequest):
+  def __init__(self, server: Any, conversation: chat.Conversation, body: Any):
     self.server, self.conversation, self.body = server, conversation, body
 
-  def reply(self, job: _Job, index: int) -> chat.Reply:
+  def reply(self, job: Any, index: int) -> chat.Reply:
     sample = job.samples[index]
     call_id = f"call_{job.id[:12]}_{index}"
     reply = chat.reply(self.server.tokenizer, sample.ids, sample.reason,
@@ -31,7 +29,7 @@ class ChatChoices:
     self.server.transcripts.remember(key, sample.ids)
     return reply
 
-  def response(self, job: _Job, handle: Handle) -> dict:
+  def response(self, job: Any, handle: Handle) -> dict:
     choices = []
     for index, sample in enumerate(job.samples):
       reply = self.reply(job, index)
@@ -46,21 +44,21 @@ class ChatChoices:
       choices.append(choice)
     return job.envelope("chatcmpl", "chat.completion", choices, job.usage(handle))
 
-  def chunk(self, job: _Job, choices: list[dict]) -> dict:
+  def chunk(self, job: Any, choices: list[dict]) -> dict:
     first = bool(choices) and all(c.get("delta", {}).get("role") for c in choices)
     return job.envelope("chatcmpl", "chat.completion.chunk", choices, prompt=first)
 
-  def first_delta(self, job: _Job, index: int) -> dict:
+  def first_delta(self, job: Any, index: int) -> dict:
     return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}
 
-  def visible(self, job: _Job, ids: list[int]) -> str:
+  def visible(self, job: Any, ids: list[int]) -> str:
     """The text a stream shows of `ids`: up to an opening tool tag (the call is sent whole at
     the end), the end token dropped, cut at a stop string."""
     text, calling = chat.text_until_call(self.server.tokenizer, ids)
     return text if calling else job.text(ids)
 
-  def delta(self, job: _Job, index: int) -> dict:
+  def delta(self, job: Any, index: int) -> dict:
     """The new text of sample `index`, and at its end its tool call and finish reason."""
     sample = job.samples[index]
     start = sample.sent
@@ -93,10 +91,10 @@ def new_text(shown: str, text: str, finished: bool) -> str:
 class TextChoices:
   """A text completion's choices (`/v1/completions`)."""
 
-  def __init__(self, server: Server, body: CompletionRequest):
+  def __init__(self, server: Any, body: Any):
     self.server, self.body = server, body
 
-  def logprobs(self, job: _Job, sample: _Sample, start: int, end: int) -> dict | None:
+  def logprobs(self, job: Any, sample: Any, start: int, end: int) -> dict | None:
     if self.body.logprobs is None:
       return None
     decode = lambda i: self.server.tokenizer.decode([i])
@@ -104,7 +102,7 @@ class TextChoices:
             "token_logprobs": sample.logprobs[start:end],
             "top_logprobs": [{decode(i): lp for i, lp in step} for step in sample.top[start:end]]}
 
-  def response(self, job: _Job, handle: Handle) -> dict:
+  def response(self, job: Any, handle: Handle) -> dict:
     choices = []
     for index, sample in enumerate(job.samples):
       choice = {"index": index, "text": job.text(sample.ids), "finish_reason": sample.reason,
@@ -114,13 +112,13 @@ class TextChoices:
       choices.append(choice)
     return job.envelope("cmpl", "text_completion", choices, job.usage(handle))
 
-  def chunk(self, job: _Job, choices: list[dict]) -> dict:
+  def chunk(self, job: Any, choices: list[dict]) -> dict:
     return job.envelope("cmpl", "text_completion", choices, prompt=False)
 
-  def first_delta(self, job: _Job, index: int) -> dict:
+  def first_delta(self, job: Any, index: int) -> dict:
     return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
 
-  def delta(self, job: _Job, index: int) -> dict:
+  def delta(self, job: Any, index: int) -> dict:
     sample = job.samples[index]
     start = sample.sent
     sample.sent = len(sample.ids)
