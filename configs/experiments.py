@@ -16,20 +16,20 @@ def _sized(size: dict) -> dict:
   return {f"model.{k}": v for k, v in size.items()}
 
 
-# The main job's model (3 layers x 128: 0.56M parameters with its 8 heads, 0.46M with the
-# earlier recipe's 4, on which `model-size` was published) and two larger ones of its shape
-# family (heads of 16, the main job's head_dim; MLP twice the width): 1.28M and 3.28M (2.8x and
-# 7.1x the 4-head model). Each trains the main job's SFT steps of the same batches (equal
-# tokens) with the same schedule, then its DAPO stage (`model-size`). At equal tokens the larger
-# models copied later and worse (4x192's SFT loss 0.307 at step 800 against 3x128's 0.17), so
-# `model-size-2x` trains every size twice the steps (the same warm-up and decay), towards
-# convergence.
+# The main job's model (3 layers x 128, 8 heads of 16: queries and keys as wide as the model;
+# 0.56M parameters) and two larger ones of its shape family (heads of 16, queries as wide as
+# the model, MLP twice the width): 4 x 192 (12 heads) and 6 x 256 (16 heads). Each trains the
+# main job's SFT steps of the same batches (equal tokens) with the same schedule, then its DAPO
+# stage (`model-size`). On the earlier 4-head recipe (queries half the width), at equal tokens
+# the larger models copied later and worse (4x192's SFT loss 0.307 at step 800 against 3x128's
+# 0.17), so `model-size-2x` trains every size twice the steps (the same warm-up and decay),
+# towards convergence.
 _MAIN_SFT_STEPS = pipeline_tiny_cpu.get_config().sft.steps
 MODEL_SIZES = {
-    "4x192": dict(num_layers=4, hidden_size=192, intermediate_size=384, num_heads=6,
-                  num_kv_heads=6),
-    "6x256": dict(num_layers=6, hidden_size=256, intermediate_size=512, num_heads=8,
-                  num_kv_heads=8),
+    "4x192": dict(num_layers=4, hidden_size=192, intermediate_size=384, num_heads=12,
+                  num_kv_heads=12),
+    "6x256": dict(num_layers=6, hidden_size=256, intermediate_size=512, num_heads=16,
+                  num_kv_heads=16),
 }
 
 # The levers issue 56 lists for RL to learn, from outcome rewards alone, what its teacher gets

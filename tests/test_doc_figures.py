@@ -103,12 +103,18 @@ def test_the_pod_fit_line_is_the_pod_fit_report():
 
 def test_the_quick_starts_times_are_the_timing_file():
   timing = _results("pipeline_time", "results.json")
-  runs = [timing[key]["after"] for key in ("attention_backward", "ninth_session")]
-  text = _readme("Quick start")
+  text = " ".join(_readme("Quick start").split())
   install = timing["install"]
   assert (f"{install['lean_venv_bytes'] / 1e9:.1f} GB from a warm pip cache in "
           f"{round(install['lean_install_seconds_at_most'])} s") in text
-  assert (f"took {_minutes(runs[0]['make_pipeline_wall_s'])} and "
-          f"{_minutes(runs[1]['make_pipeline_wall_s'])} in two runs") in text
-  assert (f"the pipeline itself {round(runs[0]['pipeline_wall_s'])} and "
-          f"{round(runs[1]['pipeline_wall_s'])} s") in text
+  today = timing["todays_recipe"]
+  earlier = [timing[key]["after"] for key in ("attention_backward", "ninth_session")]
+  assert f"took {_minutes(today['recipe']['make_pipeline_wall_s'])} on a day" in text
+  assert (f"took {_minutes(today['earlier_recipe']['make_pipeline_wall_s'])} there against "
+          f"{_minutes(earlier[0]['make_pipeline_wall_s'])} and "
+          f"{_minutes(earlier[1]['make_pipeline_wall_s'])} two days") in text
+  ratio = today["ratio"]["make_pipeline"]
+  usual = today["at_the_2026_11_28_speed"]["make_pipeline_wall_s"]
+  assert usual == [round(ratio * run["make_pipeline_wall_s"], 1) for run in earlier]
+  assert (f"costs {ratio:.2f}x the earlier one's, about {_minutes(usual[0])} and "
+          f"{_minutes(usual[1])} at the usual speed") in text
