@@ -28,7 +28,7 @@ MAIN_EXTRAS := plots
 # same locked environment; `make lock` resolves it too.
 LOCK_EXTRAS := $(EXTRAS),gpu-aot
 
-.PHONY: lock install demo lm-demo test sft rollout dapo pipeline fingerprint chaos experiment distill evaluate serve bench bench-tools bench-rollout bench-sampler bench-async bench-serve aot pod-fit profile device-check view benchmark clean
+.PHONY: lock install demo lm-demo test sft rollout dapo pipeline fingerprint chaos experiment distill evaluate serve bench bench-tools bench-rollout bench-sampler bench-async bench-serve aot pod-fit profile suite-time device-check view benchmark clean
 
 # The main job's install: what `make pipeline` and the other jobs import (plots for their
 # figures), from the same lock; `make test`, the benchmarks and the ahead-of-time compiles add
@@ -99,6 +99,10 @@ pipeline: $(MAIN_STAMP)
 # meant not to move the main job.
 fingerprint: $(MAIN_STAMP)
 	$(PY) experiments/fingerprint.py $(ARGS)
+
+# The suite's time at ARGS=--base=<commit> and at HEAD, back to back (docs/testing.md).
+suite-time: $(STAMP)
+	$(PY) experiments/suite_time.py $(ARGS)
 
 # The chaos run (docs/pipeline.md): the quick main job SIGKILLed in every stage, re-launched until
 # it completes, then compared with an uninterrupted quick run (runs/chaos/chaos_report.json).
