@@ -7,8 +7,8 @@
 Checks out each commit into a worktree of its own (under --work, emptied first) and runs the
 whole suite (or --tests) there with `make test`'s command and CI=true, on this checkout's
 environment (`.venv`: the same packages for both), the worktree first on PYTHONPATH so that the
-tests and the programs they start import that commit's code. Writes, per commit, the wall time, pytest's
-summary line, and the seconds per test file (setup, call and teardown summed, from
+tests and the programs they start import that commit's code. Writes, per commit, the wall time,
+pytest's summary line, and the seconds per test file (setup, call and teardown summed, from
 `--durations=0`) to --out. A machine's speed moves from day to day by 2x and more: only two
 runs taken back to back, with nothing else running, compare.
 """
