@@ -91,7 +91,7 @@ def test_the_sql_line_is_the_worked_examples_results():
 
 
 def test_the_pod_fit_line_is_the_pod_fit_report():
-  report = _results("pod_fit_53.json")
+  report = _results("pod_fit.json")
   shipped = {os.path.basename(path)[:-3]
              for path in glob.glob(os.path.join(ROOT, "configs", "*_qwen2_5_*.py"))}
   assert set(report) == shipped  # "every shipped TPU and GPU preset"
