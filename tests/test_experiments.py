@@ -459,7 +459,7 @@ def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
   assert recipe.plot(report, str(tmp_path / "sizes.png")) and (tmp_path / "sizes.png").exists()
 
 
-def test_model_sizes_grow_to_about_6x_the_main_jobs_parameters_and_fit_a_cpu_run():
+def test_model_sizes_grow_to_about_7x_the_main_jobs_parameters_and_fit_a_cpu_run():
   from coa_jax.model import build_config
   from coa_jax.perf import flops
 
