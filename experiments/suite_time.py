@@ -4,13 +4,13 @@
   make suite-time ARGS="--base=c5dc3b3 --head=abc123 --out=/tmp/ab.json"
   make suite-time ARGS="--base=c5dc3b3 --tests=tests/test_rl.py,tests/test_gae.py"   # some files
 
-Checks out each commit into a worktree of its own (under --work, emptied first) and runs the
-whole suite (or --tests) there with `make test`'s command and CI=true, on this checkout's
-environment (`.venv`: the same packages for both), the worktree first on PYTHONPATH so that the
-tests and the programs they start import that commit's code. Writes, per commit, the wall time,
-pytest's summary line, and the seconds per test file (setup, call and teardown summed, from
-`--durations=0`) to --out. A machine's speed moves from day to day by 2x and more: only two
-runs taken back to back, with nothing else running, compare.
+Checks out each commit into a worktree of its own (under --work, emptied first) and runs the whole
+suite (or --tests) there with `make test`'s pytest options (and --durations=0) and CI=true, on this
+checkout's environment (`.venv`: the same packages for both), the worktree first on PYTHONPATH so
+that the tests and the programs they start import that commit's code. Writes, per commit, the wall
+time, pytest's summary line, and the seconds per test file (setup, call and teardown summed, from
+`--durations=0`) to --out. A machine's speed moves from day to day by 2x and more: only two runs
+taken back to back, with nothing else running, compare.
 """
 
 import collections
@@ -32,7 +32,7 @@ _TESTS = flags.DEFINE_list("tests", ["tests"], "the test files or folders (defau
 flags.mark_flag_as_required("base")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
+PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "auto", "--dist", "loadfile",
           "--no-loadscope-reorder", "--durations=0"]
 DURATION = re.compile(r"^\s*([\d.]+)s (?:setup|call|teardown)\s+(tests/[^:\s]+)")
 SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed).* in [\d.]+s.*?)\s*=*$")
