@@ -28,10 +28,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.system_prompt = prompts.AGENT
   config.batch_size = 16  # decode rows (rounded down to whole groups of k)
   config.chunk = 64
-  config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))
-  config.rollout = ml_collections.ConfigDict(dict(
+  config.sampling = common.sampling()
+  config.rollout = common.rollout(
       group_size=1, max_prompt_tokens=4096, max_response_tokens=12288, max_turns=32,
-      max_observation_tokens=2048, tool_workers=16, tool_timeout_s=120.0))
+      max_observation_tokens=2048, tool_workers=16, tool_timeout_s=120.0)
   # The embedded search and crawl and the code sandbox: replace the search and crawl with serper
   # and http_crawl (tools_env.registry) for the web benchmarks (GAIA, HLE, BrowseComp).
   config.tools = default_spec()

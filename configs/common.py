@@ -60,6 +60,25 @@ def checkpoint(directory: str, **overrides) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(values)
 
 
+def sampling(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+             ) -> ml_collections.ConfigDict:
+  """How rollouts sample their tokens (coa_jax.rollout.sampler; top_k 0 and top_p 1: off)."""
+  return ml_collections.ConfigDict(dict(temperature=temperature, top_k=top_k, top_p=top_p))
+
+
+def rollout(*, group_size: int, max_prompt_tokens: int, max_response_tokens: int,
+            max_turns: int, max_observation_tokens: int, tool_workers: int = 8,
+            tool_timeout_s: float = 30.0) -> ml_collections.ConfigDict:
+  """The tool loop's limits (coa_jax.rollout.settings): samples per task, the prompt's and the
+  response's token budgets, tool calls per sample, an observation's tokens, the threads that run
+  tools and a call's timeout."""
+  return ml_collections.ConfigDict(dict(
+      group_size=group_size, max_prompt_tokens=max_prompt_tokens,
+      max_response_tokens=max_response_tokens, max_turns=max_turns,
+      max_observation_tokens=max_observation_tokens, tool_workers=tool_workers,
+      tool_timeout_s=tool_timeout_s))
+
+
 def optimizer(**overrides) -> ml_collections.ConfigDict:
   """AdamW settings (see coa_jax.train.optimizer)."""
   # decay_steps: how many of the last steps the "wsd" schedule decays over (unused otherwise).

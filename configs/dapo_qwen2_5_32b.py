@@ -32,10 +32,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.system_prompt = prompts.AGENT
   config.batch_size = 512  # decode rows
   config.chunk = 64
-  config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))
-  config.rollout = ml_collections.ConfigDict(dict(
+  config.sampling = common.sampling()
+  config.rollout = common.rollout(
       group_size=16, max_prompt_tokens=2048, max_response_tokens=14336, max_turns=32,
-      max_observation_tokens=2048, tool_workers=64, tool_timeout_s=120.0))
+      max_observation_tokens=2048, tool_workers=64, tool_timeout_s=120.0)
   config.tools = default_spec()  # replace with serper / http_crawl / sandbox for real tasks
   config.rewards = ml_collections.ConfigDict(dict(
       domains={"math": {"kind": "math"}, "qa": {"kind": "qa", "metric": "em"},

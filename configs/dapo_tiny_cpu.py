@@ -32,10 +32,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.system_prompt = prompts.AGENT
   config.batch_size = 16  # decode rows (a multiple of rollout.group_size)
   config.chunk = 32  # decode steps per device call
-  config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))
-  config.rollout = ml_collections.ConfigDict(dict(
+  config.sampling = common.sampling()
+  config.rollout = common.rollout(
       group_size=4, max_prompt_tokens=192, max_response_tokens=512, max_turns=6,
-      max_observation_tokens=192, tool_workers=8, tool_timeout_s=30.0))
+      max_observation_tokens=192)
   config.tools = default_spec()  # tag -> {"kind": ..., options}; see tools_env.registry
   config.rewards = ml_collections.ConfigDict(dict(
       domains={"math": {"kind": "math"}, "qa": {"kind": "qa", "metric": "em"}},

@@ -30,10 +30,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.batch_size = 24  # decode rows (a multiple of k)
   config.chunk = 32
   # The main job's sampling and limits (configs/pipeline_tiny_cpu.py).
-  config.sampling = ml_collections.ConfigDict(dict(temperature=0.6, top_k=0, top_p=1.0))
-  config.rollout = ml_collections.ConfigDict(dict(
+  config.sampling = common.sampling(temperature=0.6)
+  config.rollout = common.rollout(
       group_size=3, max_prompt_tokens=128, max_response_tokens=512, max_turns=12,
-      max_observation_tokens=256, tool_workers=8, tool_timeout_s=30.0))
+      max_observation_tokens=256)
   distill = distill_tiny.get_config()  # the world and the teacher that distillation used
   world = dict(distill.world, train_tasks=0, heldout_tasks=0)
   config.tools = World(WorldConfig(**world)).tools_spec(f"{_WORLD}/corpus.jsonl")

@@ -66,11 +66,11 @@ def get_config() -> ml_collections.ConfigDict:
                                               schedule="wsd", decay_steps=800,
                                               final_lr_fraction=0.0, weight_decay=0.0,
                                               upsample_by="", upsample={"mixed": 2}))
-  config.rollout = ml_collections.ConfigDict(dict(
+  config.rollout = common.rollout(
       group_size=4, max_prompt_tokens=128, max_response_tokens=512, max_turns=12,
-      max_observation_tokens=256, tool_workers=8, tool_timeout_s=30.0))
+      max_observation_tokens=256)
   # DAPO's rollouts and the evaluations sample alike.
-  config.sampling = ml_collections.ConfigDict(dict(temperature=0.6, top_k=0, top_p=1.0))
+  config.sampling = common.sampling(temperature=0.6)
   # Every held-out task (200 x 3 samples, all 600 rows in one decode batch: each row has its
   # own sampling key, so the batch size does not change the samples). With the first 60 tasks
   # only, sampling noise alone moved pass@1 by about 0.03-0.05 between evaluations of the

@@ -22,10 +22,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.system_prompt = prompts.AGENT
   config.batch_size = 8  # decode rows (a multiple of rollout.group_size)
   config.chunk = 32  # decode steps per device call
-  config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))
-  config.rollout = ml_collections.ConfigDict(dict(
+  config.sampling = common.sampling()
+  config.rollout = common.rollout(
       group_size=2, max_prompt_tokens=256, max_response_tokens=768, max_turns=8,
-      max_observation_tokens=256, tool_workers=8, tool_timeout_s=60.0))
+      max_observation_tokens=256, tool_timeout_s=60.0)
   config.tools = default_spec()  # tag -> {"kind": ..., options}; see tools_env.registry
   config.output_dir = "runs/rollout_tiny"
   config.transcripts = 4  # samples written out as readable text

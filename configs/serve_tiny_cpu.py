@@ -22,12 +22,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.system_prompt = prompts.WORLD  # a request that declares no tools and brings no prompt
   config.batch_size = 64  # rows decoded together: requests join and leave between chunks
   config.chunk = 16  # decode steps per round
-  config.sampling = ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))
+  config.sampling = common.sampling()
   # A row holds max_prompt_tokens + max_response_tokens (a chat's history and its next turn);
   # a tool result becomes an observation of at most max_observation_tokens.
-  config.rollout = ml_collections.ConfigDict(dict(
+  config.rollout = common.rollout(
       group_size=1, max_prompt_tokens=512, max_response_tokens=512, max_turns=12,
-      max_observation_tokens=256, tool_workers=1, tool_timeout_s=60.0))
+      max_observation_tokens=256, tool_workers=1, tool_timeout_s=60.0)
   config.tools = default_spec()  # the tool tags a request may declare (run on the client's side)
   config.host, config.port = "127.0.0.1", 8000
   config.model_name = ""  # default: the model folder

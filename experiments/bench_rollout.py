@@ -36,7 +36,6 @@ latency rollouts hide.
 """
 
 import dataclasses
-import json
 import os
 import tempfile
 import time
@@ -51,7 +50,7 @@ from coa_jax.data.tokenizer import default_tokenizer
 from coa_jax.model import Transformer, build_config
 from coa_jax.perf import bench, host_overhead
 from coa_jax.rollout import settings as agent
-from coa_jax.runtime import hf_checkpoint, sharding
+from coa_jax.runtime import cache, hf_checkpoint, sharding
 from coa_jax.runtime.sharding import init_params
 from coa_jax.sft import job as sft
 from configs import bench_model, rollout_tiny_cpu, sft_tiny_cpu
@@ -319,9 +318,7 @@ def main(argv):
 
 
 def _write(figures, output):
-  os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
-  with open(output, "w") as f:
-    json.dump(figures, f, indent=2)
+  cache.write_json(output, figures)
   print(f"wrote {output}")
 
 

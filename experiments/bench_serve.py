@@ -30,7 +30,7 @@ from coa_jax.evaluation import model_settings
 from coa_jax.model import ModelSettings, Transformer, build_config
 from coa_jax.perf import bench, serve_bench
 from coa_jax.rollout.tool_loop import stop_ids
-from coa_jax.runtime import cli, hf_checkpoint, sharding
+from coa_jax.runtime import cache, cli, hf_checkpoint, sharding
 from coa_jax.runtime.distributed import say
 from coa_jax.runtime.hf_checkpoint import load_model
 from configs import common, pipeline_tiny_cpu
@@ -149,9 +149,7 @@ def main(argv):
              **peers, "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
              "jax": jax.__version__, "python": platform.python_version(),
              "command": " ".join(["python", *sys.argv])}
-  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-  with open(_OUT.value, "w") as f:
-    json.dump(results, f, indent=1)
+  cache.write_json(_OUT.value, results)
   say(f"results: {_OUT.value}")
 
 

@@ -7,25 +7,9 @@ trace), trajectories.jsonl (what SFT reads) and distill_report.json to config.ou
 prints each filter stage's counts and retention.
 """
 
-
-
-from absl import app, logging
-from ml_collections import config_flags
-
 from coa_jax.distill import job as distill
+from coa_jax.runtime import cli
 from configs import distill_tiny
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    distill_tiny.__file__,
-    lock_config=True)
-
-
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.WARNING)
-  distill.run(_CONFIG.value)
-
-
 if __name__ == "__main__":
-  app.run(main)
+  cli.run_job(distill.run, distill_tiny.__file__)

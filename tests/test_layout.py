@@ -73,11 +73,12 @@ def test_tools_env_never_imports_coa_jax():
     assert not any(n.split(".")[0] == "coa_jax" for n in _imports(path)), path
 
 
-# The modules that build configs (settings builders that derive one config from another); every
-# other library module reads typed settings, never a ConfigDict (docs/design.md, "How settings
-# flow").
-CONFIG_BUILDERS = {"coa_jax/pipeline/job.py", "coa_jax/experiments/runner.py",
-                   "coa_jax/evaluation/model_settings.py", "coa_jax/evaluation/benchmarks.py"}
+# The modules that read or build configs: the command line's reader (an entry script's --config,
+# handed to its job) and the settings builders that derive one config from another; every other
+# library module reads typed settings, never a ConfigDict (docs/design.md, "How settings flow").
+CONFIG_BUILDERS = {"coa_jax/runtime/cli.py", "coa_jax/pipeline/job.py",
+                   "coa_jax/experiments/runner.py", "coa_jax/evaluation/model_settings.py",
+                   "coa_jax/evaluation/benchmarks.py"}
 
 
 def test_only_the_config_builders_import_ml_collections():

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import keyword
-from typing import Sequence
+import sys
+from typing import Any, Callable, Sequence
 
-from absl import logging
+from absl import app, logging
+from ml_collections import config_flags
 
 from coa_jax.runtime import distributed, xla_flags
 
@@ -34,3 +36,18 @@ def start(flags: str = "") -> None:
   xla_flags.apply(flags)
   distributed.initialize_from_env()
   logging.set_verbosity(logging.WARNING)
+
+
+def run_job(job: Callable[[Any], None], default_config: str) -> None:
+  """The whole of a job's entry script: a `--config` flag (a configs/ file, `default_config` when
+  absent, its keys overridden as --config.a.b=v and never added to), `start` with the config's
+  `xla_flags`, then `job(config)`."""
+  sys.argv[:] = config_argv(sys.argv)  # e.g. --config.rl.async.staleness=2
+  config = config_flags.DEFINE_config_file("config", default_config, lock_config=True)
+
+  def main(argv):
+    del argv
+    start(config.value.get("xla_flags", ""))
+    job(config.value)
+
+  app.run(main)
