@@ -1,12 +1,15 @@
 """The rollout job: task files, records on disk, the interactive session."""
 
+import dataclasses
 import io
 import json
 
+import jax
 import pytest
 
 from coa_jax.rollout import job as rollout_job
 from coa_jax.rollout import settings as agent
+from coa_jax.runtime import sharding
 from configs import rollout_tiny_cpu
 from tools_env.sandbox import CodeSandbox
 
@@ -51,3 +54,14 @@ def test_a_tool_whose_tag_the_model_lacks_is_refused(config):
   tokenizer = default_tokenizer(config.tokenizer.template, tool_tags=("web_search", "crawl_page"))
   with pytest.raises(ConfigError, match=r"tools \['code', 'wiki_search'\] are not among"):
     agent.engine(agent.rollout_settings(config), tokenizer)
+
+
+def test_jobs_that_decode_alike_share_one_sampler(config):
+  settings = agent.rollout_settings(config)
+  tokenizer = agent.agent_tokenizer(settings)
+  model = settings.model.fresh_config()
+  host = lambda: sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])  # equal, not the same
+  first = agent.sampler(settings, model, host(), tokenizer)
+  assert agent.sampler(settings, model, host(), tokenizer) is first
+  longer = dataclasses.replace(settings.rollout, max_response_tokens=96)
+  assert agent.sampler(settings, model, host(), tokenizer, longer).cache_size > first.cache_size

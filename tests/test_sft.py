@@ -124,7 +124,9 @@ def _losses(path):
   return [json.loads(line)["loss"] for line in open(path)]
 
 
-def test_resume_is_exact_and_the_loss_falls(tmp_path):
+def test_resume_is_exact_and_the_loss_falls(tmp_path, monkeypatch):
+  built, build = [], step_lib.jit_train_step
+  monkeypatch.setattr(step_lib, "jit_train_step", lambda *a, **k: built.append(a) or build(*a, **k))
   straight = sft.run(_config(tmp_path / "a", 6))
   sft.run(_config(tmp_path / "b", 6, **{"train.stop_after": 3}))  # interrupted at step 3
   resumed = sft.run(_config(tmp_path / "b", 6))
@@ -135,6 +137,7 @@ def test_resume_is_exact_and_the_loss_falls(tmp_path):
   np.testing.assert_allclose(_losses(tmp_path / "b" / "metrics.jsonl"),  # same data order
                              _losses(tmp_path / "a" / "metrics.jsonl"), rtol=1e-6)
   assert straight["final_loss"] < straight["first_loss"]
+  assert len(built) <= 1  # three runs alike, one jitted step (none: an earlier test built it)
 
 
 def _params_at(tmp_path, step):

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from coa_jax.data import Task, build_rewarder, load_tasks
-from coa_jax.model import ConfigError, Transformer
+from coa_jax.losses.dapo import PolicyLossConfig
+from coa_jax.model import ConfigError, ModelConfig, Transformer
 from coa_jax.rl import critic as critic_lib
 from coa_jax.rl import update
 from coa_jax.rl.advantages import group_advantages, overlong_penalty
@@ -47,6 +49,7 @@ from coa_jax.rollout import settings as agent
 from coa_jax.rollout.tool_loop import Rollout, RolloutRecord, check_prompt_lengths
 from coa_jax.runtime import distributed, sharding
 from coa_jax.train import optimizer
+from coa_jax.train.optimizer import OptimizerSettings
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
 from coa_jax.train.step import run_step
@@ -74,6 +77,28 @@ class TaskStream:
     return out
 
 
+@functools.lru_cache(maxsize=4)
+def _update_step(model_config: ModelConfig, optimizer_settings: OptimizerSettings, mesh: Mesh,
+                 loss_config: PolicyLossConfig, micro_batches: int,
+                 temperature: float) -> Callable:
+  """Returns the jitted policy update, one per model, optimizer, mesh and loss in this process:
+  RL runs alike in one process (a resumed run, an experiment's cells and seeds) trace and
+  compile it once."""
+  schedule, tx = optimizer.schedule_and_optimizer(optimizer_settings)
+  return update.jit_dapo_step(Transformer(model_config), tx, mesh, loss_config=loss_config,
+                              micro_batches=micro_batches, schedule=schedule,
+                              temperature=temperature)
+
+
+@functools.lru_cache(maxsize=4)
+def _policy_logprobs(model_config: ModelConfig, mesh: Mesh, temperature: float) -> Callable:
+  """Returns the jitted teacher-forced log-probs and entropies of a model, one per model, mesh
+  and temperature in this process."""
+  model = Transformer(model_config)
+  return update.jit_policy_logprobs(model, mesh, sharding.param_shardings(model, mesh),
+                                    temperature)
+
+
 class Trainer:
   """The DAPO loop's parts, built from RL settings (`coa_jax.rl.settings`); `step()` does one
   rollout-and-update step."""
@@ -96,13 +121,10 @@ class Trainer:
     self.loss_config = rl.policy_loss()
     self.tasks, self.eval_tasks, self.rewarder = distributed.agreed(
         self._tasks_and_rewarder, "loading the tasks and the rewards")
-    self.schedule = optimizer.learning_rate_schedule(settings.optimizer)
-    self.tx = optimizer.make_optimizer(settings.optimizer)
+    self.schedule, self.tx = optimizer.schedule_and_optimizer(settings.optimizer)
     model_config, self.state = state_lib.load_state(settings.model, self.tokenizer, self.mesh,
                                                     self.tx, jax.random.key(settings.seed))
     self.model_config, self.model = model_config, Transformer(model_config)
-    # The KL term's reference with LoRA: the base model on the frozen weights (adapters off).
-    self.base_model = Transformer(model_config.replace(lora_rank=0))
     self.critic = None  # PPO's value model (rl.advantage = "gae")
     if rl.uses_critic:
       actor = self.state.frozen if model_config.lora_rank else self.state.params
@@ -131,14 +153,12 @@ class Trainer:
       self.engine = Rollout(sampler, None, self.tokenizer, tools, self.rollout_config,
                             settings.system_prompt, seed=settings.seed)
     temperature = settings.sampling.temperature
-    self.update = update.jit_dapo_step(self.model, self.tx, self.mesh,
-                                       loss_config=self.loss_config,
-                                       micro_batches=rl.micro_batches, schedule=self.schedule,
-                                       temperature=temperature)
-    self.logprobs, self.ref_logprobs = (
-        update.jit_policy_logprobs(model, self.mesh, sharding.param_shardings(model, self.mesh),
-                                   temperature)
-        for model in (self.model, self.base_model))
+    self.update = _update_step(model_config, settings.optimizer, self.mesh, self.loss_config,
+                               rl.micro_batches, temperature)
+    # The KL term's reference with LoRA: the base model on the frozen weights (adapters off).
+    self.logprobs, self.ref_logprobs = (_policy_logprobs(config, self.mesh, temperature)
+                                        for config in (model_config,
+                                                       model_config.replace(lora_rank=0)))
     self.stream = TaskStream(self.tasks, settings.seed)
     self.prompts: dict[str, list[int]] = {}  # task id -> [groups, all correct, all wrong]
     self.reward_pool = concurrent.futures.ThreadPoolExecutor(settings.reward_workers, "reward")

@@ -11,12 +11,14 @@ tokenizer with the tags, chat template, generation defaults: `data.hf_tokenizer`
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import jax
+from jax.sharding import Mesh
 
 from coa_jax.data import DropCounter, hf_tokenizer, load_tokenizer, packing
-from coa_jax.model import ConfigError, Transformer
+from coa_jax.model import ConfigError, ModelConfig, Transformer
 from coa_jax.runtime import distributed, sharding
 from coa_jax.runtime.distributed import say
 from coa_jax.sft.settings import SFTSettings, sft_settings
@@ -76,6 +78,18 @@ class SFTJob:
     self.batches.set_state(data_state)
 
 
+
+@functools.lru_cache(maxsize=4)
+def _train_step(model_config: ModelConfig, settings: optimizer.OptimizerSettings, mesh: Mesh,
+                micro_batches: int, z_loss: float) -> Callable:
+  """Returns the jitted train step, one per model, optimizer, mesh and step options in this
+  process: SFT runs alike in one process (a resumed run, an experiment's seeds, its prefix of
+  the main job's SFT) trace and compile it once."""
+  schedule, tx = optimizer.schedule_and_optimizer(settings)
+  return step_lib.jit_train_step(Transformer(model_config), tx, mesh,
+                                 micro_batches=micro_batches, z_loss=z_loss, schedule=schedule)
+
+
 def run(config: Any) -> dict[str, Any]:
   """Trains per `config` (a ConfigDict, checked by `sft_settings`, or SFTSettings); returns a
   summary (losses, steps, paths)."""
@@ -89,8 +103,7 @@ def run(config: Any) -> dict[str, Any]:
     raise ConfigError(f"batch_size={batch_size} does not split over {jax.process_count()} "
                       f"processes")
   sharding.check_batch_fits_mesh(batch_size, train.micro_batches, mesh)
-  schedule = optimizer.learning_rate_schedule(settings.optimizer)
-  tx = optimizer.make_optimizer(settings.optimizer)
+  _, tx = optimizer.schedule_and_optimizer(settings.optimizer)
   rng = jax.random.key(settings.seed)
   model_config, state = state_lib.load_state(settings.model, tokenizer, mesh, tx, rng)
   model = Transformer(model_config)
@@ -104,8 +117,8 @@ def run(config: Any) -> dict[str, Any]:
   batches = packing.ShardedBatches(trajectories, tokenizer, pipeline, counter,
                                    settings.data.shards, jax.process_index(),
                                    jax.process_count())
-  step_fn = step_lib.jit_train_step(model, tx, mesh, micro_batches=train.micro_batches,
-                                    z_loss=train.z_loss, schedule=schedule)
+  step_fn = _train_step(model_config, settings.optimizer, mesh, train.micro_batches,
+                        train.z_loss)
   job = SFTJob(state, batches, step_fn, mesh)
   loop = LoopConfig(steps=train.steps, workdir=settings.workdir, checkpoint=settings.checkpoint,
                     log_every=train.log_every, stop_after=train.stop_after,

@@ -4,7 +4,8 @@ clipping, decay on weights."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import jax
 import optax
@@ -84,3 +85,12 @@ def make_optimizer(cfg: Any) -> optax.GradientTransformation:
   parts.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                            weight_decay=cfg.weight_decay, mask=weight_decay_mask))
   return optax.chain(*parts)
+
+
+@functools.lru_cache(maxsize=8)
+def schedule_and_optimizer(settings: OptimizerSettings
+                           ) -> tuple[Callable[[Any], Any], optax.GradientTransformation]:
+  """Returns `learning_rate_schedule(settings)` and `make_optimizer(settings)`, one pair per
+  settings in this process: the jobs build their jitted steps on them, and runs alike in one
+  process share those steps (`sft.job`, `rl.dapo`)."""
+  return learning_rate_schedule(settings), make_optimizer(settings)
