@@ -49,7 +49,6 @@ from coa_jax.rollout import settings as agent
 from coa_jax.rollout.tool_loop import Rollout, RolloutRecord, check_prompt_lengths
 from coa_jax.runtime import distributed, sharding
 from coa_jax.train import optimizer
-from coa_jax.train.optimizer import OptimizerSettings
 from coa_jax.train import state as state_lib
 from coa_jax.train.batch import PolicyBatch
 from coa_jax.train.step import run_step
@@ -78,8 +77,8 @@ class TaskStream:
 
 
 @functools.lru_cache(maxsize=4)
-def _update_step(model_config: ModelConfig, optimizer_settings: OptimizerSettings, mesh: Mesh,
-                 loss_config: PolicyLossConfig, micro_batches: int,
+def _update_step(model_config: ModelConfig, optimizer_settings: optimizer.OptimizerSettings,
+                 mesh: Mesh, loss_config: PolicyLossConfig, micro_batches: int,
                  temperature: float) -> Callable:
   """Returns the jitted policy update, one per model, optimizer, mesh and loss in this process:
   RL runs alike in one process (a resumed run, an experiment's cells and seeds) trace and

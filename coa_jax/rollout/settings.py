@@ -109,7 +109,7 @@ def shared_sampler(model_config: ModelConfig, host: Mesh, batch_size: int, cache
   evaluation after DAPO runs the programs of the one after SFT; an experiment's evaluations
   over cells and seeds run each other's). With a fresh sampler, a run through the compilation
   cache still traced and lowered every program again: 11.4 s against 2.4 s for the same five
-  tool-loop tasks on the tiny model (tests/test_rollout.py's). A sampler holds no arrays and
+  tool-loop tasks on the tiny model (tests/test_rollout.py's; one run, beside another job). A sampler holds no arrays and
   no state between calls; its `compilations()` count every program it compiled for anyone."""
   return Sampler(model_config, host, batch_size=batch_size, cache_size=cache_size, chunk=chunk,
                  stop_ids=stops, sampling=sampling)

@@ -78,7 +78,6 @@ class SFTJob:
     self.batches.set_state(data_state)
 
 
-
 @functools.lru_cache(maxsize=4)
 def _train_step(model_config: ModelConfig, settings: optimizer.OptimizerSettings, mesh: Mesh,
                 micro_batches: int, z_loss: float) -> Callable:
