@@ -85,10 +85,14 @@ def test_resumed_run_equals_the_uninterrupted_one(uninterrupted, tmp_path):
   _, whole = uninterrupted
   config = _config(tmp_path, "split")
   config.rl.stop_after = 2
+  built = critic_lib._programs.cache_info()
   first = rl_job.run(config)
   assert first["steps"] == 2
   second = rl_job.run(config)  # resumes from step 2's checkpoint (actor and critic), runs 3
   assert second["resumed_from"] == 2 and second["steps"] == 3
+  # The two runs alike share the critic's jitted programs: built once at most, then reused.
+  now = critic_lib._programs.cache_info()
+  assert now.misses - built.misses <= 1 and now.hits > built.hits
   rows, whole_rows = _rows(tmp_path / "split" / "metrics.jsonl"), _rows(whole["metrics"])
   assert [a["step"] for a in rows] == [b["step"] for b in whole_rows] == [1, 2, 3]
   for a, b in zip(rows, whole_rows):

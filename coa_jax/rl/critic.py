@@ -30,8 +30,9 @@ learning-rate schedule counts its own updates (rl.critic.schedule, warmup_steps,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -231,6 +232,30 @@ def optimizer_settings(actor: OptimizerSettings, config: CriticConfig) -> Optimi
   return dataclasses.replace(actor, **values)
 
 
+@functools.lru_cache(maxsize=4)
+def _programs(config: CriticConfig, model_config: ModelConfig, mesh: Mesh,
+              opt: OptimizerSettings, micro_batches: int) -> tuple[Callable, Callable, Callable]:
+  """Returns the critic's jitted (update, estimate, whiten), one triple per critic, model,
+  mesh and optimizer in this process: PPO runs alike in one process (a resumed run, an
+  experiment's cells and seeds) trace and compile them once."""
+  model = Transformer(model_config, head="value")
+  schedule, tx = optimizer.schedule_and_optimizer(opt)
+  update = jit_state_step(
+      lambda s, b: critic_step(model, tx, s, b, cliprange_value=config.cliprange_value,
+                               micro_batches=micro_batches, schedule=schedule),
+      model, tx, mesh)
+  params_sh = sharding.param_shardings(model, mesh)
+  batch_sh, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+  estimate_fn = sharding.bind_mesh(jax.jit(
+      lambda p, b, lam: estimate(model, config, p, b, lam),
+      in_shardings=(params_sh, batch_sh, rep), out_shardings=(batch_sh,) * 3 + (rep,)), mesh)
+  whiten = sharding.bind_mesh(jax.jit(
+      lambda adv, mask, moments: (gae_lib.whiten(adv, mask, moments) if config.whiten
+                                  else jnp.where(mask > 0, adv, 0.0)),
+      in_shardings=(batch_sh, batch_sh, rep), out_shardings=batch_sh), mesh)
+  return update, estimate_fn, whiten
+
+
 class Critic:
   """The value model's state and jitted programs on the actor's mesh (see the module doc)."""
 
@@ -240,24 +265,12 @@ class Critic:
     self.config, self.mesh = config, mesh
     self.model = Transformer(model_config, head="value")
     opt = optimizer_settings(actor_optimizer, config)
-    self.schedule, self.tx = optimizer.learning_rate_schedule(opt), optimizer.make_optimizer(opt)
+    self.schedule, self.tx = optimizer.schedule_and_optimizer(opt)
     params = value_params(actor_params, self.model, mesh)
     rng = jax.random.fold_in(jax.random.key(seed), 1)
     self.state = state_lib.state_from_params(params, self.tx, self.model, mesh, rng)
-    self.update = jit_state_step(
-        lambda s, b: critic_step(self.model, self.tx, s, b,
-                                 cliprange_value=config.cliprange_value,
-                                 micro_batches=micro_batches, schedule=self.schedule),
-        self.model, self.tx, mesh)
-    params_sh = sharding.param_shardings(self.model, mesh)
-    batch_sh, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-    self._estimate = sharding.bind_mesh(jax.jit(
-        lambda p, b, lam: estimate(self.model, config, p, b, lam),
-        in_shardings=(params_sh, batch_sh, rep), out_shardings=(batch_sh,) * 3 + (rep,)), mesh)
-    self._whiten = sharding.bind_mesh(jax.jit(
-        lambda adv, mask, moments: (gae_lib.whiten(adv, mask, moments) if config.whiten
-                                    else jnp.where(mask > 0, adv, 0.0)),
-        in_shardings=(batch_sh, batch_sh, rep), out_shardings=batch_sh), mesh)
+    self.update, self._estimate, self._whiten = _programs(config, model_config, mesh, opt,
+                                                          micro_batches)
 
   def abstract_state(self) -> TrainState:
     """Returns the critic's checkpointed train state (without a LoRA critic's frozen base) as
