@@ -243,6 +243,20 @@ def test_half_open_tag_at_the_budget_finishes_on_length():
   assert record.response_len == CONFIG.max_response_tokens
 
 
+def test_a_call_closed_by_the_budgets_last_token_is_not_run():
+  first, second = steps(("code", "x")), steps(("code", "y"), first=False)
+  budget = len(first) + len(observation("code says: x")) + len(second)
+  # Its last turn: run, it would end as max_turns, which the overlong filter and the critic do
+  # not read as truncated, after holding the rollout for the tool's 3 s.
+  config = dataclasses.replace(CONFIG, max_response_tokens=budget, max_turns=1)
+  tools = Registry({"code": Echo("code", delay=3.0)})
+  record = run({"q": first + second + steps(("answer", "1"), first=False)}, tools=tools,
+               config=config)[0]["q"]
+  assert record.finish_reason == "length" and record.turns == 1
+  assert record.tool_calls == {"code": 1} and record.tool_s < 4.0  # the first call only
+  assert record.response_len == budget and record.ids[-len(second):] == second
+
+
 def test_max_turns_finishes_the_sample():
   calls = sum((steps((tag, f"{tag} {i}"), first=i == 0)
                for i, tag in enumerate(["code", "web_search"] * 3)), [])

@@ -351,11 +351,13 @@ class Rollout:
       if still[index]:
         continue
       last = record.ids[-1] if count else None
+      # A call closed by the budget's last token has no room for its observation: not run.
+      full = len(record.ids) >= record.prompt_len + self.config.max_response_tokens
       if last == self._answer_id:
         self._finish(row, ANSWER)
       elif last == self._end_id:
         self._finish(row, EOS)
-      elif last in self._tool_stop:
+      elif last in self._tool_stop and not full:
         self._start_tool(row, self._tool_stop[last], pool)
       else:
         self._finish(row, LENGTH)
