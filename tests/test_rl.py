@@ -140,6 +140,16 @@ def test_rollout_batch_marks_tokens_sampled_over_an_older_cache_as_stale():
   np.testing.assert_array_equal(stale(None), [0] * 6)  # synchronous: all on-policy
 
 
+def test_a_packed_samples_calls_are_stale_by_their_own_cache_only():
+  # Two calls of a session (not append-only): the first prefilled and sampled by version 0,
+  # the second prefilled afresh and sampled by version 1.
+  record = RolloutRecord("t", 0, [5, 6, 7, 8, 5, 6, 9, 10], [0, 0, 1, 1, 0, 0, 1, 1],
+                         [0, 0, -0.1, -0.2, 0, 0, -0.3, -0.4], 6, [0, 0, 0, 0, 1, 1, 1, 1])
+  record.segments = [4, 4]
+  batch = rollout_batch([record], [1.0], [0], seq_len=7, proximal_version=1)
+  np.testing.assert_array_equal(batch.stale_mask[0], [0, 1, 1, 0, 0, 0, 0])
+
+
 def test_rollout_batch_weights_every_sampled_token_of_a_truncated_sampler():
   record = RolloutRecord("t", 0, [5, 6, 7, 8, 9], [0, 0, 1, 0, 1], [0, 0, -0.5, 0, -0.25], 2,
                          [0] * 5)

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 
 def last_token_index(mask_BxT: jax.Array) -> jax.Array:
-  """Returns each row's index of its last token with mask 1 (0 for a row without one)."""
+  """Returns each row's index of its last token with mask 1 (T - 1 for a row without one:
+  callers weigh what they read there by the mask)."""
   seq = mask_BxT.shape[1]
   return seq - 1 - jnp.argmax(mask_BxT[:, ::-1] > 0, axis=1)
 

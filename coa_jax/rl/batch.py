@@ -73,7 +73,10 @@ def rollout_batch(records: Sequence[RolloutRecord], advantages: Sequence[float],
     if truncated_sampling:
       arrays["stale_mask"][b, :n] = arrays["loss_mask"][b, :n] > 0
     elif proximal_version is not None:
-      behaviour = np.minimum.accumulate(np.asarray(record.versions))
+      # The oldest weights behind each token's cache, within its own call: a packed sample's
+      # segment was prefilled afresh, by the weights that then sampled it.
+      calls = np.split(np.asarray(record.versions), np.cumsum(record.segments, dtype=int)[:-1])
+      behaviour = np.concatenate([np.minimum.accumulate(call) for call in calls])
       arrays["stale_mask"][b, :n] = (behaviour[1:] < proximal_version) & (
           arrays["loss_mask"][b, :n] > 0)
   if outcomes is not None:
