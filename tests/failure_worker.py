@@ -11,7 +11,9 @@ and the error, uncaught, ends the process:
 - export [0]: process 0's disk is full while it writes an HF export between the gathers;
 - set-aside [0]: process 0 cannot rename a damaged checkpoint step out of the way;
 - metrics [0]: process 0 cannot write a step's metrics row (a full disk); both stop at the
-  next save, having gone on stepping together until then.
+  next save, having gone on stepping together until then;
+- rl-batch [1]: a sample of process 1's RL step does not fit the update (a record whose ids and
+  log-probs differ in length), before the step's first global program.
 """
 
 import errno
@@ -20,6 +22,7 @@ import os
 import resource
 import signal
 import sys
+import types
 
 scenario, out, process_id, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump of a hang
@@ -34,6 +37,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from coa_jax.model import Transformer, get_preset  # noqa: E402
 from coa_jax.runtime import hf_checkpoint, sharding  # noqa: E402
 from coa_jax.runtime.cache import cached_json  # noqa: E402
+from coa_jax.rl import dapo  # noqa: E402
+from coa_jax.rl.dynamic_sampling import ScoredGroup  # noqa: E402
+from coa_jax.rollout.tool_loop import RolloutRecord  # noqa: E402
 from coa_jax.runtime.checkpointing import Checkpointer  # noqa: E402
 from coa_jax.sft.job import SFTJob  # noqa: E402
 from coa_jax.train import writers  # noqa: E402
@@ -137,8 +143,22 @@ def metrics() -> None:
   run_loop(Steps(), config, abstract, model_config=None)
 
 
+def rl_batch() -> None:
+  trainer = object.__new__(dapo.Trainer)  # the parts an update reads before its programs
+  rl = types.SimpleNamespace(advantage="std", advantage_eps=1e-6, negative_weight=1.0,
+                             overlong_filter=False, mini_batch_groups=2, critic=None)
+  trainer.settings = types.SimpleNamespace(rl=rl, sampling=types.SimpleNamespace(truncates=False))
+  trainer.critic, trainer.hosts, trainer.host_index, trainer.n = None, 2, process_id, 2
+  trainer.seq_len, trainer.mesh = 8, MESH
+  trainer._with_old_logprobs = lambda batches: global_sum()  # the step's first global program
+  logprobs = [0.0, -0.5, -0.5] if process_id == 0 else [0.0, -0.5]
+  records = [RolloutRecord("t", i, [1, 2, 3], [0, 1, 1], logprobs, 1, [0, 0, 0]) for i in (0, 1)]
+  trainer._train_on([ScoredGroup("t", records, [1.0, 0.0], [True, False])], step=1)
+
+
 SCENARIOS = {"cache-read": cache_read, "cache-compute": cache_compute, "sft-data": sft_data,
-             "export": export, "set-aside": set_aside, "metrics": metrics}
+             "export": export, "set-aside": set_aside, "metrics": metrics,
+             "rl-batch": rl_batch}
 SCENARIOS[scenario]()
 global_sum()  # not reached: a process that got here would wait for the other in this program
 print("no error", flush=True)

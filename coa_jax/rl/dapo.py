@@ -289,30 +289,10 @@ class Trainer:
     With a critic (PPO), the critic updates on every mini-batch too, and the actor only after
     the critic's warm-up and pre-training."""
     rl = self.settings.rl
-    records = [record for group in kept for record in group.records]
-    scores = np.array([g.scores for g in kept])
-    outcomes = None
-    if self.critic is None:
-      advantages = group_advantages(scores, rl.advantage, rl.advantage_eps,
-                                    rl.negative_weight).reshape(-1)
-    else:  # token advantages come from the critic, after the batches are built
-      advantages = np.zeros(len(records))
-      outcomes = critic_lib.outcomes(records, scores.reshape(-1),
-                                     [self._overlong(r.response_len) for r in records],
-                                     self.critic.config.truncation)
-    self.last_batch = (step, kept, None if self.critic is not None else advantages)
-    drop = [rl.overlong_filter and r.finish_reason == "length" for r in records]
-    local_groups = rl.mini_batch_groups // self.hosts  # this host's groups per mini-batch
-    rows = local_groups * self.n
-    groups = np.arange(rows) // self.n + self.host_index * local_groups
-    mini_batches = []
-    for start in range(0, len(records), rows):
-      part = slice(start, start + rows)
-      batch = rollout_batch(records[part], advantages[part], groups, self.seq_len, drop[part],
-                            proximal_version,
-                            None if outcomes is None else (outcomes[0][part], outcomes[1][part]),
-                            truncated_sampling=self.settings.sampling.truncates)
-      mini_batches.append(sharding.shard_batch(batch, self.mesh))
+    # Built on each host from its own records (a sample the batch cannot hold raises there
+    # alone): agreed, or the other hosts would wait in the first log-prob program.
+    mini_batches = [sharding.shard_batch(batch, self.mesh) for batch in distributed.agreed(
+        lambda: self._host_batches(kept, step, proximal_version), f"the batch of step {step}")]
     mini_batches, health = self._with_old_logprobs(mini_batches)
     actor_trains, critic_metrics = True, {}
     if self.critic is not None:
@@ -340,6 +320,33 @@ class Trainer:
     # was applied.
     out = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
     return {**out, **health, **critic_metrics}
+
+  def _host_batches(self, kept: list[ScoredGroup], step: int,
+                    proximal_version: int | None) -> list[PolicyBatch]:
+    """Returns this host's mini-batches of `kept` (host arrays, `rollout_batch`): the groups'
+    advantages, or with a critic their outcomes (the token advantages come later)."""
+    rl = self.settings.rl
+    records = [record for group in kept for record in group.records]
+    scores = np.array([g.scores for g in kept])
+    outcomes = None
+    if self.critic is None:
+      advantages = group_advantages(scores, rl.advantage, rl.advantage_eps,
+                                    rl.negative_weight).reshape(-1)
+    else:
+      advantages = np.zeros(len(records))
+      outcomes = critic_lib.outcomes(records, scores.reshape(-1),
+                                     [self._overlong(r.response_len) for r in records],
+                                     self.critic.config.truncation)
+    self.last_batch = (step, kept, None if self.critic is not None else advantages)
+    drop = [rl.overlong_filter and r.finish_reason == "length" for r in records]
+    local_groups = rl.mini_batch_groups // self.hosts  # this host's groups per mini-batch
+    rows = local_groups * self.n
+    groups = np.arange(rows) // self.n + self.host_index * local_groups
+    return [rollout_batch(records[part], advantages[part], groups, self.seq_len, drop[part],
+                          proximal_version,
+                          None if outcomes is None else (outcomes[0][part], outcomes[1][part]),
+                          truncated_sampling=self.settings.sampling.truncates)
+            for part in (slice(start, start + rows) for start in range(0, len(records), rows))]
 
   def _track_prompts(self, generated: list[ScoredGroup]) -> None:
     """Counts each generated group's prompt: groups, all correct, all wrong (rl.track_prompts)."""
