@@ -12,6 +12,8 @@ and the error, uncaught, ends the process:
 - set-aside [0]: process 0 cannot rename a damaged checkpoint step out of the way;
 - metrics [0]: process 0 cannot write a step's metrics row (a full disk); both stop at the
   next save, having gone on stepping together until then;
+- agent-start [1]: process 1 cannot import the RL job's agent program (the module is missing on
+  its machine); process 0 has started its endpoint;
 - rl-batch [1]: a sample of process 1's RL step does not fit the update (a record whose ids and
   log-probs differ in length), before the step's first global program.
 """
@@ -38,13 +40,14 @@ from coa_jax.model import Transformer, get_preset  # noqa: E402
 from coa_jax.runtime import hf_checkpoint, sharding  # noqa: E402
 from coa_jax.runtime.cache import cached_json  # noqa: E402
 from coa_jax.rl import dapo  # noqa: E402
+from coa_jax.rl import job as rl_job  # noqa: E402
 from coa_jax.rl.dynamic_sampling import ScoredGroup  # noqa: E402
 from coa_jax.rollout.tool_loop import RolloutRecord  # noqa: E402
 from coa_jax.runtime.checkpointing import Checkpointer  # noqa: E402
 from coa_jax.sft.job import SFTJob  # noqa: E402
 from coa_jax.train import writers  # noqa: E402
 from coa_jax.train.loop import LoopConfig, run_loop  # noqa: E402
-from configs import common  # noqa: E402
+from configs import common, dapo_tiny_cpu  # noqa: E402
 from state_job import StateJob, join  # noqa: E402
 
 MESH, SHARDED = join(process_id, port)
@@ -143,6 +146,17 @@ def metrics() -> None:
   run_loop(Steps(), config, abstract, model_config=None)
 
 
+def agent_start() -> None:
+  config = dapo_tiny_cpu.get_config()
+  config.model.checkpoint, config.max_tasks, config.eval_tasks = "", 8, ""
+  config.mesh, config.batch_size = common.mesh(data=2, fsdp=1, tensor=1), 8
+  config.rl = common.rl(steps=1, batch_groups=2, prompts_per_round=2, mini_batch_groups=2,
+                        dynamic_sampling=False, agent=("test_serving_rl:low_ids_agent"
+                                                       if process_id == 0 else "gone:agent"))
+  config.workdir, config.export_dir = os.path.join(out, f"rl-{process_id}"), ""
+  rl_job.run(config)
+
+
 def rl_batch() -> None:
   trainer = object.__new__(dapo.Trainer)  # the parts an update reads before its programs
   rl = types.SimpleNamespace(advantage="std", advantage_eps=1e-6, negative_weight=1.0,
@@ -158,7 +172,7 @@ def rl_batch() -> None:
 
 SCENARIOS = {"cache-read": cache_read, "cache-compute": cache_compute, "sft-data": sft_data,
              "export": export, "set-aside": set_aside, "metrics": metrics,
-             "rl-batch": rl_batch}
+             "agent-start": agent_start, "rl-batch": rl_batch}
 SCENARIOS[scenario]()
 global_sum()  # not reached: a process that got here would wait for the other in this program
 print("no error", flush=True)

@@ -239,7 +239,10 @@ class AsyncTrainer(Trainer):
 
   def _start_worker(self, version: int) -> None:
     queue = StalenessQueue(self.settings.rl.batch_groups // self.hosts, self.staleness, version)
-    self.worker = RolloutWorker(self, queue, PolicyBox(version, self._push()))
+    box = PolicyBox(version, self._push())  # a collective
+    # An agent program's worker starts an engine and a server of its own: agreed.
+    self.worker = distributed.agreed(lambda: RolloutWorker(self, queue, box),
+                                     "starting the rollout worker")
     self.worker.start()
     self._last = time.perf_counter()
 

@@ -141,12 +141,15 @@ class Trainer:
     self.host_shardings = sharding.param_shardings(self.model, self.host)
     tools = agent.tools(settings, self.tokenizer)
     if rl.agent:  # an agent program through the trainer's own endpoint
-      # imported here: the endpoint's packages (the `serve` extra) are not the main job's
-      from coa_jax.serving.agent import AgentRollout, load_agent
-      self.engine = AgentRollout(load_agent(rl.agent), model_config, self.host, self.tokenizer,
-                                 tools, self.rollout_config, settings.system_prompt,
-                                 settings.sampling, slots=settings.batch_size // self.hosts,
-                                 chunk=settings.chunk, seed=settings.seed)
+      def agent_rollout():  # its module, an engine and a server: agreed
+        # imported here: the endpoint's packages (the `serve` extra) are not the main job's
+        from coa_jax.serving.agent import AgentRollout, load_agent
+        return AgentRollout(load_agent(rl.agent), model_config, self.host, self.tokenizer,
+                            tools, self.rollout_config, settings.system_prompt,
+                            settings.sampling, slots=settings.batch_size // self.hosts,
+                            chunk=settings.chunk, seed=settings.seed)
+
+      self.engine = distributed.agreed(agent_rollout, "starting the agent program's endpoint")
     else:
       sampler = agent.sampler(settings, model_config, self.host, self.tokenizer)
       self.engine = Rollout(sampler, None, self.tokenizer, tools, self.rollout_config,
