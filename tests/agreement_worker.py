@@ -11,7 +11,8 @@ Scenarios, in order, each process writing OUT_DIR/<scenario>-<process>.json:
 - cache: a cached value only process 0 finds is taken by both, neither computing (the
   computation runs a collective); a value neither finds is computed by both, process 0's is
   returned on both and only process 0 stores it;
-- preemption: process 1 alone gets SIGTERM; both save at one step and stop.
+- preemption: process 1 alone gets SIGINT (Ctrl-C on its host), which it sends on as the
+  SIGTERM a preemption is; both save at one step and stop.
 """
 
 import faulthandler
@@ -116,14 +117,14 @@ write("cache", hit=hit, miss=miss, computed=len(computed))
 
 
 class Counter(StateJob):
-  """A job whose every step is a global program; process 1 gets SIGTERM during step 3."""
+  """A job whose every step is a global program; process 1 gets SIGINT during step 3."""
 
   def __init__(self):
     self.state = {"w": weights(0.0)}
 
   def step(self, step):
     if process_id == 1 and step == 3:
-      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.05)
     self.state = {"w": ADD_ONE(self.state["w"])}
     return {"loss": float(step)}

@@ -1,8 +1,8 @@
 """On two processes (one CPU device each, gloo collectives), every decision that precedes a
 collective is taken by both: one process's error ends both, a checkpoint step only one process
 cannot read is set aside by both, a mismatched checkpoint fails on both, a cached result only
-process 0 holds is taken by both, and a SIGTERM that
-only one process gets makes both save at the same step and stop (tests/agreement_worker.py)."""
+process 0 holds is taken by both, and a Ctrl-C (SIGINT, sent on as SIGTERM) that only one process
+gets makes both save at the same step and stop (tests/agreement_worker.py)."""
 
 import json
 import os
@@ -59,7 +59,7 @@ def test_a_cache_decides_on_process_0_and_is_stored_by_it(out):
   assert sorted(p.name for p in out.glob("miss-*.json")) == ["miss-0.json"]
 
 
-def test_a_sigterm_on_one_process_stops_both_at_the_same_step(out):
+def test_a_ctrl_c_on_one_process_stops_both_at_the_same_step(out):
   zero, one = _results(out, "preemption")
   assert zero["stopped_by_signal"] and one["stopped_by_signal"]
   assert zero["steps"] == one["steps"] >= 3

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import time
 import warnings
@@ -257,7 +258,8 @@ class PreemptionFlag:
   preemption service (installed by `jax.distributed.initialize`) catches SIGTERM on whichever
   host gets it, tells every host through the coordinator, and
   `multihost_utils.reached_preemption_sync_point` is True on all of them at one agreed step;
-  a host that acted on its own signal alone would start a save the others never join.
+  a host that acted on its own signal alone would start a save the others never join. A SIGINT
+  (Ctrl-C on one host) is sent on as a SIGTERM to its own process, for the service to take.
   """
 
   def __init__(self):
@@ -268,6 +270,8 @@ class PreemptionFlag:
     if jax.process_count() == 1:
       for sig in (signal.SIGTERM, signal.SIGINT):
         self._previous[sig] = signal.signal(sig, self._handle)
+    else:
+      self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._as_sigterm)
     return self
 
   def reached(self, step: int) -> bool:
@@ -283,6 +287,13 @@ class PreemptionFlag:
     del frame
     print(f"received signal {signum}: saving a checkpoint, then stopping", flush=True)
     self.requested = True
+
+  @staticmethod
+  def _as_sigterm(signum, frame) -> None:
+    del signum, frame
+    print("received SIGINT: sent on as SIGTERM, for every process to save at one step and stop",
+          flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
   def __exit__(self, *exc) -> None:
     for sig, handler in self._previous.items():
