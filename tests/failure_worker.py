@@ -12,6 +12,7 @@ and the error, uncaught, ends the process:
 - set-aside [0]: process 0 cannot rename a damaged checkpoint step out of the way;
 - metrics [0]: process 0 cannot write a step's metrics row (a full disk); both stop at the
   next save, having gone on stepping together until then;
+- metrics-close [0]: process 0's metric file fails as it closes (a gs:// upload at the end);
 - agent-start [1]: process 1 cannot import the RL job's agent program (the module is missing on
   its machine); process 0 has started its endpoint;
 - rl-batch [1]: a sample of process 1's RL step does not fit the update (a record whose ids and
@@ -146,6 +147,17 @@ def metrics() -> None:
   run_loop(Steps(), config, abstract, model_config=None)
 
 
+def metrics_close() -> None:
+  if process_id == 0:
+    def failed_upload(self):
+      raise OSError(errno.EIO, "Input/output error", "gs://bucket/work/metrics.jsonl")
+
+    writers.MetricWriter.close = failed_upload
+  abstract = {"w": jax.ShapeDtypeStruct((2,), jnp.float32, sharding=SHARDED)}
+  config = LoopConfig(steps=2, workdir=os.path.join(out, "work"), log_every=100, checkpoint=None)
+  run_loop(Steps(), config, abstract, model_config=None)
+
+
 def agent_start() -> None:
   config = dapo_tiny_cpu.get_config()
   config.model.checkpoint, config.max_tasks, config.eval_tasks = "", 8, ""
@@ -172,7 +184,7 @@ def rl_batch() -> None:
 
 SCENARIOS = {"cache-read": cache_read, "cache-compute": cache_compute, "sft-data": sft_data,
              "export": export, "set-aside": set_aside, "metrics": metrics,
-             "agent-start": agent_start, "rl-batch": rl_batch}
+             "metrics-close": metrics_close, "agent-start": agent_start, "rl-batch": rl_batch}
 SCENARIOS[scenario]()
 global_sum()  # not reached: a process that got here would wait for the other in this program
 print("no error", flush=True)

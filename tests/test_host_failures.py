@@ -2,9 +2,9 @@
 each exiting non-zero with that error (the other one naming it), long before the deadline: a
 cached file process 0 cannot parse, a cached computation that raises on process 1, process 1's
 SFT data failing, process 0's disk filling up during an HF export, process 0 unable to set a
-damaged checkpoint step aside or to write a step's metrics, process 1 unable to import the RL
-job's agent program, a sample of process 1's RL step that the update cannot hold
-(tests/failure_worker.py)."""
+damaged checkpoint step aside, to write a step's metrics or to close its metric file, process 1
+unable to import the RL job's agent program, a sample of process 1's RL step that the update
+cannot hold (tests/failure_worker.py)."""
 
 import os
 import signal
@@ -26,6 +26,7 @@ DEADLINE_S = 120  # a pair that hangs is killed here; a failing pair ends in sec
     ("export", 0, "OSError: [Errno 27] File too large"),
     ("set-aside", 0, "PermissionError: [Errno 13] Permission denied"),
     ("metrics", 0, "OSError: [Errno 28] No space left on device"),
+    ("metrics-close", 0, "OSError: [Errno 5] Input/output error: 'gs://bucket/work/metrics"),
     ("agent-start", 1, "ConfigError: rl.agent='gone:agent': ModuleNotFoundError"),
     ("rl-batch", 1, "ValueError: task t sample 0: ids, loss_mask, logprobs and versions differ"),
 ])

@@ -253,9 +253,10 @@ def run_loop(job: Job, config: LoopConfig, abstract_state: TrainState | None,
         if stopping:
           stopped_by_signal = True
           break
+    writes.run(writer.close)  # process 0's last flush or upload: agreed with its writes
     writes.raise_together("writing the metrics")
   finally:
-    writer.close()
+    writer.close()  # after an error (closed above otherwise)
     if checkpointer:
       checkpointer.close()
   result = LoopResult(steps=completed, resumed_from=start, stopped_by_signal=stopped_by_signal,

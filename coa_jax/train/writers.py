@@ -57,6 +57,8 @@ class MetricWriter:
     self._add(Event(wall_time=time.time(), step=row["step"], summary=Summary(value=values)))
 
   def close(self) -> None:
+    """Closes the files (the last upload of a gs:// one); a second call does nothing."""
     if self._file is not None:
-      self._file.close()
-      self._events.close()
+      file, events, self._file, self._events = self._file, self._events, None, None
+      file.close()
+      events.close()
