@@ -233,8 +233,8 @@ def rl_tasks(selection: SelectionConfig, stages: dict[str, Any],
   kept, report = query_selection.select_tasks(
       selection, tasks, _sample_pass(evaluate, os.path.join(folder, "samples")),
       os.path.join(folder, "pass_rates.json"), key)
-  path = query_selection.write_tasks(
-      kept, os.path.join(folder, f"tasks-{selection.low:g}-{selection.high:g}.jsonl"))
+  path = os.path.join(folder, f"tasks-{selection.low:g}-{selection.high:g}.jsonl")
+  distributed.agreed(lambda: query_selection.write_tasks(kept, path), f"writing {path}")
   say(f"query selection: kept {len(kept)} of {report['sampled']} tasks with pass rate in "
       f"[{selection.low:g}, {selection.high:g}] over {selection.k} samples (pass rates "
       f"{report['pass_rates']}) -> {path}")
@@ -260,7 +260,8 @@ def run_stages(stages: Stages, seeds: int = 1) -> dict[str, Any]:
   settings = stages.settings
   output_dir, k, world = settings.output_dir, settings.eval.k, settings.world
   first = stages.of()  # every stage checked before the first runs
-  os.makedirs(paths.local(output_dir, "output_dir"), exist_ok=True)
+  distributed.agreed(lambda: os.makedirs(paths.local(output_dir, "output_dir"), exist_ok=True),
+                     f"making {output_dir}")
   times = StageTimes(os.path.join(output_dir, "stage_seconds.json"))
   distill_stage(first, times)
   # rebuilt: the evaluations' tool spec is the one distillation wrote
