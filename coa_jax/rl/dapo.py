@@ -431,8 +431,10 @@ class Trainer:
     return {"actor": actor, "critic": self.critic.abstract_state()}
 
   def data_state(self, step: int) -> dict[str, Any]:
-    """Returns what a checkpoint keeps beside the train state (the same on every host)."""
-    return {"cursor": self.stream.cursor, "prompts": self.all_prompts(),
+    """Returns what a checkpoint keeps beside the train state (the same on every host: the
+    furthest cursor, as asynchronous rollouts walk the stream on each host on their own)."""
+    return {"cursor": max(distributed.gather_json(self.stream.cursor)),
+            "prompts": self.all_prompts(),
             "critic_pretrained": self.critic_pretrained}
 
   def restore(self, state: Any, data_state: dict[str, Any]) -> None:
