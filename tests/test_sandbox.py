@@ -455,7 +455,7 @@ def test_the_unshare_mode_contains_programs_without_persistent_workers(tmp_path)
     unavailable(str(e))
   os.chmod(tmp_path, 0o777)
   token = uuid.uuid4().hex
-  contained, forks, outlives = single.map([
+  contained, forks, outlives, hardened = single.map([
       program(f"import os, socket\nprint(sorted(k for k in os.environ if 'SECRET' in k))\n"
               f"for path in ['{tmp_path}/out', '/etc/out']:\n  try:\n"
               f"    open(path, 'w')\n    print('written')\n  except OSError:\n    pass\n"
@@ -464,7 +464,12 @@ def test_the_unshare_mode_contains_programs_without_persistent_workers(tmp_path)
       program("import os, time\nfor _ in range(8):\n  if os.fork() == 0:\n    time.sleep(60)\n"
               "    os._exit(0)"),
       program(f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time; "
-              f"time.sleep(600)  # {token}'], start_new_session=True)\nprint('parent done')")])
+              f"time.sleep(600)  # {token}'], start_new_session=True)\nprint('parent done')"),
+      # No capability left (without root, the namespace's root had every one: enough to
+      # remount the read-only mounts writable), and none to gain by exec.
+      program("print(*(line for line in open('/proc/self/status') if line.startswith(("
+              "'CapEff', 'NoNewPrivs'))), sep='', end='')")])
+  assert hardened.observation == "CapEff:\t0000000000000000\nNoNewPrivs:\t1\n"
   assert not single.persistent and contained.observation == "[]\noffline\n"
   assert forks.error_kind == base.PROCESS_LIMIT
   assert outlives.observation == "parent done\n" and not processes_with(token)

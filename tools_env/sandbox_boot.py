@@ -33,6 +33,23 @@ _KEPT_FLAGS = {b"nosuid": _MS_NOSUID, b"nodev": _MS_NODEV, b"noexec": _MS_NOEXEC
                b"noatime": _MS_NOATIME, b"nodiratime": _MS_NODIRATIME}
 
 
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_LIBC = []
+
+
+def _libc():
+  if not _LIBC:
+    _LIBC.append(ctypes.CDLL(None, use_errno=True))
+  return _LIBC[0]
+
+
+def _check(result, what):
+  if result != 0:
+    code = ctypes.get_errno()
+    raise OSError(code, f"{what}: {os.strerror(code)}")
+
+
 def _mount_tmpfs(libc, target):
   if libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755") != 0:
     code = ctypes.get_errno()
@@ -66,7 +83,7 @@ def make_read_only(workdir, hide=(), expose=()):
   """Hides the `hide` directories under empty tmpfs, re-exposes the `expose` paths within
   them, bind-mounts workdir onto itself, then remounts every other mount read-only; raises
   OSError if one cannot be (a mount left writable would be a way out)."""
-  libc = ctypes.CDLL(None, use_errno=True)
+  libc = _libc()
   keep = {path: os.open(path, os.O_PATH) for path in (*expose, workdir)}
   before = {mount_id for mount_id, _, _ in _mounts()}
   for path in hide:
@@ -95,6 +112,27 @@ def apply_limits(rlimits, uid):
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
+
+
+def apply_hardening(uid, orphan_signal):
+  """Steps a program takes after `apply_limits` (a single run, or one of the pool's): no
+  privilege gained by exec (setuid binaries, file capabilities), no capability left (those of
+  the unshare mode's namespace root or the pool's worker; as root, `setuid` already cleared
+  them), a dumpable process when it kept its user as a fresh one would be, and, with
+  `orphan_signal`, death with the worker that forked it."""
+  libc = _libc()
+  _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0),
+                    ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl(PR_SET_NO_NEW_PRIVS)")
+  libc.prctl(_PR_CAP_AMBIENT, ctypes.c_ulong(_PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0),
+             ctypes.c_ulong(0), ctypes.c_ulong(0))  # EINVAL on kernels without ambient sets
+  header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+  _check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
+  if uid is None:
+    libc.prctl(_PR_SET_DUMPABLE, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+               ctypes.c_ulong(0))
+  if orphan_signal:
+    libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(orphan_signal), ctypes.c_ulong(0),
+               ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 def run_program(program, path):
@@ -155,6 +193,9 @@ def main():
         _flush_and_exit(_exit_status(status))
     os.chdir(workdir)
     apply_limits(spec.get("rlimits", {}), spec.get("uid"))
+    # The unshare mode runs this as root of its user namespace, with every capability: kept,
+    # they would let the program remount the read-only mounts writable.
+    apply_hardening(spec.get("uid"), 0)
   except OSError as e:
     print(f"sandbox setup failed: {e}", file=sys.stderr)
     _flush_and_exit(SETUP_FAILED)

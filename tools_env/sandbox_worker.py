@@ -31,7 +31,8 @@ two descriptors: the program's stdin file and the write end of its output pipe):
    and uts namespaces: the worker's mounts are read-only but for R, which is root's;
 3. the program's process sets the environment the host sent, applies the limits and drops to
    the run's uid as `main` does, chdirs into its working directory, hardens itself
-   (`apply_hardening`) and runs main.py as a single run does, then exits (`exit_program`);
+   (`sandbox_boot.apply_hardening`, as a single run does) and runs main.py as a single run
+   does, then exits (`exit_program`);
 4. the worker waits for its child (watching the control socket: if the host goes away it
    kills the child and exits), kills the program's process group (no pid namespace), reaps
    orphans and reports the exit status. An init's exit has already killed every process of
@@ -61,21 +62,8 @@ _READ_ONLY_REMOUNT = (boot._MS_REMOUNT | boot._MS_BIND | boot._MS_RDONLY | boot.
                       | boot._MS_NODEV)
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
 _CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
-_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
-_LIBC = []
-
-
-def _libc():
-  if not _LIBC:
-    _LIBC.append(ctypes.CDLL(None, use_errno=True))
-  return _LIBC[0]
-
-
-def _check(result, what):
-  if result != 0:
-    code = ctypes.get_errno()
-    raise OSError(code, f"{what}: {os.strerror(code)}")
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = boot._PR_SET_PDEATHSIG, 4
+_libc, _check = boot._libc, boot._check
 
 
 def exit_program(status):
@@ -104,26 +92,6 @@ def exit_program(status):
   except BaseException:  # noqa: BLE001 - e.g. a KeyboardInterrupt in a thread's join
     pass
   boot._flush_and_exit(status)
-
-
-def apply_hardening(uid, orphan_signal):
-  """Steps a pooled program takes after `boot.apply_limits`: no privilege gained by exec (setuid
-  binaries, file capabilities), no capability left (the worker's, which as root `setuid`
-  already cleared), a dumpable process when it kept its user as a fresh one would be, and,
-  with `orphan_signal`, death with the worker that forked it."""
-  libc = _libc()
-  _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0),
-                    ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl(PR_SET_NO_NEW_PRIVS)")
-  libc.prctl(_PR_CAP_AMBIENT, ctypes.c_ulong(_PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0),
-             ctypes.c_ulong(0), ctypes.c_ulong(0))  # EINVAL on kernels without ambient sets
-  header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-  _check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
-  if uid is None:
-    libc.prctl(_PR_SET_DUMPABLE, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
-               ctypes.c_ulong(0))
-  if orphan_signal:
-    libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(orphan_signal), ctypes.c_ulong(0),
-               ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 def _make_dirs(path):
@@ -430,7 +398,7 @@ def main():
     # The worker's rights do not reach the run uid's working directory: chdir after the drop.
     boot.apply_limits(spec["rlimits"], spec["uid"])
     os.chdir(workdir)
-    apply_hardening(spec["uid"], spec["orphan_signal"])
+    boot.apply_hardening(spec["uid"], spec["orphan_signal"])
   except OSError as e:
     print(f"sandbox setup failed: {e}", file=sys.stderr)
     boot._flush_and_exit(boot.SETUP_FAILED)
