@@ -217,6 +217,23 @@ def test_code_hanging_program_times_out(sandbox):
   assert (score, details["first_failure"]["kind"]) == (0.0, "timeout")
 
 
+ADD_FUNCTIONAL = [{"functional": "assert add(1, 2) == 3\nprint('checked')", "prelude": ""}]
+
+
+def test_code_functional_tests_pass_once_their_asserts_ran(sandbox):
+  answer = program("def add(a, b):\n  return a + b")
+  assert rewards.code_reward(answer, ADD_FUNCTIONAL, sandbox) == (1.0, {"passed": 1, "total": 1})
+
+
+@pytest.mark.parametrize("exit_call", ["exit()", "import sys\nsys.exit(0)",
+                                       "import os\nos._exit(0)"])
+def test_code_exiting_before_a_functional_tests_asserts_scores_zero(sandbox, exit_call):
+  # The program exits without error; the test script's asserts never run.
+  answer = program(f"def add(a, b):\n  return 0\n{exit_call}")
+  score, details = rewards.code_reward(answer, ADD_FUNCTIONAL, sandbox)
+  assert (score, details["first_failure"]["kind"]) == (0.0, rewards.EXITED_EARLY)
+
+
 def test_code_without_a_python_block_scores_zero(sandbox):
   assert rewards.code_reward("print(3)", ADD_TESTS, sandbox) == (
       0.0, {"error": "no python block in the answer", "passed": 0, "total": 2})

@@ -27,8 +27,8 @@ here.
 """
 
 from coa_jax.data.rewards.answers import final_answer, gold_answers, ground_truth_of
-from coa_jax.data.rewards.code_scorer import (WRONG_ANSWER, CodeScorer, code_reward,
-                                              normalize_output)
+from coa_jax.data.rewards.code_scorer import (EXITED_EARLY, WRONG_ANSWER, CodeScorer,
+                                              code_reward, normalize_output)
 from coa_jax.data.rewards.judge_scorer import JudgeClient, judge_reward, parse_verdict
 from coa_jax.data.rewards.math_scorer import (extract_boxed, fallback_equal, math_equivalent,
                                               math_reward, normalize_math)

@@ -4,6 +4,7 @@ test script after it (`functional`), in the code sandbox."""
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any, Mapping
 
 from coa_jax.data.rewards.answers import error_text
@@ -11,6 +12,7 @@ from tools_env.base import ToolFailure
 from tools_env.sandbox import CodeSandbox, extract_program
 
 WRONG_ANSWER = "wrong_answer"
+EXITED_EARLY = "exited_early"
 _NO_OUTPUT = "(no output)"  # what the sandbox reports for a program that printed nothing
 
 
@@ -30,15 +32,18 @@ def _test_body(source: str, stdin: str) -> str:
   return _fenced("python", source) + ("\n" + _fenced("sh", stdin) if stdin else "")
 
 
-def _failure_of(result: Any, expected: str | None) -> dict[str, Any] | None:
+def _failure_of(result: Any, expected: str, functional: bool) -> dict[str, Any] | None:
   """Returns the failure of one test's ToolResult (kind and observation), or None if it
-  passed: it ran without error and, unless `expected` is None (a functional test), printed
-  `expected`."""
+  passed: it ran without error and printed `expected`, or for a functional test printed the
+  line `expected` (the token its script prints once its asserts have run)."""
   if not result.ok:
     return {"kind": result.error_kind, "observation": result.observation[:500]}
-  if expected is None:
-    return None
   output = "" if result.observation == _NO_OUTPUT else result.observation
+  if functional:
+    if expected in output.split("\n"):
+      return None
+    return {"kind": EXITED_EARLY, "observation": "the program ended before the test script's "
+            "asserts ran (an exit() in the answer?): " + output[-300:]}
   if result.truncated:
     return {"kind": WRONG_ANSWER, "observation": "output longer than the sandbox keeps"}
   if normalize_output(output) != normalize_output(expected):
@@ -46,14 +51,18 @@ def _failure_of(result: Any, expected: str | None) -> dict[str, Any] | None:
   return None
 
 
-def _test_case(source: str, test: Mapping[str, Any]) -> tuple[str, str | None]:
-  """Returns (the `code` call, the expected output or None) of one test: {"stdin", "stdout"},
-  or {"functional": a script run after the program (with `prelude` before it), passing when
-  the whole exits without error}."""
+def _test_case(source: str, test: Mapping[str, Any]) -> tuple[str, str, bool]:
+  """Returns (the `code` call, the expected output, whether functional) of one test:
+  {"stdin", "stdout"}, or {"functional": a script run after the program (with `prelude`
+  before it), passing when the whole exits without error having reached the script's end}.
+  The end prints a token drawn for this call: a program that exits before the asserts run
+  (`exit()`, `os._exit(0)`) exits without error, but never prints it."""
   if test.get("functional") is not None:
-    program = f"{test.get('prelude') or ''}{source}\n\n{test['functional']}"
-    return _test_body(program, ""), None
-  return _test_body(source, str(test.get("stdin") or "")), str(test.get("stdout") or "")
+    token = f"coa-test-passed-{secrets.token_hex(16)}"
+    program = (f"{test.get('prelude') or ''}{source}\n\n{test['functional']}\n"
+               f"print({token!r}, flush=True)")
+    return _test_body(program, ""), token, True
+  return _test_body(source, str(test.get("stdin") or "")), str(test.get("stdout") or ""), False
 
 
 def code_reward(answer: str, tests: Any, sandbox: CodeSandbox) -> tuple[float, dict[str, Any]]:
@@ -69,8 +78,8 @@ def code_reward(answer: str, tests: Any, sandbox: CodeSandbox) -> tuple[float, d
     except ToolFailure:
       return 0.0, {"error": "no python block in the answer", "passed": 0, "total": len(tests)}
     cases = [_test_case(source, test) for test in tests]
-    failures = [_failure_of(result, expected) for result, (_, expected)
-                in zip(sandbox.map([body for body, _ in cases]), cases)]
+    failures = [_failure_of(result, expected, functional) for result, (_, expected, functional)
+                in zip(sandbox.map([body for body, _, _ in cases]), cases)]
     details: dict[str, Any] = {"passed": failures.count(None), "total": len(tests)}
     first = next(((i, f) for i, f in enumerate(failures) if f is not None), None)
     if first is not None:
