@@ -217,3 +217,57 @@ def test_a_model_config_contradicting_the_checkpoint_is_named(tmp_path, single_d
   config, _ = hf_checkpoint.load_checkpoint(str(tmp_path / "hf"), single_device_mesh,
                                             num_layers=2, remat="full", vocab_size=128)
   assert (config.num_layers, config.remat, config.vocab_size) == (2, "full", 128)
+
+
+def test_an_export_over_an_earlier_one_leaves_only_its_own_weights(tmp_path):
+  first, second = (hf_checkpoint.load_checkpoint(_saved(tmp_path / f"src{seed}", seed))
+                   for seed in (0, 1))
+  out = str(tmp_path / "out")
+  hf_checkpoint.save_checkpoint(out, *first, dtype="float32", max_shard_bytes=30_000)
+  assert hf_checkpoint.save_checkpoint(out, *second, dtype="float32") == ["model.safetensors"]
+  assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json",
+                                                                  "model.safetensors"]
+  config, params = hf_checkpoint.load_checkpoint(out)
+  ids = _ids()
+  np.testing.assert_array_equal(_ours(config, params, ids), _ours(*second, ids))
+
+
+def _saved(folder, seed=0, **kwargs):
+  make_hf_model("qwen2", seed=seed, **kwargs).save_pretrained(folder)
+  return str(folder)
+
+
+def test_sliding_window_attention_is_named(saved_qwen):
+  from coa_jax.model import ConfigError
+
+  # As transformers reads it: `layer_types`, or without them the layers from max_window_layers.
+  for layer_types in (["full_attention", "sliding_attention"], None):
+    _edit_config(saved_qwen, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                 layer_types=layer_types)
+    with pytest.raises(ConfigError, match=r"layers \[1\] sliding-window attention \(window 8"):
+      hf_checkpoint.load_checkpoint(str(saved_qwen))
+  _edit_config(saved_qwen, use_sliding_window=False)  # Qwen2.5's own configs: full attention
+  hf_checkpoint.load_checkpoint(str(saved_qwen))
+
+
+def test_a_tied_checkpoint_holding_another_lm_head_is_named(tmp_path):
+  folder = _saved(tmp_path / "tied", tie=True)
+  file = safetensors_io.SafetensorsFile(f"{folder}/model.safetensors")
+  tensors = {name: file.get(name) for name in file.names()}
+  head = np.random.RandomState(0).randn(*tensors["model.embed_tokens.weight"].shape)
+  safetensors_io.write_safetensors(f"{folder}/model.safetensors", [
+      (name, value.shape, value.dtype, lambda v=value: v)
+      for name, value in {**tensors, "lm_head.weight": head.astype(np.float32)}.items()])
+  with pytest.raises(hf_checkpoint.CheckpointError, match="set tie_word_embeddings to false"):
+    hf_checkpoint.load_checkpoint(folder)
+
+
+def test_a_checkpoints_model_section_may_grow_the_vocabulary(tmp_path, single_device_mesh):
+  from coa_jax.data.tokenizer import default_tokenizer
+  from coa_jax.model import ModelSettings
+
+  tokenizer = default_tokenizer("plain")
+  model = ModelSettings.from_section({"checkpoint": _saved(tmp_path / "hf"),
+                                      "vocab_size": tokenizer.vocab_size + 64})
+  config, _ = hf_checkpoint.load_model(model, tokenizer, single_device_mesh)
+  assert config.vocab_size == tokenizer.vocab_size + 64

@@ -290,6 +290,20 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
       original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
 
 
+def _sliding_layers(hf: dict[str, Any], num_layers: int, max_positions: int) -> list[int]:
+  """Returns the layers an HF config gives a sliding attention window shorter than its
+  positions, as transformers reads it (Qwen2: `use_sliding_window`, then `layer_types`, or
+  the layers from `max_window_layers` on)."""
+  window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+  if window is None or int(window) >= max_positions:
+    return []
+  if hf.get("layer_types"):
+    return [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
+  if "use_sliding_window" not in hf:
+    return []
+  return list(range(int(hf.get("max_window_layers") or 0), num_layers))
+
+
 def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
   """Returns the ModelConfig described by an HF config.json dict."""
   family = hf.get("model_type")
@@ -322,6 +336,11 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     raise ConfigError(f"HF config is missing the field {e.args[0]!r}") from None
   if family == "llama" and (hf.get("mlp_bias") or hf.get("attention_bias")):
     raise ConfigError("Llama configs with mlp_bias or attention_bias set are not supported")
+  sliding = _sliding_layers(hf, fields["num_layers"], fields["max_position_embeddings"])
+  if sliding:
+    raise ConfigError(f"HF config gives layers {sliding} sliding-window attention (window "
+                      f"{hf['sliding_window']}), which is not supported: every layer here "
+                      f"attends to all earlier positions")
   config = ModelConfig(**fields)
   # The checkpoint fixes the architecture; overrides may change numerics (dtype, remat,
   # attention) and grow the vocabulary (for added tag tokens), not reshape the weights.

@@ -145,6 +145,9 @@ class _TensorSource:
     self._where = weight_map
     self.folder = folder
 
+  def __contains__(self, name: str) -> bool:
+    return name in self._where
+
   def shape(self, name: str) -> tuple[int, ...]:
     if name not in self._where:
       raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
@@ -180,6 +183,13 @@ def load_params(folder: str, config: ModelConfig, shardings: Any,
   for t in tensors:  # validate every name and shape before reading any data
     for name in _names(t, config):
       source.check(name, t.hf_shape)
+  if config.tie_embeddings and "lm_head.weight" in source:
+    head, embedding = source.get("lm_head.weight"), source.get("model.embed_tokens.weight")
+    if head.shape != embedding.shape or not np.array_equal(head, embedding):
+      raise CheckpointError(
+          f"{folder}: config.json ties the embeddings (tie_word_embeddings) but the weights "
+          f"hold an lm_head.weight that differs from them, which transformers loads as an "
+          f"untied head: set tie_word_embeddings to false in config.json to load that head")
   dtype = config.compute_dtype if config.lora_rank else config.params_dtype
   mean_ids = np.asarray(sorted(set(int(i) for i in mean_init_ids)), np.int64)
   if mean_ids.size and (mean_ids.min() < 0 or mean_ids.max() >= config.vocab_size):
@@ -317,8 +327,10 @@ def save_checkpoint(folder: str, config: ModelConfig, params: Any, dtype: str = 
     total = sum(int(np.prod(item[1])) * np_dtype.itemsize for item in items)
     jsons[INDEX_FILE] = {"metadata": {"total_size": total}, "weight_map": weight_map}
   jsons["config.json"] = hf_config  # written last (`written_last`)
+  # An earlier export's weights go first (config.json first of all): with another shard count
+  # its files would stay beside these, and a loader could read them instead.
   _write_on_process_0(folder, list(zip(shard_files, shards)), jsons, f"hf export {folder}",
-                      files)
+                      files, stale=("config.json", INDEX_FILE, "model*.safetensors"))
   return shard_files
 
 
@@ -330,15 +342,20 @@ def written_last(folder: str) -> str:
 
 def _write_on_process_0(folder: str, safetensors: list[tuple[str, list]],
                         jsons: dict[str, Any], where: str,
-                        texts: Mapping[str, str] | None = None) -> None:
-  """Collective: process 0 writes `safetensors` ((file, tensors) pairs), `texts` (file: text)
-  and `jsons` (file: value, the last one last) into `folder` (local or a URL), while every
-  process produces each tensor (the gathers of sharded arrays). A write that fails on process 0
-  (a full disk, a read-only folder) lets the gathers run to the end, then raises on every
-  process (`FirstError`), so none waits."""
+                        texts: Mapping[str, str] | None = None,
+                        stale: Sequence[str] = ()) -> None:
+  """Collective: process 0 deletes the files of `folder` (local or a URL) that the `stale`
+  patterns match, in their order, then writes `safetensors` ((file, tensors) pairs), `texts`
+  (file: text) and `jsons` (file: value, the last one last) into it, while every process
+  produces each tensor (the gathers of sharded arrays). A write that fails on process 0 (a full
+  disk, a read-only folder) lets the gathers run to the end, then raises on every process
+  (`FirstError`), so none waits."""
   writer, errors = jax.process_index() == 0, distributed.FirstError()
   if writer:
-    errors.run(lambda: paths.to_epath(folder).mkdir(parents=True, exist_ok=True))
+    out = paths.to_epath(folder)
+    errors.run(lambda: out.mkdir(parents=True, exist_ok=True))
+    for pattern in stale:
+      errors.run(lambda p=pattern: [path.unlink() for path in out.glob(p)])
   for file, tensors in safetensors:
     produced = 0
 
@@ -445,8 +462,10 @@ def load_model(model: ModelSettings, tokenizer, mesh) -> tuple[ModelConfig, Any]
                              mesh)
   if model.checkpoint:
     tokenizer.check_saved(model.checkpoint)
-    model_config, params = load_checkpoint(model.checkpoint, mesh,
-                                           vocab_size=tokenizer.vocab_size, **model.overrides)
+    overrides = model.overrides  # a vocabulary grown further than the tokenizer's: kept
+    vocab_size = max(tokenizer.vocab_size, overrides.pop("vocab_size", 0))
+    model_config, params = load_checkpoint(model.checkpoint, mesh, vocab_size=vocab_size,
+                                           **overrides)
     source_vocab = int(read_hf_config(model.checkpoint)["vocab_size"])
     return with_trained_token_ids(model_config, tokenizer, source_vocab), params
   model_config = model.fresh_config()
