@@ -55,6 +55,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     routes = {
         "/page.html": (200, PAGE, "text/html; charset=utf-8"),
         "/notes.txt": (200, "plain notes", "text/plain"),
+        "/odd.txt": (200, "odd notes", "text/plain; charset=x-unknown"),
         "/big.html": (200, "<p>" + "word " * 100_000 + "</p>", "text/html"),
         "/image.png": (200, b"\x89PNG\r\n", "image/png"),
     }
@@ -181,6 +182,8 @@ def test_crawl_fetches_pages_and_reports_failures_per_url(server):
   assert result.metadata["failed"] == [server.url("/missing"), server.url("/image.png")]
   assert "unsupported content type image/png" in result.observation
   assert crawl(server.url("/missing")).error_kind == base.NOT_FOUND
+  # A charset Python has no codec for reads as utf-8 (it failed the whole call).
+  assert crawl(server.url("/odd.txt")).observation.endswith("odd notes")
   assert crawl("file:///etc/passwd").error_kind == base.BAD_REQUEST
 
 

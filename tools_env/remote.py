@@ -17,6 +17,7 @@ size cap. Loopback addresses never go through a proxy. Standard library only.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import functools
 import hashlib
@@ -219,6 +220,14 @@ def fetch(url: str, limits: HttpLimits, payload: Any = None,
   raise ToolFailure(failure.kind, f"{failure} (after {attempts} attempt{'s' * (attempts > 1)})")
 
 
+def _known_charset(charset: str | None) -> str:
+  """Returns the response's charset, or utf-8 for none or one Python has no codec for."""
+  try:
+    return codecs.lookup(charset).name if charset else "utf-8"
+  except LookupError:
+    return "utf-8"
+
+
 def _attempt(url: str, data: bytes | None, headers: dict[str, str], limits: HttpLimits,
              deadline: float, number: int) -> Response:
   """Returns the response of one attempt; raises ToolFailure (with the HTTP `status` in its
@@ -228,7 +237,7 @@ def _attempt(url: str, data: bytes | None, headers: dict[str, str], limits: Http
     with _opener(url, deadline).open(request, timeout=limits.timeout_s) as reply:
       body = _read_body(reply, limits)
       return Response(body[:limits.max_response_bytes], reply.headers.get_content_type(),
-                      reply.headers.get_content_charset() or "utf-8",
+                      _known_charset(reply.headers.get_content_charset()),
                       len(body) > limits.max_response_bytes, number)
   except urllib.error.HTTPError as e:
     e.close()
