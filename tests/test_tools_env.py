@@ -89,6 +89,22 @@ def test_registry_and_trajectory_state(web):
   assert session.calls["web_search"] == 2 and session.repeats["web_search"] == 1
 
 
+def test_a_program_differing_in_indentation_or_case_is_not_a_repeat():
+  class Run(base.Tool):
+    def _run(self, body, goal):
+      if body == "down":
+        raise RuntimeError("the service is down")
+      return body, {}
+
+  session = TrajectoryTools(ToolRegistry({"code": Run()}))
+  assert session.call("code", "if True:\nprint('A')").ok
+  assert session.call("code", "if True:\n    print('A')").ok  # the fix runs
+  assert session.call("code", "if True:\n    print('a')").ok
+  assert session.call("code", " if True:\n    print('a') ").error_kind == base.REPEATED
+  # A failure on the tool's side is not the call's: the same call may be made again.
+  assert [session.call("code", "down").error_kind for _ in range(2)] == [base.TOOL_ERROR] * 2
+
+
 def test_build_registry_from_a_config_spec(cache_dir):
   registry = build_registry({
       "web_search": {"kind": "bm25", "cache_dir": cache_dir, "top_k": 2},

@@ -22,11 +22,13 @@ import threading
 from typing import Any, Mapping
 
 from tools_env.arguments import describe_body
-from tools_env.base import (REPEATED, UNKNOWN_TOOL, Delayed, Tool, ToolResult, error_result,
-                            import_object)
+from tools_env.base import (BAD_RESPONSE, HTTP_ERROR, REPEATED, TIMEOUT, TOOL_ERROR, UNKNOWN_TOOL,
+                            Delayed, Tool, ToolResult, error_result, import_object)
 
 TOOL_TAGS = ("web_search", "crawl_page", "wiki_search", "code")
 SEARCH_TAGS = ("web_search", "wiki_search")
+# Failures on the tool's side, not the call's: a repeat of the call may succeed.
+_TOOL_SIDE = (TOOL_ERROR, HTTP_ERROR, BAD_RESPONSE)
 BUILTIN_KINDS = ("bm25", "local_crawl", "serper", "http_crawl", "sandbox")
 # What a built-in tool's tag holds, for the system prompt (a spec's `description` overrides).
 BUILTIN_DESCRIPTIONS = {"bm25": "a search query", "serper": "a search query",
@@ -113,8 +115,13 @@ class TrajectoryTools:
     self._lock = threading.Lock()
 
   def call(self, tag: str, body: str) -> ToolResult:
-    """Returns the tool's result, or a REPEATED notice for a call already made."""
-    key = (tag, " ".join(str(body).split()).lower(), self.goal if tag == "crawl_page" else "")
+    """Returns the tool's result, or a REPEATED notice for a call already made: a search
+    with the same words in any case or spacing, another call with the same body (a program's
+    indentation and names, a URL's path, are its meaning). A call whose tool failed on its own
+    side (an error, a remote service down or slow) may be made again."""
+    text = str(body)
+    text = " ".join(text.split()).lower() if tag in SEARCH_TAGS else text.strip()
+    key = (tag, text, self.goal if tag == "crawl_page" else "")
     with self._lock:
       self.calls[tag] += 1
       if key in self._seen:
@@ -123,6 +130,9 @@ class TrajectoryTools:
                           f"its earlier result or try something different.", False, REPEATED)
       self._seen.add(key)
     result = self.registry.call(tag, body, self.goal)
+    if result.error_kind in _TOOL_SIDE or (result.error_kind == TIMEOUT and tag != "code"):
+      with self._lock:
+        self._seen.discard(key)
     if tag in SEARCH_TAGS and result.ok:
       self.goal = str(body).strip()
     return result
