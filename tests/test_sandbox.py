@@ -26,6 +26,7 @@ from tools_env.sandbox import policy, runner, tool
 from tools_env.registry import ToolRegistry
 from tools_env.sandbox import CodeSandbox, IsolationUnavailable, SandboxLimits, extract_program
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMITS = SandboxLimits(wall_timeout_s=4, cpu_time_s=2, max_processes=32, max_capture_bytes=2**16,
                        max_output_chars=2000)
 
@@ -171,6 +172,35 @@ def test_a_program_longer_than_max_code_chars_is_refused_unrun(sandbox):
 def test_allocating_50_gb_hits_the_memory_limit(sandbox):
   result = sandbox(program("block = bytearray(50 * 2**30)"))
   assert result.error_kind == base.MEMORY_LIMIT and "MemoryError" in result.observation
+
+
+_FILL_SCRATCH = ("for scratch in ['/tmp', '/dev/shm']:\n  written = 0\n  try:\n"
+                 "    for i in range(16):\n      with open(f'{scratch}/f{i}', 'wb') as f:\n"
+                 "        f.write(b'x' * (4 << 20))\n      written += 4\n"
+                 "  except OSError:\n    pass\n  print(written)")
+_SCRATCH_PROBE = f"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from tools_env.sandbox import CodeSandbox, SandboxLimits
+limits = SandboxLimits(wall_timeout_s=20, cpu_time_s=10, scratch_bytes=8 << 20)
+for persistent in (True, False):
+  with CodeSandbox(limits, isolation="bwrap", workers=1, persistent=persistent) as sandbox:
+    print(json.dumps(sandbox({program(_FILL_SCRATCH)!r}).observation.split()))
+"""
+
+
+def test_scratch_tmpfs_hold_at_most_scratch_bytes_without_root():
+  # Without root, bwrap's /tmp and /dev/shm are a program's own tmpfs: memory RLIMIT_AS does
+  # not count, half the machine's RAM each before they were sized. As root they are not the
+  # program's to write: as root, the probe runs as nobody.
+  if shutil.which("bwrap") is None:
+    unavailable("no bwrap")
+  as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+  argv = [*(as_nobody if os.geteuid() == 0 else []), rlimit_python(), "-c", _SCRATCH_PROBE, ROOT]
+  done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/",
+                        env={"PATH": os.environ["PATH"], "HOME": "/nonexistent"})
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert [json.loads(line) for line in done.stdout.split("\n") if line] == [["8", "8"]] * 2
 
 
 def test_printing_1_gb_is_stopped_and_truncated(sandbox):
@@ -476,7 +506,8 @@ def test_the_unshare_mode_contains_programs_without_persistent_workers(tmp_path)
 
 
 def rlimit_python():
-  """Returns a python every uid can run (the rlimit mode drops privileges when root)."""
+  """Returns a python every uid can run (the rlimit mode drops privileges when root; a probe
+  runs as nobody)."""
   if os.geteuid() != 0:
     return sys.executable
   system = shutil.which("python3", path="/usr/bin:/bin")
@@ -623,7 +654,7 @@ def fake_mounts(monkeypatch, before, after, fail=None):
   (raising for `fail`); returns the list of the mount points it is asked to remount."""
   tables = iter([before, after])
   monkeypatch.setattr(sandbox_boot, "_mounts", lambda: next(tables))
-  monkeypatch.setattr(sandbox_boot, "_mount_tmpfs", lambda libc, target: None)
+  monkeypatch.setattr(sandbox_boot, "_mount_tmpfs", lambda libc, target, size: None)
   remounted = []
 
   def mount(libc, source, target, flags):

@@ -50,8 +50,9 @@ def _check(result, what):
     raise OSError(code, f"{what}: {os.strerror(code)}")
 
 
-def _mount_tmpfs(libc, target):
-  if libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755") != 0:
+def _mount_tmpfs(libc, target, size):
+  options = b"mode=755,size=%d" % size
+  if libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
     code = ctypes.get_errno()
     raise OSError(code, f"mount tmpfs on {target}: {os.strerror(code)}")
 
@@ -79,15 +80,15 @@ def _under(path, roots):
   return any(path == root or path.startswith(root.rstrip(b"/") + b"/") for root in roots)
 
 
-def make_read_only(workdir, hide=(), expose=()):
-  """Hides the `hide` directories under empty tmpfs, re-exposes the `expose` paths within
+def make_read_only(workdir, hide=(), expose=(), scratch_bytes=256 << 20):
+  """Hides the `hide` directories under empty tmpfs (of `scratch_bytes`), re-exposes the `expose` paths within
   them, bind-mounts workdir onto itself, then remounts every other mount read-only; raises
   OSError if one cannot be (a mount left writable would be a way out)."""
   libc = _libc()
   keep = {path: os.open(path, os.O_PATH) for path in (*expose, workdir)}
   before = {mount_id for mount_id, _, _ in _mounts()}
   for path in hide:
-    _mount_tmpfs(libc, path)
+    _mount_tmpfs(libc, path, scratch_bytes)
   for path, fd in keep.items():
     os.makedirs(path, exist_ok=True)
     _mount(libc, f"/proc/self/fd/{fd}".encode(), path, _MS_BIND | _MS_REC)
@@ -185,7 +186,8 @@ def main():
   workdir = spec["workdir"]
   try:
     if spec.get("read_only"):
-      make_read_only(workdir, spec.get("hide", ()), spec.get("expose", ()))
+      make_read_only(workdir, spec.get("hide", ()), spec.get("expose", ()),
+                     spec["scratch_bytes"])
     if spec.get("init"):
       child = os.fork()
       if child:

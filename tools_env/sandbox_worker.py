@@ -105,8 +105,9 @@ def _make_dirs(path):
     os.chmod(directory, 0o755)
 
 
-def isolate_program(libc, workdir, fresh, expose, proc_read_only, root):
-  """In the program's new mount namespace: replaces the `fresh` directories with empty tmpfs,
+def isolate_program(libc, workdir, fresh, expose, proc_read_only, root, scratch_bytes):
+  """In the program's new mount namespace: replaces the `fresh` directories with empty tmpfs
+  (of `scratch_bytes` each),
   binds `workdir` and the `expose` paths found in them back at their places, makes the tmpfs
   on `root` (the worker's, which holds workdir) read-only, mounts a /proc for the new pid
   namespace (with bubblewrap's read-only parts when `proc_read_only`) and remounts every other
@@ -116,7 +117,7 @@ def isolate_program(libc, workdir, fresh, expose, proc_read_only, root):
   kept = [p for p in (*expose, workdir) if boot._under(os.fsencode(p), roots)]
   keep = {path: os.open(path, os.O_PATH) for path in kept}
   for path in fresh:
-    boot._mount_tmpfs(libc, path)
+    boot._mount_tmpfs(libc, path, scratch_bytes)
   for path, fd in keep.items():
     _make_dirs(path)
     boot._mount(libc, f"/proc/self/fd/{fd}".encode(), path, boot._MS_BIND | boot._MS_REC)
@@ -210,7 +211,7 @@ def _start_program(libc, config, request, stdin_fd, out_fd, lifeline):
       _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS),
              "unshare")
       isolate_program(libc, request["workdir"], config["fresh"], config["expose"],
-                      config["proc_read_only"], config["root"])
+                      config["proc_read_only"], config["root"], config["scratch_bytes"])
       if config["loopback"]:
         _loopback_up()
       child = os.fork()
@@ -323,7 +324,8 @@ def serve(spec):
   libc = _libc()
   try:
     if spec.get("read_only"):
-      boot.make_read_only(spec["workdir"], spec.get("hide", ()), spec.get("expose", ()))
+      boot.make_read_only(spec["workdir"], spec.get("hide", ()), spec.get("expose", ()),
+                          spec["scratch_bytes"])
     elif config.get("seal"):
       # bwrap as root: its /dev and scratch tmpfs read-only here once (each program gets
       # fresh ones), so that the check in each program's namespace finds nothing left to do

@@ -136,7 +136,7 @@ class Worker:
       fresh.append(self.root)
     serve = {"control_fd": theirs.fileno(), "namespaces": mode != "rlimit",
              "pid_namespace": self.pid_namespace,
-             "preload": list(preload), "fresh": fresh,
+             "preload": list(preload), "fresh": fresh, "scratch_bytes": launcher.scratch_bytes,
              "expose": list(launcher.exposed) if mode == "bwrap" else [],
              "proc_read_only": list(_PROC_READ_ONLY) if mode == "bwrap" else [],
              "loopback": mode == "bwrap", "root": self.root,

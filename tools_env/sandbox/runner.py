@@ -143,6 +143,7 @@ class Launcher:
   module_path: tuple[str, ...]
   hidden: tuple[str, ...]
   exposed: tuple[str, ...]
+  scratch_bytes: int  # the size of each scratch tmpfs (`SandboxLimits.scratch_bytes`)
 
   def command(self, mode: str, workdir: str, spec: dict[str, Any], worker: bool = False
               ) -> list[str]:
@@ -151,7 +152,8 @@ class Launcher:
     its root: the programs' working directories are made in it)."""
     root = os.geteuid() == 0
     spec = {"workdir": workdir, "uid": None, "read_only": False, "init": False,
-            "path": list(self.module_path), **spec}
+            "path": list(self.module_path), "scratch_bytes": self.scratch_bytes, **spec}
+    sized = ["--size", str(self.scratch_bytes), "--tmpfs"]
     if mode == "bwrap":
       if root:  # no user namespace: the boot drops to the run's uid, which root cannot be
         prefix = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
@@ -166,10 +168,10 @@ class Launcher:
       # A worker outlives the host thread that started it, whose exit --die-with-parent
       # would take for its parent's; it exits when the host closes its control socket.
       prefix += [] if worker else ["--die-with-parent"]
-      prefix += ["--new-session", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-                 "--tmpfs", "/tmp"]
+      prefix += ["--new-session", "--ro-bind", "/", "/", "--dev", "/dev", *sized, "/dev/shm",
+                 "--proc", "/proc", *sized, "/tmp"]
       for path in self.hidden:
-        prefix += ["--tmpfs", path]
+        prefix += [*sized, path]
       for path in self.exposed:
         # bwrap would create them traversable by root only
         for parent in parents_below(path, (*self.hidden, "/tmp")):

@@ -103,7 +103,7 @@ class CodeSandbox(Tool):
     self.hidden, self.exposed = hidden_and_exposed(self.needed)
     self.self_test = _SELF_TEST + (_SELF_TEST_NUMPY if numpy else "") + "print(6 * 7)\n"
     self._launcher = Launcher(python, tuple(self.module_path), tuple(self.hidden),
-                               tuple(self.exposed))
+                               tuple(self.exposed), self.limits.scratch_bytes)
     self.isolation = self._choose_isolation(isolation)
     self.preload = tuple(PRELOAD + (("numpy",) if numpy else ()) if preload is None else preload)
     self._pool = WorkerPool(functools.partial(Worker, self._launcher, self.isolation,
