@@ -28,6 +28,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -311,9 +312,11 @@ class RemoteSearch(Tool):
                for r in organic if isinstance(r, dict) and r.get("link")][:self.top_k]
     if path:
       os.makedirs(os.path.dirname(path), exist_ok=True)
-      with open(path + ".tmp", "w", encoding="utf-8") as f:
+      # A temporary file of this thread's own: two threads may search the same query at once.
+      temporary = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"
+      with open(temporary, "w", encoding="utf-8") as f:
         json.dump(results, f)
-      os.replace(path + ".tmp", path)
+      os.replace(temporary, path)
     return results, False
 
   def _run(self, body: str, goal: str) -> tuple[str, dict[str, Any]]:
