@@ -163,6 +163,14 @@ def test_an_uncaught_file_limit_error_is_a_runtime_error(sandbox):
   assert "OSError: [Errno 27] File too large" in result.observation
 
 
+def test_a_program_holding_a_lone_surrogate_is_a_bad_request(sandbox):
+  result = sandbox(program("print('\ud800')"))
+  assert result.error_kind == base.BAD_REQUEST
+  assert result.observation == ("Error: the call holds a character UTF-8 cannot write "
+                                "(surrogates not allowed: '\\ud800')")
+  assert sandbox(program("print(1)")).observation == "1\n"
+
+
 def test_a_program_longer_than_max_code_chars_is_refused_unrun(sandbox):
   result = sandbox(program("print('ran')\n" + "#" * 199_987))
   assert result.error_kind == base.BAD_REQUEST

@@ -365,6 +365,12 @@ class CodeSandbox(Tool):
     if len(source) > self.limits.max_code_chars:
       raise ToolFailure(BAD_REQUEST, f"program of {len(source)} characters; at most "
                                      f"{self.limits.max_code_chars}")
+    for text in (source, stdin or ""):
+      try:  # as `write_program` writes it (a lone surrogate cannot be)
+        text.encode("utf-8", errors="surrogateescape")
+      except UnicodeEncodeError as e:
+        raise ToolFailure(BAD_REQUEST, f"the call holds a character UTF-8 cannot write "
+                                       f"({e.reason}: {text[e.start:e.end]!a})") from None
     with self._slots:
       if self.persistent:
         run = self._execute_pooled(source, stdin)
