@@ -234,6 +234,15 @@ def test_code_exiting_before_a_functional_tests_asserts_scores_zero(sandbox, exi
   assert (score, details["first_failure"]["kind"]) == (0.0, rewards.EXITED_EARLY)
 
 
+def test_the_code_reward_compares_stdout_alone():
+  rewarder = build_rewarder({"domains": {"code": {"kind": "code", "workers": 1}},
+                             "default_domain": "code", "correct": 1.0, "incorrect": 0.0})
+  answer = program("import sys\na, b = map(int, input().split())\n"
+                   "print('debugging', a, b, file=sys.stderr)\nprint(a + b)")
+  with rewarder.scorers["code"].sandbox:
+    assert rewarder.scorers["code"](answer, {"tests": ADD_TESTS})[0] == 1.0
+
+
 def test_code_without_a_python_block_scores_zero(sandbox):
   assert rewards.code_reward("print(3)", ADD_TESTS, sandbox) == (
       0.0, {"error": "no python block in the answer", "passed": 0, "total": 2})

@@ -163,6 +163,15 @@ def test_an_uncaught_file_limit_error_is_a_runtime_error(sandbox):
   assert "OSError: [Errno 27] File too large" in result.observation
 
 
+@pytest.mark.parametrize("persistent", [True, False], ids=["pooled", "per-run"])
+def test_a_sandbox_may_discard_stderr(persistent):
+  source = program("import sys\nprint(1)\nprint('debug', file=sys.stderr)\nprint(2)")
+  for merge_stderr, expected in ((False, "1\n2\n"), (True, "debug\n1\n2\n")):
+    with CodeSandbox(LIMITS, isolation="bwrap", workers=1, persistent=persistent,
+                     merge_stderr=merge_stderr) as sandbox:
+      assert sandbox(source).observation == expected  # stdout flushed at exit: printed last
+
+
 def test_a_program_holding_a_lone_surrogate_is_a_bad_request(sandbox):
   result = sandbox(program("print('\ud800')"))
   assert result.error_kind == base.BAD_REQUEST

@@ -18,8 +18,10 @@ two descriptors: the program's stdin file and the write end of its output pipe):
    into a new pid namespace (unshare(CLONE_NEWPID) before it, setns back after it; or, where
    the worker may not setns back, through a runner process that makes the namespace and
    waits): the child is pid 1 there, the program's init;
-2. the child takes the program's stdin and output as fds 0-2, closes every other descriptor
-   (the control socket among them) and makes fresh sys.stdin/stdout/stderr. An init then
+2. the child takes the program's stdin and output as fds 0-2 (2: the output too, or a third
+   descriptor the host sent: /dev/null, for a program whose stderr is discarded), closes every
+   other descriptor (the control socket among them) and makes fresh sys.stdin/stdout/stderr.
+   An init then
    enters new mount, network, ipc and uts namespaces, replaces the writable scratch
    directories (bwrap's /tmp, /dev/shm, hidden homes; R) with empty tmpfs, binds the
    program's own working directory R/<run> (made by the host) and the exposed interpreter
@@ -187,7 +189,7 @@ def _tasks_of(uid):
   return count
 
 
-def _start_program(libc, config, request, stdin_fd, out_fd, lifeline):
+def _start_program(libc, config, request, stdin_fd, out_fd, err_fd, lifeline):
   """Runs in the process the worker forked for a program: sets it up (see the comment above).
   Returns the program's spec for `main`, in the program's process only; pid 1 of a program's
   namespace exits with the program's status."""
@@ -201,7 +203,7 @@ def _start_program(libc, config, request, stdin_fd, out_fd, lifeline):
       os._exit(boot.SETUP_FAILED)  # the worker died before the line above took effect
     os.dup2(stdin_fd, 0)
     os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
+    os.dup2(err_fd, 2)
     os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     _fresh_stdio()
   except BaseException:  # noqa: BLE001 - nothing may return into the worker's loop
@@ -358,14 +360,15 @@ def serve(spec):
   control.send(json.dumps({"ready": True, "pid": os.getpid()}).encode())
   while True:
     try:
-      message, fds, _, _ = socket.recv_fds(control, 1 << 16, 2)
+      message, fds, _, _ = socket.recv_fds(control, 1 << 16, 3)
     except OSError:
       os._exit(0)
     if not message:
       os._exit(0)  # the host closed its end: it is done with this worker, or gone
     try:
       request = json.loads(message)
-      stdin_fd, out_fd = fds
+      stdin_fd, out_fd, *err = fds  # stderr: the output, or where the host sends it apart
+      err_fd = err[0] if err else out_fd
       rlimits = request["rlimits"]
       if pid_namespace and request["uid"] is None and "RLIMIT_NPROC" in rlimits:
         # The worker's user runs the program: its other processes here (the program's init,
@@ -376,7 +379,7 @@ def serve(spec):
       if pid == 0:
         os.close(lifeline_w)
         control.close()
-        return _start_program(libc, config, request, stdin_fd, out_fd, lifeline)
+        return _start_program(libc, config, request, stdin_fd, out_fd, err_fd, lifeline)
     except Exception as e:  # noqa: BLE001 - reported, and the host replaces this worker
       control.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
       os._exit(boot.SETUP_FAILED)

@@ -179,16 +179,18 @@ class Worker:
     return not self.dead and self.proc.poll() is None
 
   def run(self, request: dict[str, Any], stdin_path: str, limits: SandboxLimits,
-          uid: int | None) -> tuple[Run, bool]:
-    """Runs one program; returns its Run and whether this worker may run another. Raises
-    WorkerDead if the worker was gone before it took the program."""
+          uid: int | None, merge_stderr: bool = True) -> tuple[Run, bool]:
+    """Runs one program (its stderr in its output, or with `merge_stderr` False discarded);
+    returns its Run and whether this worker may run another. Raises WorkerDead if the worker
+    was gone before it took the program."""
     if not self.alive():
       raise WorkerDead()
     read_end, write_end = os.pipe()
     try:
-      with open(stdin_path, "rb") as stdin_file:
+      with open(stdin_path, "rb") as stdin_file, open(os.devnull, "wb") as devnull:
         socket.send_fds(self.control, [json.dumps(request).encode()],
-                        [stdin_file.fileno(), write_end])
+                        [stdin_file.fileno(), write_end] +
+                        ([] if merge_stderr else [devnull.fileno()]))
     except OSError:
       os.close(read_end)
       raise WorkerDead() from None

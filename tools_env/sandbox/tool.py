@@ -81,7 +81,8 @@ def _warn_once(message: str) -> None:
 class CodeSandbox(Tool):
   """Runs `code` calls in isolated processes, at most `workers` at a time: by default in a pool
   of persistent workers that fork each program afresh (`persistent=False`: a process started
-  for each program). `preload`: the modules the workers import once (default: `PRELOAD`, and
+  for each program). A program's stderr is in its output (`merge_stderr`), or discarded (a
+  judge comparing what it printed: the code reward). `preload`: the modules the workers import once (default: `PRELOAD`, and
   numpy where the interpreter has it). `close()` stops the workers; so do the sandbox's
   garbage collection and the interpreter's exit."""
 
@@ -89,12 +90,14 @@ class CodeSandbox(Tool):
 
   def __init__(self, limits: SandboxLimits | None = None, isolation: str = "auto",
                workers: int = 4, python: str = sys.executable, workdir_root: str | None = None,
-               persistent: bool = True, preload: Sequence[str] | None = None):
+               persistent: bool = True, preload: Sequence[str] | None = None,
+               merge_stderr: bool = True):
     self.limits = limits or SandboxLimits()
     super().__init__(self.limits.max_output_chars)
     if workers < 1:
       raise ValueError(f"workers must be >= 1, got {workers}")
     self.python, self.workdir_root, self.workers = python, workdir_root, workers
+    self.merge_stderr = merge_stderr
     self._slots = threading.BoundedSemaphore(workers)
     # Programs start with `-S` (skipping site's .pth files, which import the editable install's
     # finder: 10 of a start's 17 ms) and get the interpreter's module path from the boot script.
@@ -237,7 +240,9 @@ class CodeSandbox(Tool):
         write_program(workdir, source, stdin, uid)
         with open(os.path.join(workdir, "stdin.txt"), "rb") as stdin_file:
           proc = subprocess.Popen(self._command(mode, workdir, uid), stdin=stdin_file,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT if self.merge_stderr
+                                  else subprocess.DEVNULL,
                                   env=self._environment(workdir), cwd=workdir,
                                   start_new_session=True)
         try:
@@ -281,7 +286,7 @@ class CodeSandbox(Tool):
         request = {"workdir": workdir, "rlimits": rlimits, "uid": uid,
                    "env": environment(workdir)}
         run, reusable = worker.run(request, os.path.join(workdir, "stdin.txt"), self.limits,
-                                   uid)
+                                   uid, self.merge_stderr)
         return run, reusable
       finally:
         # A run that ended cleanly left no process: its init's exit took its pid namespace

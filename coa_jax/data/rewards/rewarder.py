@@ -145,7 +145,9 @@ def _build_scorer(name: str, config: Mapping[str, Any], spec: RewardSpec) -> Sco
   try:
     if kind == "code":
       options = _options(name, config, ("limits", "isolation", "workers", "persistent"))
-      return CodeScorer(CodeSandbox(SandboxLimits(**dict(options.pop("limits", {}))), **options))
+      # The tests compare what the program printed: its stderr (debug lines, warnings) apart.
+      return CodeScorer(CodeSandbox(SandboxLimits(**dict(options.pop("limits", {}))),
+                                    merge_stderr=False, **options))
     options = _options(name, config, ("base_url", "model", "api_key_env", "max_tokens", "http",
                                       "prompt"))
     if "http" in options:
