@@ -66,6 +66,14 @@ def test_majority_vote_normalizes_answers_and_breaks_ties_by_first_seen():
   assert not evaluate.majority_correct([_s(False, None)])
 
 
+def test_a_vote_never_merges_answers_the_grader_tells_apart():
+  # Under a math grader -1/2 is right and 1/2 wrong; the text normalization makes both "frac12".
+  samples = [_s(False, "\\frac{1}{2}"), _s(True, "-\\frac{1}{2}"), _s(True, "-\\frac{1}{2}"),
+             _s(False, "3")]
+  assert evaluate.majority_correct(samples)
+  assert summarize({"t": samples}, 4)["maj@4"] == 1.0
+
+
 def test_task_files_in_every_layout_load(tmp_path):
   ours = tmp_path / "ours.jsonl"
   ours.write_text(json.dumps({"id": "t1", "question": "Question: 2+2?",
@@ -94,6 +102,15 @@ def test_a_task_without_an_answer_is_named(tmp_path):
   path.write_text(json.dumps({"question": "Why?"}) + "\n")
   with pytest.raises(ConfigError, match="task 1: no answer"):
     load_tasks(str(path))
+
+
+def test_a_task_id_given_twice_is_named(tmp_path):
+  path = tmp_path / "twice.jsonl"
+  path.write_text("".join(json.dumps({"id": "t1", "question": q, "answer": "1"}) + "\n"
+                          for q in ("One?", "Two?")))
+  with pytest.raises(ConfigError) as raised:
+    load_tasks(str(path))
+  assert str(raised.value) == f"{path}:2: task id 't1' is also row 1's"
 
 
 def test_a_missing_task_file_is_named(tmp_path):

@@ -247,6 +247,9 @@ def test_family_pass_rates_are_averaged_over_seeds():
   per_seed = {seed: {"sft": {"pass@1_by_family": {"lookup": 1.0, "mixed": value}}}
               for seed, value in ((0, 0.2), (1, 0.6))}
   assert pipeline.family_means(per_seed) == {"sft": pytest.approx({"lookup": 1.0, "mixed": 0.4})}
+  per_seed[2] = {"sft": {"pass@1_by_family": {"lookup": 1.0}}}  # another task file's run
+  with pytest.raises(ValueError, match=r"seeds lack groups the others have: \{2: \['mixed'\]\}"):
+    pipeline.family_means(per_seed)
 
 
 def test_copy_curve_probes_each_segment_of_sft(tmp_path):

@@ -89,6 +89,7 @@ def test_math_accepts_equivalent_answers(answer, gold, use_math_verify):
     (r"\boxed{2}", r"\frac{1}{2}"),
     (r"\boxed{7} or rather \boxed{1}", "7"),
     (r"\sqrt{2}", "2"),
+    ("1, 200", "1200"),  # a list, not a number with a thousands separator
 ])
 def test_math_rejects_wrong_answers(answer, gold, use_math_verify):
   assert rewards.math_reward(answer, gold, use_math_verify=use_math_verify)[0] == 0.0

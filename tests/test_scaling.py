@@ -51,6 +51,11 @@ def test_maj_and_pass_at_k_equal_brute_force_over_subsets(seed):
   assert curves["pass@k"] == pytest.approx([_brute_pass(task, k) for k in curves["k"]])
 
 
+def test_maj_at_1_is_avg_at_1_when_the_normalization_merges_what_the_grader_does_not():
+  samples = [_sample("1.5", False), _sample("15", True)]  # both "15" once normalized
+  assert scaling.maj_at_k(samples, 1) == pytest.approx(0.5)
+
+
 def test_maj_at_k_by_hand():
   # Answers 42 (correct) x2, 41 x2, none x1. k=2 of 5 (10 pairs): {42,42} 1 pair wins,
   # {42,41} 4 pairs tie (1/2 each), {42,none} 2 pairs win, the rest lose: (1 + 2 + 2) / 10.

@@ -172,12 +172,16 @@ def load_tasks(path: str, limit: int = 0, require_answer: bool = True) -> list[T
     return load_tfds_tasks(name, split, limit)
   if not os.path.isfile(path):
     raise ConfigError(f"task file {path!r} does not exist")
-  tasks = []
+  tasks, lines = [], {}
   for number, row in enumerate(_rows(path) if os.path.getsize(path) else [], 1):
     if not isinstance(row, dict):
       raise ConfigError(f"{path}:{number}: not a JSON object"
                         f"{' (not JSON)' if row is importers.BAD_JSON else ''}")
-    tasks.append(task_from_row(row, number, require_answer))
+    task = task_from_row(row, number, require_answer)
+    if task.id in lines:  # samples are filed by id: two tasks would become one
+      raise ConfigError(f"{path}:{number}: task id {task.id!r} is also row {lines[task.id]}'s")
+    lines[task.id] = number
+    tasks.append(task)
     if limit and len(tasks) == limit:
       break
   if not tasks:

@@ -21,7 +21,7 @@ from coa_jax.data import World, WorldConfig, coa_format, rewards
 from coa_jax.data.tasks import Task, load_tasks
 from coa_jax.data.tokenizer import load_tokenizer
 from coa_jax.distill.teacher import build_teacher, to_trajectory
-from coa_jax.evaluation.scaling import curves, pass_at_k
+from coa_jax.evaluation.scaling import answer_groups, curves, pass_at_k
 from coa_jax.evaluation.settings import EvaluationSettings, evaluation_settings
 from coa_jax.model import ConfigError
 from coa_jax.rollout import settings as agent
@@ -53,14 +53,12 @@ GRADING_KEYS = ("domain", "method", "error", "error_kind", "em", "f1", "passed",
 
 
 def majority_correct(samples: Sequence[Sample]) -> bool:
-  """Returns whether the most frequent normalized answer (ties: the first seen) is correct."""
-  votes: dict[str, list[Sample]] = {}
-  for sample in samples:
-    if sample.answer is not None:
-      votes.setdefault(rewards.normalize_text(sample.answer), []).append(sample)
+  """Returns whether the most frequent answer (`answer_groups`; ties: the first seen) is
+  correct."""
+  votes = answer_groups(samples)
   if not votes:
     return False
-  best = max(votes.values(), key=len)  # max keeps the first of equal counts
+  best = max(votes, key=len)  # max keeps the first of equal counts
   return best[0].correct
 
 

@@ -31,20 +31,29 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def answer_groups(samples: Sequence[Sample]) -> list[list[Sample]]:
+  """Returns the answered samples grouped by answer for a vote, in first-seen order: the same
+  normalized text and the same grade (answers the normalization merges but the grader tells
+  apart, `-1/2` and `1/2` under a math grader, are two answers)."""
+  groups: dict[tuple[str, bool], list[Sample]] = {}
+  for sample in samples:
+    if sample.answer is not None:
+      key = (rewards.normalize_text(sample.answer), bool(sample.correct))
+      groups.setdefault(key, []).append(sample)
+  return list(groups.values())
+
+
 def maj_at_k(samples: Sequence[Sample], k: int) -> float:
   """Returns the expected majority-vote correctness of k of `samples` drawn without
-  replacement; an answer's correctness is that of its first sample."""
+  replacement, over their `answer_groups`."""
   n = len(samples)
   if not 1 <= k <= n:
     raise ValueError(f"maj@k needs 1 <= k <= n, got n={n}, k={k}")
-  groups: dict[str, list[Sample]] = {}
-  for sample in samples:
-    if sample.answer is not None:
-      groups.setdefault(rewards.normalize_text(sample.answer), []).append(sample)
+  groups = answer_groups(samples)
   # Over the answers one at a time: (samples drawn, top count, answers at it, correct ones among
   # them) -> the number of ways to draw that far.
   ways: collections.Counter = collections.Counter({(0, 0, 0, 0): 1})
-  for group in groups.values():
+  for group in groups:
     size, correct = len(group), int(group[0].correct)
     nxt: collections.Counter = collections.Counter()
     for (drawn, top, at_top, right), count in ways.items():
@@ -57,7 +66,7 @@ def maj_at_k(samples: Sequence[Sample], k: int) -> float:
           state = (drawn + x, top, at_top, right)
         nxt[state] += count * math.comb(size, x)
     ways = nxt
-  unanswered = n - sum(len(g) for g in groups.values())
+  unanswered = n - sum(len(g) for g in groups)
   total = sum(count * math.comb(unanswered, k - drawn) * right / at_top
               for (drawn, top, at_top, right), count in ways.items() if top > 0)
   return total / math.comb(n, k)

@@ -42,9 +42,16 @@ def family_means(per_seed: dict[int, dict[str, dict[str, Any]]],
   seeds (where the score is won and lost)."""
   means: dict[str, dict[str, float]] = {}
   for system in SYSTEMS:
-    rows = [r[system][key] for r in per_seed.values() if key in r.get(system, {})]
-    if rows:
-      means[system] = {family: float(np.mean([r[family] for r in rows])) for family in rows[0]}
+    rows = {seed: r[system][key] for seed, r in per_seed.items() if key in r.get(system, {})}
+    if not rows:
+      continue
+    families = set().union(*rows.values())
+    lacking = {seed: sorted(families - set(row)) for seed, row in rows.items()
+               if set(row) != families}
+    if lacking:  # runs of other task files: a mean over some seeds would read as all
+      raise ValueError(f"{system} {key}: seeds lack groups the others have: {lacking}")
+    means[system] = {family: float(np.mean([row[family] for row in rows.values()]))
+                     for family in next(iter(rows.values()))}
   return means
 
 

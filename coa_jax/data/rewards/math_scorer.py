@@ -57,8 +57,9 @@ def normalize_math(text: str) -> str:
   s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s).strip()
   s = _TEXT_RE.sub(r"\1", _UNIT_RE.sub(r"\1", s))
   s = re.sub(r"^[A-Za-z]\s*=\s*(?=\S)", "", s)
+  thousands = _THOUSANDS_RE.fullmatch(s.strip().rstrip("."))  # "1, 200" is a list: not 1200
   s = re.sub(r"\s+", "", s).rstrip(".")
-  return s.replace(",", "") if _THOUSANDS_RE.fullmatch(s) else s
+  return s.replace(",", "") if thousands else s
 
 
 def _to_number(s: str) -> Fraction | None:
