@@ -194,6 +194,20 @@ def test_new_weights_serve_from_the_next_round_and_drop_parked_caches(mesh1, par
     e.close()
 
 
+def test_a_row_decoding_across_new_weights_is_not_parked(mesh1, params):
+  e = engine(mesh1, params)  # driven round by round
+  other = init_params(Transformer(CONFIG), mesh1, jax.random.key(9))
+  first = e.submit(Request(PROMPT, max_tokens=12, sampling=GREEDY))
+  e.step()  # prefilled and a first chunk with version 0
+  e.set_params(other, version=1)
+  sample = _drive(e, [first])[0].samples[0]
+  assert sample.versions[0] == 0 and sample.versions[-1] == 1
+  # Its cache mixes both weights: the next turn is prefilled afresh, by version 1 alone.
+  turn = e.submit(Request(PROMPT + sample.ids + [40], max_tokens=6, sampling=GREEDY))
+  second = _drive(e, [turn])[0]
+  assert second.cached_tokens == 0 and set(second.samples[0].versions) == {1}
+
+
 def test_sharded_serving_on_eight_devices_gives_the_one_device_tokens(params, running):
   mesh8 = sharding.make_mesh(sharding.MeshConfig(data=4, fsdp=1, tensor=2))
   sharded = jax.device_put(params, sharding.param_shardings(Transformer(CONFIG), mesh8))

@@ -90,6 +90,7 @@ class _Row:
   ids: list[int] = dataclasses.field(default_factory=list)
   parked: bool = False
   used: float = 0.0
+  version: int = 0  # the weights its cache was started with (a parked row's: the current ones)
 
 
 class Engine:
@@ -330,7 +331,8 @@ class Engine:
     row = self._rows[index]
     row.handle._emit(Finished(row.sample, reason))
     row.handle = None
-    row.parked = park and self.settings.prefix_cache
+    # Not a row whose cache older weights began: its keys and values are not these weights'.
+    row.parked = park and self.settings.prefix_cache and row.version == self.version
     row.used = time.monotonic()
 
   def _admit(self) -> int:
@@ -431,7 +433,7 @@ class Engine:
   def _install(self, handle: Handle, rows: list[int]) -> None:
     request = handle.request
     for sample, index in enumerate(rows):
-      self._rows[index] = _Row(handle, sample, list(request.prompt_ids))
+      self._rows[index] = _Row(handle, sample, list(request.prompt_ids), version=self.version)
       self._sampling.temperature_B[index] = request.sampling.temperature
       self._sampling.top_k_B[index] = request.sampling.top_k
       self._sampling.top_p_B[index] = request.sampling.top_p
