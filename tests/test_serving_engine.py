@@ -45,6 +45,12 @@ def test_greedy_tokens_and_logprobs_are_the_models_own(running, full_logits):
   np.testing.assert_array_equal(top_ids, np.argsort(-logp, axis=-1, kind="stable")[:, :3])
 
 
+def test_top_logprobs_outside_top_k_are_openais_floor(running):
+  request = Request(PROMPT, max_tokens=4, sampling=SamplingConfig(1.0, 2, 1.0), top_logprobs=3)
+  for step in running.generate(request).samples[0].top:
+    assert [lp for _, lp in step][2] == -9999.0 and np.isfinite([lp for _, lp in step]).all()
+
+
 def test_the_same_seed_gives_the_same_tokens_beside_other_requests(running):
   request = lambda seed: Request(PROMPT, max_tokens=20, sampling=HOT, seed=seed)
   handles = [running.submit(request(3)), running.submit(Request([1, 2, 3], 30, HOT, n=2)),

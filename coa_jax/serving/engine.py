@@ -80,6 +80,9 @@ class EngineSettings:
       raise ConfigError(f"max_top_logprobs={self.max_top_logprobs!r}: expected 0..20")
 
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI's API reports for a token the sampling cannot draw
+
+
 @dataclasses.dataclass
 class _Row:
   """A row of the decode batch: free, serving a sample of a request, or parked with `ids` (its
@@ -463,9 +466,10 @@ class Engine:
         ids, logprobs = ids[:count], logprobs[:count]
       top = []
       want = row.handle.request.top_logprobs
-      if want:
+      if want:  # outside top-k / top-p a token's log-prob is -inf: OpenAI's floor, JSON's
         top = [list(zip(chunk.top_ids_BxKxN[index, k, :want].tolist(),
-                        chunk.top_logprobs_BxKxN[index, k, :want].tolist()))
+                        np.maximum(chunk.top_logprobs_BxKxN[index, k, :want],
+                                   LOGPROB_FLOOR).tolist()))
                for k in range(count)]
       row.ids += ids
       self.stats["tokens"] += count
