@@ -93,6 +93,19 @@ def test_a_stop_string_cuts_the_text_and_ends_the_choice(client):
   assert cut.message.content == text[:text.index(stop)] and cut.finish_reason == "stop"
 
 
+def test_a_streamed_choice_cut_at_a_stop_string_ends_once(client):
+  kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16)
+  ids = client.chat.completions.create(extra_body=IDS, **kwargs).choices[0].model_extra[
+      "token_ids"]
+  stops = [TOKENIZER.decode(ids[a:a + 2]) for a in range(0, 12, 4)]  # some across a chunk's end
+  stops = [stop for stop in stops if stop.strip() and "\ufffd" not in stop]
+  assert stops
+  for stop in stops:
+    chunks = list(client.chat.completions.create(stop=[stop], stream=True, **kwargs))
+    ends = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert ends == ["stop"], (stop, ends)  # the engine's late events are not sent on
+
+
 def test_token_ids_in_and_out(client, server):
   status, tokens = post(server[0] + "/tokenize", {"prompt": QUESTION})
   assert status == 200 and tokens["tokens"] == TOKENIZER.encode(QUESTION)

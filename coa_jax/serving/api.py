@@ -269,7 +269,7 @@ class _Job:
       return StreamingResponse(self._stream(http, handle, events, choices),
                                media_type="text/event-stream")
     try:
-      while (not handle.done or not events.empty()) and not self._cut():
+      while self._open() and not self._cut():
         try:
           event = await asyncio.wait_for(events.get(), timeout=POLL_S)
         except asyncio.TimeoutError:
@@ -289,7 +289,7 @@ class _Job:
                     choices) -> AsyncIterator[str]:
     try:
       yield _sse(choices.chunk(self, [choices.first_delta(self, i) for i in range(self.body.n)]))
-      while not handle.done or not events.empty():
+      while self._open():
         if cut := self._cut():
           yield _sse(choices.chunk(self, [choices.delta(self, i) for i in cut]))
           break
@@ -297,9 +297,8 @@ class _Job:
           event = await asyncio.wait_for(events.get(), timeout=POLL_S)
         except asyncio.TimeoutError:
           continue
-        sample = event.sample
-        self._take(event, handle)
-        yield _sse(choices.chunk(self, [choices.delta(self, sample)]))
+        if self._take(event, handle):
+          yield _sse(choices.chunk(self, [choices.delta(self, event.sample)]))
       self._check_failed()
       self._record(None)
       if (self.body.stream_options or {}).get("include_usage"):
@@ -333,14 +332,22 @@ class _Job:
       self.samples[i].reason = "length"
     return cut
 
-  def _take(self, event: Any, handle: Handle) -> None:
+  def _open(self) -> bool:
+    """Whether a sample has not ended here: the loops run until each has its reason (the
+    engine's Finished, a stop string, the shutdown's cut), not until the handle is done, which
+    it is on the engine's thread before its last event reaches this loop's queue."""
+    return any(not sample.reason for sample in self.samples)
+
+  def _take(self, event: Any, handle: Handle) -> bool:
+    """Takes an engine event into its sample; returns False for one dropped (its sample had
+    ended here at a stop string), which a stream does not send on."""
     sample = self.samples[event.sample]
-    if sample.reason:  # ended here at a stop string; the engine's late events are dropped
-      return
+    if sample.reason:
+      return False
     if isinstance(event, Finished):  # cancelled by the shutdown: cut short, as at a deadline
       cut = "length" if self.server.closing else "stop"
       sample.reason = {CANCELLED: cut, DEADLINE: "length"}.get(event.reason, event.reason)
-      return
+      return True
     sample.ids += event.ids
     sample.logprobs += event.logprobs
     sample.versions += [event.version] * len(event.ids)
@@ -351,6 +358,7 @@ class _Job:
         del sample.ids[cut:], sample.logprobs[cut:], sample.versions[cut:], sample.top[cut:]
         sample.reason = STOP
         handle.cancel(event.sample)
+    return True
 
   def _stop_at(self, ids: list[int]) -> int | None:
     """Returns how many tokens a sample keeps when its text holds a stop string: up to the
