@@ -93,7 +93,7 @@ def test_a_stop_string_cuts_the_text_and_ends_the_choice(client):
   assert cut.message.content == text[:text.index(stop)] and cut.finish_reason == "stop"
 
 
-def test_a_streamed_choice_cut_at_a_stop_string_ends_once(client):
+def test_a_streamed_choice_cut_at_a_stop_string_is_the_whole_ones_and_ends_once(client):
   kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16)
   ids = client.chat.completions.create(extra_body=IDS, **kwargs).choices[0].model_extra[
       "token_ids"]
@@ -101,9 +101,12 @@ def test_a_streamed_choice_cut_at_a_stop_string_ends_once(client):
   stops = [stop for stop in stops if stop.strip() and "\ufffd" not in stop]
   assert stops
   for stop in stops:
+    whole = client.chat.completions.create(stop=[stop], **kwargs).choices[0].message.content
     chunks = list(client.chat.completions.create(stop=[stop], stream=True, **kwargs))
     ends = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert ends == ["stop"], (stop, ends)  # the engine's late events are not sent on
+    # Nothing a stop string later cuts was sent: the stream's text is the whole response's.
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
 
 
 def test_token_ids_in_and_out(client, server):

@@ -228,6 +228,8 @@ class _Job:
                top_logprobs: int, session: str | None):
     self.server, self.body, self.prompt, self.session = server, body, prompt, session
     self.stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    # What a stream holds back of an unfinished sample (`choices.new_text`).
+    self.hold = max(map(len, self.stops), default=1) - 1
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
     self.samples = [_Sample() for _ in range(body.n)]
     self.id = f"{uuid.uuid4().hex[:24]}"

@@ -67,7 +67,7 @@ class ChatChoices:
     # Until it ends, a sample shows its text up to an opening tool tag; at its end, its content.
     text = self.visible(job, sample.ids) if reply is None else reply.content or ""
     choice = {"index": index, "delta": {"content": new_text(
-        self.visible(job, sample.ids[:start]), text, reply is not None)},
+        self.visible(job, sample.ids[:start]), text, reply is not None, job.hold)},
               "logprobs": None, "finish_reason": None}
     if self.body.logprobs:
       choice["logprobs"] = {"content": job.token_logprobs(sample, start, len(sample.ids))}
@@ -80,12 +80,20 @@ class ChatChoices:
     return choice
 
 
-def new_text(shown: str, text: str, finished: bool) -> str:
-  """The part of `text` past what was `shown` of it before; an unfinished sample's text is held
-  back from a broken multi-byte character on (the next token completes it)."""
+def new_text(shown: str, text: str, finished: bool, hold: int = 0) -> str:
+  """The part of `text` past what was sent of `shown` (the text of the ids sent before, then
+  unfinished); an unfinished sample's text is held back from a broken multi-byte character on
+  (the next token completes it), and by its last `hold` characters (a stop string's length less
+  one: the next tokens may complete one that starts there, and the text is cut before it)."""
+  shown = _sendable(shown, hold)
   if not finished:
-    text, shown = text.rstrip("\ufffd"), shown.rstrip("\ufffd")
+    text = _sendable(text, hold)
   return text[len(shown):] if text.startswith(shown) else ""
+
+
+def _sendable(text: str, hold: int) -> str:
+  text = text.rstrip("\ufffd")
+  return text[:max(len(text) - hold, 0)]
 
 
 class TextChoices:
@@ -123,7 +131,8 @@ class TextChoices:
     start = sample.sent
     sample.sent = len(sample.ids)
     choice = {"index": index, "text": new_text(job.text(sample.ids[:start]),
-                                                job.text(sample.ids), bool(sample.reason)),
+                                                job.text(sample.ids), bool(sample.reason),
+                                                job.hold),
               "logprobs": self.logprobs(job, sample, start, len(sample.ids)),
               "finish_reason": sample.reason or None}
     if self.body.return_token_ids:
