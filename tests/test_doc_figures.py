@@ -1,11 +1,12 @@
 """The README's one-line figures are those of their committed results files under docs/results/:
 each test reads a file, formats its numbers as the README writes them and checks the README says
-so. A re-run that publishes new results fails here until the README is brought up to date. Reads
-files only."""
+so. A re-run that publishes new results fails here until the README is brought up to date. And
+every test the docs name by `file::name` exists. Reads files only."""
 
 import glob
 import json
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUMBERS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
@@ -118,3 +119,17 @@ def test_the_quick_starts_times_are_the_timing_file():
   assert usual == [round(ratio * run["make_pipeline_wall_s"], 1) for run in earlier]
   assert (f"costs {ratio:.2f}x the earlier one's, about {_minutes(usual[0])} and "
           f"{_minutes(usual[1])} at the usual speed") in text
+
+
+def test_every_test_the_docs_name_exists():
+  """`tests/FILE.py::NAME` in the README and docs/ (the reliability table names one a row)."""
+  named = []
+  for doc in [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]:
+    with open(doc) as f:
+      named += [(doc, *m) for m in re.findall(r"(test_\w+\.py)::(\w+)", f.read())]
+  missing = []
+  for doc, file, name in named:
+    path = os.path.join(ROOT, "tests", file)
+    if not os.path.isfile(path) or not re.search(rf"^def {name}\(", open(path).read(), re.M):
+      missing.append(f"{os.path.relpath(doc, ROOT)}: {file}::{name}")
+  assert named and not missing, missing
