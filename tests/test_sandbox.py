@@ -196,8 +196,7 @@ _FILL_SCRATCH = ("for scratch in ['/tmp', '/dev/shm']:\n  written = 0\n  try:\n"
                  "        f.write(b'x' * (4 << 20))\n      written += 4\n"
                  "  except OSError:\n    pass\n  print(written)")
 _SCRATCH_PROBE = f"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
+import json
 from tools_env.sandbox import CodeSandbox, SandboxLimits
 limits = SandboxLimits(wall_timeout_s=20, cpu_time_s=10, scratch_bytes=8 << 20)
 for persistent in (True, False):
@@ -213,9 +212,9 @@ def test_scratch_tmpfs_hold_at_most_scratch_bytes_without_root():
   if shutil.which("bwrap") is None:
     unavailable("no bwrap")
   as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
-  argv = [*(as_nobody if os.geteuid() == 0 else []), rlimit_python(), "-c", _SCRATCH_PROBE, ROOT]
-  done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/",
-                        env={"PATH": os.environ["PATH"], "HOME": "/nonexistent"})
+  argv = [*(as_nobody if os.geteuid() == 0 else []), rlimit_python(), "-c", _SCRATCH_PROBE]
+  env = {"PATH": os.environ["PATH"], "HOME": "/nonexistent", "PYTHONPATH": ROOT}
+  done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/", env=env)
   assert done.returncode == 0, done.stderr[-2000:]
   assert [json.loads(line) for line in done.stdout.split("\n") if line] == [["8", "8"]] * 2
 
