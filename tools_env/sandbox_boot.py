@@ -81,9 +81,9 @@ def _under(path, roots):
 
 
 def make_read_only(workdir, hide=(), expose=(), scratch_bytes=256 << 20):
-  """Hides the `hide` directories under empty tmpfs (of `scratch_bytes`), re-exposes the `expose` paths within
-  them, bind-mounts workdir onto itself, then remounts every other mount read-only; raises
-  OSError if one cannot be (a mount left writable would be a way out)."""
+  """Hides the `hide` directories under empty tmpfs (of `scratch_bytes`), re-exposes the
+  `expose` paths within them, bind-mounts workdir onto itself, then remounts every other mount
+  read-only; raises OSError if one cannot be (a mount left writable would be a way out)."""
   libc = _libc()
   keep = {path: os.open(path, os.O_PATH) for path in (*expose, workdir)}
   before = {mount_id for mount_id, _, _ in _mounts()}

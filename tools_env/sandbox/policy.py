@@ -58,8 +58,8 @@ class SandboxLimits:
   memory_bytes: int = 2 * 2**30  # RLIMIT_AS (address space) of each process
   max_processes: int = 64  # RLIMIT_NPROC: processes and threads of the program's user
   max_file_bytes: int = 64 * 2**20  # RLIMIT_FSIZE: largest file the program may write
-  # Each scratch tmpfs (/tmp, /dev/shm, hidden homes; the pool's run directories without
-  # root): its files are memory, which RLIMIT_AS does not count.
+  # Each scratch tmpfs (/tmp, /dev/shm, the hidden homes: a program's to write without root,
+  # in bwrap): its files are memory, which RLIMIT_AS does not count.
   scratch_bytes: int = 256 * 2**20
   max_open_files: int = 256  # RLIMIT_NOFILE
   max_capture_bytes: int = 2**20  # output beyond this kills the program (too_large)

@@ -82,9 +82,9 @@ class CodeSandbox(Tool):
   """Runs `code` calls in isolated processes, at most `workers` at a time: by default in a pool
   of persistent workers that fork each program afresh (`persistent=False`: a process started
   for each program). A program's stderr is in its output (`merge_stderr`), or discarded (a
-  judge comparing what it printed: the code reward). `preload`: the modules the workers import once (default: `PRELOAD`, and
-  numpy where the interpreter has it). `close()` stops the workers; so do the sandbox's
-  garbage collection and the interpreter's exit."""
+  judge comparing what it printed: the code reward). `preload`: the modules the workers
+  import once (default: `PRELOAD`, and numpy where the interpreter has it). `close()` stops
+  the workers; so do the sandbox's garbage collection and the interpreter's exit."""
 
   name = "code"
 
