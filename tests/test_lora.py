@@ -160,6 +160,8 @@ def test_token_rows_start_as_the_base_rows_and_change_only_their_own_columns_by_
   config, params = _token_row_params(tie)
   base, trained = lora.split(params)
   assert set(trained) == {"layers", "embedding_rows"} | (set() if tie else {"lm_head_rows"})
+  # Decayed as their tables are when the whole tables train ("all").
+  assert all(jax.tree_util.tree_leaves(optimizer.weight_decay_mask(trained)))
   np.testing.assert_array_equal(trained["embedding_rows"], params["embedding"][ROW_IDS, :])
   if not tie:
     np.testing.assert_array_equal(trained["lm_head_rows"], params["lm_head"][:, ROW_IDS].T)

@@ -67,11 +67,14 @@ def learning_rate_schedule(cfg: Any, where: str = "optimizer") -> optax.Schedule
                               [cfg.warmup_steps])
 
 
-DECAYED_PARAMS = ("kernel", "embedding", "lm_head", "value_head", "lora_a", "lora_b")
+# LoRA's trained token rows too: the same tables' rows, decayed when the whole tables train.
+DECAYED_PARAMS = ("kernel", "embedding", "lm_head", "value_head", "lora_a", "lora_b",
+                  "embedding_rows", "lm_head_rows")
 
 
 def weight_decay_mask(params: Any) -> Any:
-  """Returns a bool tree: True for weight matrices, False for norm scales and biases."""
+  """Returns a bool tree: True for weight matrices (and LoRA's token rows of the embedding and
+  LM head), False for norm scales and biases."""
   def decays(path, _):
     names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
     return bool(names) and names[-1] in DECAYED_PARAMS
