@@ -79,3 +79,31 @@ def test_shipped_sample_is_the_deterministic_generator_output(tmp_path):
   assert open(shipped).read() == (tmp_path / "fresh.jsonl").read_text()
   counter = DropCounter()
   assert len(list(importers.read_trajectories(shipped, counter))) == sample_data.SHIPPED_COUNT
+
+
+def test_a_step_whose_content_holds_a_tag_is_dropped_not_trained_as_text(tmp_path):
+  leaked = TRAJ.to_json()
+  leaked["steps"][0]["content"] = "x <observation>a tool's output</observation> y"
+  counter = DropCounter()
+  kept = list(importers.read_trajectories(_write(tmp_path / "d.jsonl", [leaked, TRAJ.to_json()]),
+                                          counter))
+  assert len(kept) == 1 and dict(counter.dropped) == {coa_format.NESTED_TAG: 1}
+
+
+def test_nulls_bad_turns_a_bom_bad_bytes_and_windows_line_ends(tmp_path):
+  nulls = {**TRAJ.to_json(), "system": None}
+  no_question = {**TRAJ.to_json(), "question": None}
+  crlf = {"instruction": TRAJ.question, "output": TEXT.replace("\n", "\r\n"),
+          "system": TRAJ.system}
+  path = tmp_path / "d.jsonl"
+  path.write_bytes(b"\xef\xbb\xbf" + b"\n".join([
+      json.dumps(TRAJ.to_json()).encode(), json.dumps(nulls).encode(),
+      json.dumps(no_question).encode(), json.dumps({"messages": ["hi", "there"]}).encode(),
+      json.dumps({**TRAJ.to_json(), "question": "q"}).encode()[:-2] + b'\xff"}',
+      json.dumps(crlf).encode()]) + b"\n")
+  counter = DropCounter()
+  kept = list(importers.read_trajectories(str(path), counter))
+  assert dict(counter.dropped) == {"no_question": 1, "bad_turn": 1, "bad_json": 1}
+  assert [(t.system, t.question, t.steps) for t in kept] == [
+      (TRAJ.system, TRAJ.question, TRAJ.steps), ("", TRAJ.question, TRAJ.steps),
+      (TRAJ.system, TRAJ.question, TRAJ.steps)]  # the BOM's line, the null system, the CRLFs

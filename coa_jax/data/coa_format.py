@@ -203,6 +203,21 @@ def extract_code(content: str) -> str | None:
   return match.group(1) if match else None
 
 
+def tags_in_content(steps: Iterable[Step], tool_tags: tuple[str, ...] = TOOL_TAGS
+                    ) -> list[FormatError]:
+  """Returns a NESTED_TAG error for each step given as (tag, content) whose content holds a tag
+  (an observation's: its own closing tag), which its text would read as another step: a tool's
+  output inside a thought would be trained on as the model's own text."""
+  errors = []
+  for i, step in enumerate(steps):
+    found = (closing(OBSERVATION) in step.content if step.tag == OBSERVATION
+             else _tag_re(tuple(tool_tags)).search(step.content))
+    if found:
+      errors.append(FormatError(NESTED_TAG, i, f"the content of step {i} <{step.tag}> holds a "
+                                               f"tag"))
+  return errors
+
+
 def validate(steps: list[Step], complete: bool = True) -> list[FormatError]:
   """Returns the transition-rule violations of `steps`.
 

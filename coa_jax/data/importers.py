@@ -60,22 +60,33 @@ class DropCounter:
                       f"{max_drop_fraction:.1%}: {self.summary()}")
 
 
+def _text(value: Any, what: str = "") -> str:
+  """Returns a record's text field: a string, or a number as text; None (JSON null, a parquet
+  null) is "" where `what` is empty (an optional field), else ValueError(`what`)."""
+  if value is None and not what:
+    return ""
+  if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+    return str(value)
+  raise ValueError(what or "not_text")
+
+
 def _from_steps_record(record: dict[str, Any], tool_tags: tuple[str, ...]
                        ) -> tuple[Trajectory, list]:
   tags = coa_format.ROLE_TAGS + tuple(tool_tags) + (coa_format.OBSERVATION,)
   steps = []
-  for s in record["steps"]:
+  for s in record["steps"] or ():
     if not isinstance(s, dict) or s.get("tag") not in tags:
       raise ValueError("unknown_tag")
-    steps.append(Step(s["tag"], str(s.get("content", ""))))
-  trajectory = Trajectory(str(record.get("system", "")), str(record["question"]),
+    steps.append(Step(s["tag"], _text(s.get("content"))))
+  trajectory = Trajectory(_text(record.get("system")), _text(record["question"], "no_question"),
                           tuple(steps), dict(record.get("metadata") or {}))
-  return trajectory, coa_format.validate(steps)
+  return trajectory, coa_format.validate(steps) + coa_format.tags_in_content(steps, tool_tags)
 
 
 def _from_text(system: str, question: str, response: str, metadata: dict[str, Any],
                tool_tags: tuple[str, ...]) -> tuple[Trajectory, list]:
-  steps, errors = coa_format.parse_and_validate(response, True, tool_tags)
+  # Windows line ends as the reference format's: a CR would be trained on beside each tag.
+  steps, errors = coa_format.parse_and_validate(response.replace("\r\n", "\n"), True, tool_tags)
   return Trajectory(system, question, tuple(steps), metadata), errors
 
 
@@ -85,11 +96,13 @@ _ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant":
 
 def _from_turns(record: dict[str, Any], turns: list[dict[str, Any]],
                 tool_tags: tuple[str, ...]) -> tuple[Trajectory, list]:
-  system = str(record.get("system", ""))
+  system = _text(record.get("system"))
   users, assistants = [], []
   for turn in turns:
+    if not isinstance(turn, dict):
+      raise ValueError("bad_turn")
     role = _ROLE_NAMES.get(str(turn.get("from", turn.get("role", ""))).lower(), "other")
-    text = str(turn.get("value", turn.get("content", "")))
+    text = _text(turn.get("value", turn.get("content")))
     if role == "system":
       system = text
     elif role == "user":
@@ -115,15 +128,18 @@ def trajectory_from_record(record: Any, tool_tags: tuple[str, ...] = coa_format.
   if "steps" in record and "question" in record:
     return _from_steps_record(record, tool_tags)
   if "output" in record and "instruction" in record:
-    question = str(record["instruction"])
+    question = _text(record["instruction"], "no_question")
     if record.get("input"):
-      question += "\n" + str(record["input"])
-    return _from_text(str(record.get("system", "")), question, str(record["output"]), {},
+      question += "\n" + _text(record["input"])
+    return _from_text(_text(record.get("system")), question, _text(record["output"]), {},
                       tool_tags)
   for key in ("conversations", "messages"):
     if isinstance(record.get(key), list):
       return _from_turns(record, record[key], tool_tags)
   raise ValueError("unknown_layout")
+
+
+_BOM = b"\xef\xbb\xbf"
 
 
 def read_records(path: str) -> Iterator[Any]:
@@ -133,21 +149,23 @@ def read_records(path: str) -> Iterator[Any]:
     raise DataError(f"data file {path!r} does not exist")
   if os.path.getsize(path) == 0:
     raise DataError(f"data file {path!r} is empty")
-  with open(path, encoding="utf-8", errors="replace") as f:
-    head = f.read(4096).lstrip()[:1]
+  # Bytes, decoded strictly (JSON is UTF-8: a line that is not is not JSON), a BOM dropped.
+  with open(path, "rb") as f:
+    head = f.read(4096).removeprefix(_BOM).lstrip()[:1]
     f.seek(0)
-    if path.endswith(".json") and head == "[":
+    if path.endswith(".json") and head == b"[":
       try:
-        records = json.load(f)
-      except json.JSONDecodeError as e:
+        records = json.loads(f.read().removeprefix(_BOM).decode("utf-8"))
+      except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
       yield from records
       return
-    for line in f:
+    for number, line in enumerate(f):
+      line = line.removeprefix(_BOM) if number == 0 else line
       if line.strip():
         try:
-          yield json.loads(line)
-        except json.JSONDecodeError:
+          yield json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
           yield BAD_JSON
 
 
