@@ -113,6 +113,21 @@ def test_a_task_id_given_twice_is_named(tmp_path):
   assert str(raised.value) == f"{path}:2: task id 't1' is also row 1's"
 
 
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": ["What?"]}, "prompt messages and reward_model must be JSON objects"),
+    ({"prompt": [{"role": "user", "content": "What?"}], "reward_model": "4"},
+     "prompt messages and reward_model must be JSON objects"),
+    ({"question": "q", "public_test_cases": "[{bad"}, "public_test_cases: expected a list"),
+    ({"question": "q", "public_test_cases": [{"stdin": "1"}]}, "public_test_cases: expected"),
+])
+def test_a_malformed_task_row_is_named_with_its_file(tmp_path, row, message):
+  path = tmp_path / "bad.jsonl"
+  path.write_text(json.dumps(row) + "\n")
+  with pytest.raises(ConfigError) as raised:
+    load_tasks(str(path))
+  assert str(raised.value).startswith(f"{path}: task 1: {message}")
+
+
 def test_a_missing_task_file_is_named(tmp_path):
   path = tmp_path / "nowhere.jsonl"
   with pytest.raises(ConfigError) as raised:

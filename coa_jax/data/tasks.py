@@ -97,8 +97,11 @@ def task_from_row(row: dict[str, Any], number: int, require_answer: bool = True)
   data.update(metadata)
   prompt = row.get("prompt")
   if isinstance(prompt, (list, tuple)):  # the reference RL rows: chat messages
+    reward_model = row.get("reward_model") or {}
+    if not all(isinstance(m, dict) for m in (*prompt, reward_model)):
+      raise ConfigError(f"task {number}: prompt messages and reward_model must be JSON objects")
     question = next((m.get("content") for m in reversed(prompt) if m.get("role") == "user"), None)
-    truth = (row.get("reward_model") or {}).get("ground_truth")
+    truth = reward_model.get("ground_truth")
     try:
       tests = release_code_tests(truth)
     except ValueError as e:
@@ -110,11 +113,15 @@ def task_from_row(row: dict[str, Any], number: int, require_answer: bool = True)
   else:
     question = next((row[k] for k in _QUESTION_KEYS if isinstance(row.get(k), str)), None)
     if row.get("public_test_cases"):  # LiveCodeBench: stdin/stdout tests
-      cases = row["public_test_cases"]
-      cases = json.loads(cases) if isinstance(cases, str) else cases
-      data.update(domain="code", ground_truth="tests", tests=[
-          {"stdin": c["input"], "stdout": c["output"]} for c in cases
-          if c.get("testtype", "stdin") == "stdin"])
+      try:
+        cases = row["public_test_cases"]
+        cases = json.loads(cases) if isinstance(cases, str) else cases
+        data.update(domain="code", ground_truth="tests", tests=[
+            {"stdin": c["input"], "stdout": c["output"]} for c in cases
+            if c.get("testtype", "stdin") == "stdin"])
+      except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"task {number}: public_test_cases: expected a list of "
+                          f"{{input, output}} objects ({type(e).__name__}: {e})") from None
       if not data["tests"]:
         raise ConfigError(f"task {number}: no stdin test cases (functional tests are not run)")
     if "ground_truth" not in data:
@@ -177,7 +184,10 @@ def load_tasks(path: str, limit: int = 0, require_answer: bool = True) -> list[T
     if not isinstance(row, dict):
       raise ConfigError(f"{path}:{number}: not a JSON object"
                         f"{' (not JSON)' if row is importers.BAD_JSON else ''}")
-    task = task_from_row(row, number, require_answer)
+    try:
+      task = task_from_row(row, number, require_answer)
+    except ConfigError as e:
+      raise ConfigError(f"{path}: {e}") from None
     if task.id in lines:  # samples are filed by id: two tasks would become one
       raise ConfigError(f"{path}:{number}: task id {task.id!r} is also row {lines[task.id]}'s")
     lines[task.id] = number
