@@ -38,12 +38,12 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from coa_jax.model import Transformer, get_preset  # noqa: E402
-from coa_jax.runtime import hf_checkpoint, sharding  # noqa: E402
-from coa_jax.runtime.cache import cached_json  # noqa: E402
 from coa_jax.rl import dapo  # noqa: E402
 from coa_jax.rl import job as rl_job  # noqa: E402
 from coa_jax.rl.dynamic_sampling import ScoredGroup  # noqa: E402
 from coa_jax.rollout.tool_loop import RolloutRecord  # noqa: E402
+from coa_jax.runtime import hf_checkpoint, sharding  # noqa: E402
+from coa_jax.runtime.cache import cached_json  # noqa: E402
 from coa_jax.runtime.checkpointing import Checkpointer  # noqa: E402
 from coa_jax.sft.job import SFTJob  # noqa: E402
 from coa_jax.train import writers  # noqa: E402
@@ -172,7 +172,7 @@ def agent_start() -> None:
 def rl_batch() -> None:
   trainer = object.__new__(dapo.Trainer)  # the parts an update reads before its programs
   rl = types.SimpleNamespace(advantage="std", advantage_eps=1e-6, negative_weight=1.0,
-                             overlong_filter=False, mini_batch_groups=2, critic=None)
+                             overlong_filter=False, mini_batch_groups=2)
   trainer.settings = types.SimpleNamespace(rl=rl, sampling=types.SimpleNamespace(truncates=False))
   trainer.critic, trainer.hosts, trainer.host_index, trainer.n = None, 2, process_id, 2
   trainer.seq_len, trainer.mesh = 8, MESH
