@@ -38,7 +38,7 @@ def copy_curve(config: Any, stage_configs: StageConfigs, seeds: int,
   tokenizer = load_tokenizer(train.tokenizer, train.model.checkpoint, train.tools)
   model_config, _ = load_model(train.model, tokenizer, sharding.make_mesh(train.mesh))
   model = Transformer(model_config)
-  heldout = load_source(evaluate.copy_probe, DropCounter())
+  heldout = load_source(evaluate.copy_probe, DropCounter(), tokenizer.tool_tags)
   examples = evaluation.copy_examples(heldout, tokenizer, train.seq_len)
   curves: dict[int, list[dict[str, float]]] = {}
   for seed in range(first_seed, first_seed + seeds):
