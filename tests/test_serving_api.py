@@ -163,7 +163,9 @@ def test_the_error_matrix_answers_in_openais_shape_and_the_server_keeps_going(se
            ({**base, "max_tokens": 10_000}, 400),
            ({**base, "messages": [{"role": "assistant", "content": "hi"}]}, 400),
            ({**base, "tools": [{"type": "function", "function": {"name": "rm_rf"}}]}, 400),
-           ({**base, "top_logprobs": 7, "logprobs": True}, 400)]
+           ({**base, "top_logprobs": 7, "logprobs": True}, 400),
+           ({**base, "tool_choice": "none"}, 400),
+           ({**base, "tool_choice": {"type": "function", "function": {"name": "code"}}}, 400)]
   for body, status in cases:
     got, answer = post(url, body)
     assert got == status, (body, answer)

@@ -61,7 +61,9 @@ class _Sampling(pydantic.BaseModel):
 class ChatRequest(_Sampling):
   messages: list[dict] = pydantic.Field(min_length=1)
   tools: list[dict] | None = None
-  tool_choice: Any = None
+  # The model decides whether to call a tool (its tags are in its text): "none", "required" or
+  # a named function would be a promise this server cannot keep, so they are refused.
+  tool_choice: Literal["auto"] | None = None
   max_completion_tokens: int | None = pydantic.Field(None, ge=1)
   logprobs: bool = False
   top_logprobs: int | None = pydantic.Field(None, ge=0, le=20)

@@ -239,7 +239,8 @@ class Engine:
                                                        for x in request.row_seeds)):
       raise EngineError(f"row_seeds: expected {request.n} seeds in [0, 2**31)")
     if not 0 <= request.top_logprobs <= s.max_top_logprobs:
-      raise EngineError(f"top_logprobs={request.top_logprobs!r}: expected 0..{s.max_top_logprobs}")
+      raise EngineError(f"top_logprobs={request.top_logprobs!r}: expected 0..{s.max_top_logprobs} "
+                        f"(the server's max_top_logprobs setting, at most 20)")
     vocab = self.sampler.config.vocab_size
     if any(not 0 <= int(i) < vocab for i in [*request.prompt_ids, *request.stop_ids]):
       raise EngineError(f"token ids must lie in [0, {vocab})")
