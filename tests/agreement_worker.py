@@ -11,6 +11,8 @@ Scenarios, in order, each process writing OUT_DIR/<scenario>-<process>.json:
 - cache: a cached value only process 0 finds is taken by both, neither computing (the
   computation runs a collective); a value neither finds is computed by both, process 0's is
   returned on both and only process 0 stores it;
+- distill: the pipeline's distillation stage runs the teacher on process 0 alone; both read
+  its trajectories;
 - preemption: process 1 alone gets SIGINT (Ctrl-C on its host), which it sends on as the
   SIGTERM a preemption is; both save at one step and stop.
 """
@@ -114,6 +116,31 @@ if process_id == 0:  # only process 0's cache holds the value
 hit = cached_json(os.path.join(out, f"hit-{process_id}.json"), {"k": 1}, compute)
 miss = cached_json(os.path.join(out, f"miss-{process_id}.json"), {"k": 2}, compute)
 write("cache", hit=hit, miss=miss, computed=len(computed))
+
+
+def distill_on_process_0() -> dict:
+  """The pipeline's distillation stage on both processes: only process 0 runs the teacher."""
+  from coa_jax import distill
+  from coa_jax.pipeline import job as pipeline
+  from configs import distill_tiny
+
+  config = distill_tiny.get_config()
+  config.output_dir = os.path.join(out, "distill")
+  config.world.update(entities=30, train_tasks=40, heldout_tasks=8)
+  settings = distill.job.distill_settings(config)
+  run = distill.run
+
+  def marked(settings):
+    write_json(os.path.join(out, f"distilled-{process_id}.json"), {})
+    return run(settings)
+
+  distill.run = marked
+  pipeline.distill_stage({"distill": settings}, pipeline.StageTimes(os.path.join(out, "times")))
+  with open(os.path.join(settings.output_dir, "distill_report.json")) as f:
+    return json.load(f)["output"]
+
+
+write("distill", **outcome(distill_on_process_0))
 
 
 class Counter(StateJob):

@@ -1,7 +1,7 @@
 """On two processes (one CPU device each, gloo collectives), every decision that precedes a
 collective is taken by both: one process's error ends both, a checkpoint step only one process
 cannot read is set aside by both, a mismatched checkpoint fails on both, a cached result only
-process 0 holds is taken by both, and a Ctrl-C (SIGINT, sent on as SIGTERM) that only one process
+process 0 holds is taken by both, the pipeline distils on process 0 alone, and a Ctrl-C (SIGINT, sent on as SIGTERM) that only one process
 gets makes both save at the same step and stop (tests/agreement_worker.py)."""
 
 import json
@@ -57,6 +57,12 @@ def test_a_cache_decides_on_process_0_and_is_stored_by_it(out):
     assert result["hit"] == "stored" and result["miss"] == {"process": 0}
     assert result["computed"] == 1  # the miss, on both
   assert sorted(p.name for p in out.glob("miss-*.json")) == ["miss-0.json"]
+
+
+def test_the_pipelines_distillation_runs_on_process_0_alone(out):
+  kept = [r["value"] for r in _results(out, "distill")]
+  assert kept[0] == kept[1] > 0
+  assert sorted(p.name for p in out.glob("distilled-*.json")) == ["distilled-0.json"]
 
 
 def test_a_ctrl_c_on_one_process_stops_both_at_the_same_step(out):

@@ -154,7 +154,7 @@ class StageTimes:
     job()
     # A training stage stopped by a signal (SIGTERM, Ctrl-C) saves a checkpoint and returns:
     # the run ends here rather than go on to stages that need this one's output.
-    if not _on_process_0(lambda: exists(done), f"checking {done}"):
+    if not exists(done):  # process 0's file decides for every host (a collective)
       raise StageStopped(f"the {name} stage stopped before it finished (no {done}; a training "
                          f"stage stopped by a signal has saved a checkpoint): run the same "
                          f"command again to resume it")
@@ -165,12 +165,14 @@ class StageTimes:
 
 
 def distill_stage(stages: dict[str, Any], times: StageTimes) -> None:
-  """Runs the distillation stage unless it finished. Host-side work (a teacher, tools) that may
-  fail on one host alone, e.g. keeping nothing: agreed, so every host stops with it rather than
-  wait in the next collective."""
+  """Runs the distillation stage unless it finished, on process 0 alone: a teacher behind an
+  API is called once per task, not once per host, and every host reads the same data from the
+  output folder (shared, as checkpoints need it). Agreed: an error there (a teacher, a tool,
+  nothing kept) stops every host rather than leave the others waiting."""
   settings = stages["distill"]
   times.run("distill", os.path.join(settings.output_dir, "distill_report.json"),
-            lambda: distributed.agreed(lambda: distill.run(settings), "distilling"))
+            lambda: distributed.agreed(lambda: jax.process_index() or distill.run(settings),
+                                       "distilling on process 0"))
 
 
 def _metrics(settings: EvaluationSettings, times: StageTimes, name: str,
