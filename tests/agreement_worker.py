@@ -11,8 +11,8 @@ Scenarios, in order, each process writing OUT_DIR/<scenario>-<process>.json:
 - cache: a cached value only process 0 finds is taken by both, neither computing (the
   computation runs a collective); a value neither finds is computed by both, process 0's is
   returned on both and only process 0 stores it;
-- distill: the pipeline's distillation stage runs the teacher on process 0 alone; both read
-  its trajectories;
+- pipeline: the quick main job runs every stage on both processes, the teacher on process 0
+  alone;
 - preemption: process 1 alone gets SIGINT (Ctrl-C on its host), which it sends on as the
   SIGTERM a preemption is; both save at one step and stop.
 """
@@ -118,16 +118,15 @@ miss = cached_json(os.path.join(out, f"miss-{process_id}.json"), {"k": 2}, compu
 write("cache", hit=hit, miss=miss, computed=len(computed))
 
 
-def distill_on_process_0() -> dict:
-  """The pipeline's distillation stage on both processes: only process 0 runs the teacher."""
-  from coa_jax import distill
-  from coa_jax.pipeline import job as pipeline
-  from configs import distill_tiny
+def quick_pipeline() -> dict:
+  """The quick main job on both processes (its stages' completion checks and reads are
+  collectives); only process 0 runs the teacher."""
+  from coa_jax import distill, pipeline
+  from configs import pipeline_tiny_cpu
 
-  config = distill_tiny.get_config()
-  config.output_dir = os.path.join(out, "distill")
-  config.world.update(entities=30, train_tasks=40, heldout_tasks=8)
-  settings = distill.job.distill_settings(config)
+  config = pipeline_tiny_cpu.quick(pipeline_tiny_cpu.get_config())
+  config.output_dir = os.path.join(out, "pipeline")
+  config.mesh = common.mesh(data=1, fsdp=2, tensor=1)
   run = distill.run
 
   def marked(settings):
@@ -135,12 +134,11 @@ def distill_on_process_0() -> dict:
     return run(settings)
 
   distill.run = marked
-  pipeline.distill_stage({"distill": settings}, pipeline.StageTimes(os.path.join(out, "times")))
-  with open(os.path.join(settings.output_dir, "distill_report.json")) as f:
-    return json.load(f)["output"]
+  results = pipeline.run(config, pipeline_tiny_cpu.stage_configs)
+  return {"table": results["table"], "stages": sorted(results["stage_seconds"])}
 
 
-write("distill", **outcome(distill_on_process_0))
+write("pipeline", **outcome(quick_pipeline))
 
 
 class Counter(StateJob):
