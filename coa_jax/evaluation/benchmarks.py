@@ -26,7 +26,7 @@ from coa_jax.data.benchmark_files import JudgeSettings
 from coa_jax.evaluation import job as evaluation
 from coa_jax.evaluation import model_settings
 from coa_jax.model import ConfigError
-from coa_jax.runtime import paths
+from coa_jax.runtime import distributed, paths
 from coa_jax.runtime.cache import write_json, write_jsonl
 from coa_jax.runtime.distributed import say
 
@@ -234,13 +234,20 @@ def run(config: ml_collections.ConfigDict, settings: BenchmarkSettings) -> dict[
     if number == 1:
       say(f"evaluating {settings.model} with {source}")
     metrics = evaluation.run(cfg)
-    if jax.process_index() == 0:  # process 0 wrote the samples
+
+    def record():
+      """Process 0 (it wrote the samples) writes the finished benchmarks so far: a run
+      stopped later keeps them."""
       rows.append(benchmark_row(name, label, metrics, _read_samples(folder), settings.k))
       if rows[-1]["judge_errors"]:
         say(f"{entry.title}: the judge could not grade {rows[-1]['judge_errors']} answers "
             f"(scored 0); their errors are in {folder}/samples.jsonl")
-      # the finished benchmarks so far: a run stopped later keeps them
-      results = _write_results(settings, rows, time.perf_counter() - start)
+      return _write_results(settings, rows, time.perf_counter() - start)
+
+    # agreed: a failure there (a full disk) would stop process 0 alone, the others waiting in
+    # the next benchmark's evaluation
+    results = distributed.agreed(lambda: record() if jax.process_index() == 0 else results,
+                                 f"recording {entry.title}")
     say(f"benchmark {number}/{total} done: {entry.title} pass@1 {metrics['pass@1']:.3f} "
         f"({time.perf_counter() - start:,.0f}s elapsed)")
   say(f"{results.get('table', '')}\n\nwrote {settings.output_dir}/results.json, results.md "
