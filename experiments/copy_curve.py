@@ -9,12 +9,11 @@ config.output_dir/copy_curve/copy_curve.json and copy_curve.png. Use it to compa
 before paying for whole pipeline runs.
 """
 
-
-
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from coa_jax import pipeline
+from coa_jax.runtime import cli
 from configs import pipeline_tiny_cpu
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -26,7 +25,7 @@ _EVERY = flags.DEFINE_integer("every", 200, "SFT steps between copy probes")
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  cli.start()  # joins a multi-host run (COA_JAX_DISTRIBUTED), quiets absl's INFO lines
   pipeline.copy_curve(_CONFIG.value, pipeline_tiny_cpu.stage_configs, seeds=_SEEDS.value,
                      every=_EVERY.value)
 

@@ -15,7 +15,7 @@ import os
 import sys
 
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from coa_jax import experiments
@@ -34,7 +34,7 @@ flags.mark_flag_as_required("name")
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  cli.start()  # joins a multi-host run (COA_JAX_DISTRIBUTED), quiets absl's INFO lines
   config = _CONFIG.value
   experiment = EXPERIMENTS[_NAME.value]
   if _SEEDS.value:

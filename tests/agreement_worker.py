@@ -13,6 +13,7 @@ Scenarios, in order, each process writing OUT_DIR/<scenario>-<process>.json:
   returned on both and only process 0 stores it;
 - pipeline: the quick main job runs every stage on both processes, the teacher on process 0
   alone;
+- unshared: an output folder that is each process's own is an error on both;
 - preemption: process 1 alone gets SIGINT (Ctrl-C on its host), which it sends on as the
   SIGTERM a preemption is; both save at one step and stop.
 """
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coa_jax.runtime import distributed
-from coa_jax.runtime.cache import cached_json, write_json
+from coa_jax.runtime.cache import cached_json, check_shared, write_json
 from coa_jax.runtime.checkpointing import Checkpointer
 from coa_jax.train.loop import LoopConfig, run_loop
 from configs import common
@@ -139,6 +140,9 @@ def quick_pipeline() -> dict:
 
 
 write("pipeline", **outcome(quick_pipeline))
+own = os.path.join(out, f"own-{process_id}")  # each host's own disk
+os.makedirs(own)
+write("unshared", **outcome(lambda: check_shared(own, "output_dir", wait_s=0.5)))
 
 
 class Counter(StateJob):

@@ -2,8 +2,9 @@
 collective is taken by both: one process's error ends both, a checkpoint step only one process
 cannot read is set aside by both, a mismatched checkpoint fails on both, a cached result only
 process 0 holds is taken by both, the quick main job runs on both (distilling on process 0
-alone), and a Ctrl-C (SIGINT, sent on as SIGTERM) that only one process gets makes both save at
-the same step and stop (tests/agreement_worker.py)."""
+alone; an output folder they do not share is an error), and a Ctrl-C (SIGINT, sent on as
+SIGTERM) that only one process gets makes both save at the same step and stop
+(tests/agreement_worker.py)."""
 
 import json
 import os
@@ -67,6 +68,13 @@ def test_the_quick_main_job_runs_on_two_processes_distilling_on_process_0_alone(
   zero, one = (r["value"] for r in _results(out, "pipeline"))
   assert zero == one and len(zero["stages"]) == 6, zero
   assert sorted(p.name for p in out.glob("distilled-*.json")) == ["distilled-0.json"]
+
+
+def test_an_output_folder_the_hosts_do_not_share_is_an_error_on_both(out):
+  for result in _results(out, "unshared"):
+    assert result["error"] == "ConfigError" and "is not shared by the hosts: process(es) [1]" in (
+        result["message"])
+  assert not list(out.glob("own-0/.shared-*"))  # process 0 removed its file
 
 
 def test_a_ctrl_c_on_one_process_stops_both_at_the_same_step(out):

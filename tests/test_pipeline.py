@@ -11,6 +11,7 @@ import pytest
 
 from coa_jax import experiments, pipeline
 from coa_jax.experiments import chaos
+from coa_jax.model import ConfigError
 from configs import common, pipeline_tiny_cpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +55,20 @@ def test_quick_pipeline_runs_every_stage(quick_run):
   again = pipeline.run(config, pipeline_tiny_cpu.stage_configs)
   assert again["per_seed"] == results["per_seed"]
   assert again["stage_seconds"] == results["stage_seconds"]  # the times they took when they ran
+
+
+def test_a_finished_stage_is_reused_only_with_the_settings_it_ran_with(quick_run):
+  """Another mesh or log cadence reuses every stage; another SFT length on the same folder is
+  an error naming the setting, before anything runs (it reused the old model, silently)."""
+  tmp_path, config, results = quick_run
+  moved = config.copy_and_resolve_references()
+  moved.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
+  moved.log_every = 1
+  assert pipeline.run(moved, pipeline_tiny_cpu.stage_configs)["per_seed"] == results["per_seed"]
+  moved.sft.steps += 1
+  with pytest.raises(ConfigError, match=r"holds a finished seed 0 sft stage made with other "
+                     r"settings \(.*train\.steps: \d+ -> \d+\): run with another"):
+    pipeline.run(moved, pipeline_tiny_cpu.stage_configs)
 
 
 # The packages of the extras that `make pipeline`'s lean install leaves out (setup.py: test, tpu,

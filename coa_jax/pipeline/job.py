@@ -38,9 +38,10 @@ from coa_jax.rl import query_selection
 from coa_jax.rl.query_selection import SelectionConfig
 from coa_jax.rl.settings import rl_settings
 from coa_jax.runtime import distributed, paths
-from coa_jax.runtime.cache import exists, file_fingerprint, fingerprint, write_json
+from coa_jax.runtime.cache import (check_shared, exists, file_fingerprint, fingerprint,
+                                   write_json)
 from coa_jax.runtime.distributed import say
-from coa_jax.runtime.settings import build
+from coa_jax.runtime.settings import build, to_section
 from coa_jax.sft.settings import sft_settings
 
 StageConfigs = Callable[..., dict[str, ml_collections.ConfigDict]]
@@ -133,21 +134,67 @@ class StageStopped(RuntimeError):
   """A stage returned without its output: it was stopped (a signal) and resumes on a rerun."""
 
 
+# Settings of how a stage runs, not of what it makes: a finished stage is reused whatever they
+# are (a run resumed on another mesh, with other logging or checkpointing).
+EXECUTION_KEYS = frozenset({"mesh", "log_every", "workers", "checkpoint", "xla_flags", "topology",
+                            "eval_every", "track_prompts"})
+
+
+def stage_section(settings: Any, output_dir: str) -> Any:
+  """Returns a stage's settings as the plain values that decide its output: `EXECUTION_KEYS`
+  left out, and paths under `output_dir` written relative to it (a run folder can move)."""
+  roots = sorted({output_dir.rstrip("/"), os.path.abspath(output_dir)}, key=len, reverse=True)
+
+  def plain(value: Any) -> Any:
+    if isinstance(value, dict):
+      return {k: plain(v) for k, v in value.items() if k not in EXECUTION_KEYS}
+    if isinstance(value, list):
+      return [plain(v) for v in value]
+    if isinstance(value, str):
+      for root in roots:
+        value = value.replace(root, "<output_dir>")
+    return value
+
+  return plain(json.loads(json.dumps(to_section(settings))))
+
+
+def _differences(recorded: Any, now: Any, where: str = "") -> list[str]:
+  """Returns "key: recorded -> now" for each setting that differs (nested keys dotted)."""
+  if isinstance(recorded, dict) and isinstance(now, dict):
+    return [line for key in sorted(set(recorded) | set(now), key=str) for line in _differences(
+        recorded.get(key), now.get(key), f"{where}.{key}" if where else str(key))]
+  return [] if recorded == now else [f"{where}: {recorded!r} -> {now!r}"]
+
+
 class StageTimes:
   """The wall time of each finished stage, kept in a JSON file beside the stages' outputs (so
   a stage reused from an earlier invocation still reports the time it took when it ran), and
   with it which stages finished: a stage's job is done when its output exists and its time is
-  here, written (atomically) once the job returned."""
+  here, written (atomically) once the job returned. Beside it, `stage_settings.json` keeps the
+  settings each finished stage ran with (`stage_section`): a stage is reused only with the same
+  settings, and a run folder asked to reuse a stage made with others is an error naming them."""
 
   def __init__(self, path: str):
     self.path = path
-    self.seconds: dict[str, float] = _on_process_0(
-        lambda: _read_json(path) if os.path.exists(path) else {}, f"reading {path}")
+    self.root = os.path.dirname(path)
+    self.settings_path = os.path.join(self.root, "stage_settings.json")
+    self.seconds, self.settings = _on_process_0(
+        lambda: [_read_json(p) if os.path.exists(p) else {} for p in (path, self.settings_path)],
+        f"reading {path}")
 
-  def run(self, name: str, done: str, job: Callable[[], Any]) -> None:
+  def run(self, name: str, done: str, job: Callable[[], Any], settings: Any = None) -> None:
     """Runs `job` unless it finished in an earlier invocation and its output `done` exists;
-    records its wall time under `name`."""
+    records its wall time under `name`, and `settings` (what the stage ran with; None: not
+    checked) beside it. Raises ConfigError when the finished stage ran with other settings."""
+    section = None if settings is None else stage_section(settings, self.root)
     if _stage(name, done, name in self.seconds):
+      differences = _differences(self.settings.get(name, section), section)
+      if section is not None and differences:
+        raise ConfigError(
+            f"{self.root} holds a finished {name} stage made with other settings "
+            f"({'; '.join(differences[:6])}{'; ...' if len(differences) > 6 else ''}): run "
+            f"with another --config.output_dir, or delete that stage's output ({done}) and "
+            f"every later stage's to run them again")
       return
     self.seconds.pop(name, None)
     start = time.perf_counter()
@@ -159,9 +206,14 @@ class StageTimes:
                          f"stage stopped by a signal has saved a checkpoint): run the same "
                          f"command again to resume it")
     self.seconds[name] = round(time.perf_counter() - start, 1)
-    # a killed run leaves the last complete file; process 0 writes it, every host waits
-    distributed.agreed(lambda: jax.process_index() or write_json(self.path, self.seconds),
-                       f"writing {self.path}")
+    if section is not None:
+      self.settings[name] = section
+
+    def write() -> None:  # a killed run leaves the last complete files
+      write_json(self.settings_path, self.settings)
+      write_json(self.path, self.seconds)  # the record that the stage finished: last
+
+    distributed.agreed(lambda: jax.process_index() or write(), f"writing {self.path}")
 
 
 def distill_stage(stages: dict[str, Any], times: StageTimes) -> None:
@@ -172,7 +224,7 @@ def distill_stage(stages: dict[str, Any], times: StageTimes) -> None:
   settings = stages["distill"]
   times.run("distill", os.path.join(settings.output_dir, "distill_report.json"),
             lambda: distributed.agreed(lambda: jax.process_index() or distill.run(settings),
-                                       "distilling on process 0"))
+                                       "distilling on process 0"), settings)
 
 
 def _metrics(settings: EvaluationSettings, times: StageTimes, name: str,
@@ -183,7 +235,9 @@ def _metrics(settings: EvaluationSettings, times: StageTimes, name: str,
   if settings.system == "model":  # what `experiments/evaluate.py --model` will evaluate it with
     distributed.agreed(lambda: jax.process_index() or model_settings.save(settings),
                        f"saving the evaluation settings in {settings.model.checkpoint}")
-  times.run(name, path, lambda: evaluation.run(settings))
+  # the teacher's k samples are seeded 0..k-1 whatever the run's seed: one evaluation serves all
+  compared = settings if settings.system == "model" else dataclasses.replace(settings, seed=0)
+  times.run(name, path, lambda: evaluation.run(settings), compared)
 
   def read() -> dict[str, Any]:
     metrics = _read_json(path)
@@ -264,6 +318,7 @@ def run_stages(stages: Stages, seeds: int = 1) -> dict[str, Any]:
   first = stages.of()  # every stage checked before the first runs
   distributed.agreed(lambda: os.makedirs(paths.local(output_dir, "output_dir"), exist_ok=True),
                      f"making {output_dir}")
+  check_shared(output_dir, "output_dir")  # process 0 writes what every host's stages read
   times = StageTimes(os.path.join(output_dir, "stage_seconds.json"))
   distill_stage(first, times)
   # rebuilt: the evaluations' tool spec is the one distillation wrote
@@ -273,7 +328,7 @@ def run_stages(stages: Stages, seeds: int = 1) -> dict[str, Any]:
     seed_stages = stages.of(seed)  # the tools spec exists now
     say(f"=== seed {seed}")
     times.run(f"seed {seed} sft", seed_stages["sft"].export_dir,
-              lambda: sft.run(seed_stages["sft"]))
+              lambda: sft.run(seed_stages["sft"]), seed_stages["sft"])
     rows = {"teacher": teacher,
             "sft": _metrics(seed_stages["eval_sft"], times, f"seed {seed} eval sft", world)}
 
@@ -281,7 +336,8 @@ def run_stages(stages: Stages, seeds: int = 1) -> dict[str, Any]:
       tasks, _ = rl_tasks(settings.selection, seed_stages)  # query selection, when on
       rl.run(dataclasses.replace(seed_stages["dapo"], tasks=tasks))
 
-    times.run(f"seed {seed} dapo", seed_stages["dapo"].export_dir, train_rl)
+    times.run(f"seed {seed} dapo", seed_stages["dapo"].export_dir, train_rl,
+              {"dapo": seed_stages["dapo"], "selection": settings.selection})
     rows["dapo"] = _metrics(seed_stages["eval_dapo"], times, f"seed {seed} eval dapo", world)
     per_seed[seed] = rows
   say("== results")

@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from typing import Any, Callable, Iterable
 
 import jax
 
+from coa_jax.model.config import ConfigError
 from coa_jax.runtime import distributed
 from coa_jax.runtime.distributed import say
 
@@ -80,6 +82,28 @@ def exists(path: str) -> bool:
   """Returns whether `path` exists on process 0, on every process: a run or an evaluation that
   only one host found done would be skipped by it alone while its peers run collectives."""
   return bool(_first(os.path.exists(path)))
+
+
+def check_shared(folder: str, what: str, wait_s: float = 10.0) -> None:
+  """Collective: raises ConfigError on every process unless `folder` is one folder for all of
+  them. On a pod, process 0 writes there what the others read (a stage's outputs, its export):
+  a local path that is each host's own disk would fail later, and less clearly. A host looks
+  for process 0's file for up to `wait_s` seconds (a network file system's cache)."""
+  if jax.process_count() == 1:
+    return
+  marker = os.path.join(folder, f".shared-{_first(os.urandom(6).hex())}")
+  distributed.agreed(lambda: jax.process_index() or write_json(marker, {}), f"writing {marker}")
+  deadline = time.monotonic() + wait_s
+  while not os.path.exists(marker) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  seen = distributed.gather_json(os.path.exists(marker))
+  distributed.agreed(lambda: jax.process_index() or os.remove(marker), f"removing {marker}")
+  blind = [i for i, found in enumerate(seen) if not found]
+  if blind:
+    raise ConfigError(f"{what}={folder!r} is not shared by the hosts: process(es) {blind} do "
+                      f"not see the file process 0 wrote there. On several hosts, point it at "
+                      f"one file system that every host mounts (a bucket mounted with gcsfuse, "
+                      f"NFS)")
 
 
 def cached_json(path: str, key: Any, compute: Callable[[], Any]) -> Any:
