@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from coa_jax.evaluation import job as evaluate
 from coa_jax.evaluation import model_settings
-from coa_jax.runtime import cli
+from coa_jax.runtime import cli, distributed
 from coa_jax.runtime.distributed import say
 from configs import evaluate_tiny
 
@@ -42,9 +42,10 @@ def main(argv):
     if not _TASKS.value:
       raise app.UsageError("--model needs --tasks=FILE (the tasks to evaluate it on)")
     name = os.path.splitext(os.path.basename(_TASKS.value))[0]
-    config, source = model_settings.evaluation_config(
-        config, _MODEL.value, _TASKS.value, _OUTPUT.value or f"runs/evaluate_{name}",
-        _K.value, _MAX_TASKS.value)
+    config, source = distributed.agreed(  # a host without the model folder stops them all
+        lambda: model_settings.evaluation_config(
+            config, _MODEL.value, _TASKS.value, _OUTPUT.value or f"runs/evaluate_{name}",
+            _K.value, _MAX_TASKS.value), "reading the model's evaluation settings")
     say(f"evaluating {_MODEL.value} with {source}; outputs: {config.output_dir}")
   evaluate.run(config)
 

@@ -5,6 +5,7 @@ usage: python tests/agreement_worker.py OUT_DIR PROCESS_ID PORT
 
 Scenarios, in order, each process writing OUT_DIR/<scenario>-<process>.json:
 - failure: process 1's host-side work raises; `distributed.agreed` ends both;
+- out-of-step: the processes gather at different places; both raise, naming them;
 - unreadable: a checkpoint step whose metadata only process 1 cannot read is set aside by both,
   which restore the previous step;
 - mismatch: a checkpoint that does not fit the run raises on both and moves nothing;
@@ -75,6 +76,17 @@ def failing_work() -> str:
 
 
 write("failure", **outcome(lambda: distributed.agreed(failing_work, "a test")))
+
+
+def out_of_step() -> list:
+  """Process 1 gathers elsewhere than process 0: it left a computation early and reports its
+  error while process 0 gathers inside it."""
+  if process_id == 1:
+    return distributed.gather_json("an error", "leaving early")
+  return distributed.gather_json(process_id, "inside")
+
+
+write("out-of-step", **outcome(out_of_step))
 
 directory = os.path.join(out, "ckpt")
 checkpointer = Checkpointer(directory, async_save=False)
@@ -165,3 +177,4 @@ result = run_loop(Counter(), LoopConfig(steps=200, workdir=os.path.join(out, "wo
                   abstract(), model_config=None)
 write("preemption", steps=result.steps, stopped_by_signal=result.stopped_by_signal,
       saved=sorted(os.listdir(os.path.join(out, "preempt"))))
+

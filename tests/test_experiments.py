@@ -19,6 +19,7 @@ from coa_jax.rl import query_selection
 from coa_jax.rl.query_selection import SelectionConfig, select_tasks
 from configs.experiments import EXPERIMENTS
 from configs import pipeline_tiny_cpu
+from coa_jax import pipeline
 from coa_jax.pipeline import Stages
 
 
@@ -427,6 +428,14 @@ def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
   main = recipe.run_cell(_stages(config), 1, {"main_job": True})
   assert main["params"] == 559_104 and main["dapo"]["pass@1"] == 0.92  # 3 x 128, 8 heads of 16
   assert set(main["sft"]) == set(recipe.METRICS)  # avg@3 is not carried
+  # a main job whose seed-1 SFT ran with other steps does not stand in this cell's row
+  trained = pipeline.trained(_stages(with_overrides(config, {"sft.steps": 900})), 1)
+  (tmp_path / "main" / "stage_settings.json").write_text(json.dumps(
+      {name: pipeline.stage_section(s, config.output_dir) for name, s in trained.items()}))
+  with pytest.raises(ConfigError, match=r"finished seed 1 sft stage made with other settings "
+                     r"\(.*train\.steps: 900 -> 2000\): .* run the main job again"):
+    recipe.run_cell(_stages(config), 1, {"main_job": True})
+  (tmp_path / "main" / "stage_settings.json").unlink()
 
   calls = []
 

@@ -1,13 +1,14 @@
 """On two processes (one CPU device each, gloo collectives), every decision that precedes a
-collective is taken by both: one process's error ends both, a checkpoint step only one process
-cannot read is set aside by both, a mismatched checkpoint fails on both, a cached result only
-process 0 holds is taken by both, the quick main job runs on both (distilling on process 0
-alone; an output folder they do not share is an error), and a Ctrl-C (SIGINT, sent on as
-SIGTERM) that only one process gets makes both save at the same step and stop
-(tests/agreement_worker.py)."""
+collective is taken by both: one process's error ends both, processes in different gathers
+both raise, a checkpoint step only one process cannot read is set aside by both, a mismatched
+checkpoint fails on both, a cached result only process 0 holds is taken by both, the quick main
+job runs on both (distilling on process 0 alone; an output folder they do not share is an
+error), and a Ctrl-C (SIGINT, sent on as SIGTERM) that only one process gets makes both save at
+the same step and stop (tests/agreement_worker.py)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -44,6 +45,14 @@ def test_one_process_error_ends_both(out):
   failed, other = _results(out, "failure")[::-1]
   assert (failed["error"], other["error"]) == ("ValueError", "HostFailure")
   assert "the code tool crashed" in other["message"] and "process 1" in other["message"]
+
+
+def test_processes_in_different_gathers_both_raise_naming_them(out):
+  for result in _results(out, "out-of-step"):
+    assert result["error"] == "HostFailure"
+    assert re.fullmatch(r"the processes are out of step: process 0 gathers at "
+                        r"agreement_worker.py:\d+ \(inside\); process 1 gathers at "
+                        r"agreement_worker.py:\d+ \(leaving early\)", result["message"])
 
 
 def test_a_step_one_process_cannot_read_is_set_aside_by_both(out):

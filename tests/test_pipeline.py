@@ -12,6 +12,7 @@ import pytest
 from coa_jax import experiments, pipeline
 from coa_jax.experiments import chaos
 from coa_jax.model import ConfigError
+from coa_jax.runtime.cache import file_fingerprint
 from configs import common, pipeline_tiny_cpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +65,11 @@ def test_a_finished_stage_is_reused_only_with_the_settings_it_ran_with(quick_run
   moved = config.copy_and_resolve_references()
   moved.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
   moved.log_every = 1
+  export = os.path.join(config.output_dir, "seed-0", "sft", "hf_export")
+  before = file_fingerprint(export)
   assert pipeline.run(moved, pipeline_tiny_cpu.stage_configs)["per_seed"] == results["per_seed"]
+  # reused, the export is not written to (the experiments' caches are keyed on it)
+  assert file_fingerprint(export) == before
   moved.sft.steps += 1
   with pytest.raises(ConfigError, match=r"holds a finished seed 0 sft stage made with other "
                      r"settings \(.*train\.steps: \d+ -> \d+\): run with another"):

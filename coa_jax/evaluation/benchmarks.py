@@ -216,21 +216,30 @@ def run(config: ml_collections.ConfigDict, settings: BenchmarkSettings) -> dict[
   and returns the results it writes to the output folder (results.json, .md, .png; each
   benchmark's evaluation in a folder of its own). Every file is checked before the model
   loads."""
-  paths.local(settings.output_dir, "output_dir")
-  for name in settings.benchmarks:
-    benchmark_files.benchmark_path(name, settings.data_dir)
+  # Each host's reads (a data copy it lacks, a file it cannot parse) are agreed: one host's
+  # failure stops every host rather than leave them waiting in the evaluation's collectives.
+  def check() -> None:
+    paths.local(settings.output_dir, "output_dir")
+    for name in settings.benchmarks:
+      benchmark_files.benchmark_path(name, settings.data_dir)
+
+  distributed.agreed(check, f"checking the benchmark files in {settings.data_dir}")
   start, rows, results = time.perf_counter(), [], {"rows": []}
   total = len(settings.benchmarks)
   for number, name in enumerate(settings.benchmarks, 1):
     entry = benchmark_files.benchmark(name)
-    tasks = benchmark_files.load_benchmark(name, settings.data_dir, settings.max_tasks)
     folder = os.path.join(settings.output_dir, name)
     tasks_path = os.path.join(folder, "tasks.jsonl")
-    write_jsonl(tasks_path, benchmark_files.task_rows(tasks))  # every host: its own reads
+
+    def prepare():
+      tasks = benchmark_files.load_benchmark(name, settings.data_dir, settings.max_tasks)
+      write_jsonl(tasks_path, benchmark_files.task_rows(tasks))  # every host: its own reads
+      return tasks, evaluation_config(config, settings, name, tasks_path)
+
+    tasks, (cfg, source) = distributed.agreed(prepare, f"reading {entry.title}")
     label = benchmark_files.grader_label(entry.grader, settings.judge, settings.code_timeout_s)
     say(f"benchmark {number}/{total}: {entry.title}, {len(tasks)} tasks x {settings.k} "
         f"samples, graded by {label}")
-    cfg, source = evaluation_config(config, settings, name, tasks_path)
     if number == 1:
       say(f"evaluating {settings.model} with {source}")
     metrics = evaluation.run(cfg)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import ml_collections
 
 from coa_jax.model import ConfigError
 from coa_jax.evaluation.settings import EvaluationSettings
-from coa_jax.runtime.cache import write_json
+from coa_jax.runtime.cache import canonical, write_json
 from coa_jax.runtime.settings import to_section
 
 FILE = "coa_evaluation.json"
@@ -32,8 +33,18 @@ def save(settings: EvaluationSettings) -> str:
   saved = {key: to_section(getattr(settings, key)) for key in SAVED}
   saved["model"].pop("checkpoint")
   path = os.path.join(settings.model.checkpoint, FILE)
-  write_json(path, saved)
+  if _read(path) != canonical(saved):  # unchanged, the file is left as it is: a rewrite would
+    write_json(path, saved)            # change the folder's fingerprint (`file_fingerprint`)
   return path
+
+
+def _read(path: str) -> Any:
+  """Returns a JSON file's value, or None when it is missing or unreadable."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
 
 
 def evaluation_config(defaults: ml_collections.ConfigDict, model_dir: str, tasks: str,

@@ -30,7 +30,7 @@ METRICS = ("pass@1", "copy_exact", "tokens_per_task")
 def run_cell(stages: Stages, seed: int, options: Mapping[str, Any]) -> dict[str, Any]:
   """Returns one seed's held-out metrics of the recipe of `stages` (a cell's pipeline)."""
   if options.get("main_job"):
-    rows = _main_job_rows(stages.settings.output_dir, seed)
+    rows = _main_job_rows(stages, seed)
   else:
     recipe = without(stages.section(), "output_dir", "seed")
     run = stages.moved(shared_dir(stages, "recipe", recipe), seed)
@@ -41,8 +41,14 @@ def run_cell(stages: Stages, seed: int, options: Mapping[str, Any]) -> dict[str,
           **{system: {m: rows[system][m] for m in METRICS} for system in SYSTEMS}}
 
 
-def _main_job_rows(output_dir: str, seed: int) -> dict[str, Any]:
-  """Returns the main job's metrics of `seed` from its results.json."""
+def _main_job_rows(stages: Stages, seed: int) -> dict[str, Any]:
+  """Returns the main job's metrics of `seed` from its results.json, once its models are
+  known to have trained with the settings of `stages` (a main job trained otherwise, e.g. with
+  other SFT steps, would stand in a row that says these)."""
+  output_dir = stages.settings.output_dir
+  times = pipeline.StageTimes(os.path.join(output_dir, "stage_seconds.json"))
+  for name, settings in pipeline.trained(stages, seed).items():
+    times.check(name, settings, "run the main job again with these settings")
   path = os.path.join(output_dir, "results.json")
   per_seed = {}
   if exists(path):

@@ -182,19 +182,24 @@ class StageTimes:
         lambda: [_read_json(p) if os.path.exists(p) else {} for p in (path, self.settings_path)],
         f"reading {path}")
 
+  def check(self, name: str, settings: Any, remedy: str) -> None:
+    """Raises ConfigError when the finished stage `name` ran with other settings than
+    `settings` (a stage recorded without them, by older code, passes)."""
+    section = stage_section(settings, self.root)
+    differences = _differences(self.settings.get(name, section), section)
+    if differences:
+      raise ConfigError(f"{self.root} holds a finished {name} stage made with other settings "
+                        f"({'; '.join(differences[:6])}{'; ...' if len(differences) > 6 else ''})"
+                        f": run with another --config.output_dir, or {remedy}")
+
   def run(self, name: str, done: str, job: Callable[[], Any], settings: Any = None) -> None:
     """Runs `job` unless it finished in an earlier invocation and its output `done` exists;
     records its wall time under `name`, and `settings` (what the stage ran with; None: not
     checked) beside it. Raises ConfigError when the finished stage ran with other settings."""
-    section = None if settings is None else stage_section(settings, self.root)
     if _stage(name, done, name in self.seconds):
-      differences = _differences(self.settings.get(name, section), section)
-      if section is not None and differences:
-        raise ConfigError(
-            f"{self.root} holds a finished {name} stage made with other settings "
-            f"({'; '.join(differences[:6])}{'; ...' if len(differences) > 6 else ''}): run "
-            f"with another --config.output_dir, or delete that stage's output ({done}) and "
-            f"every later stage's to run them again")
+      if settings is not None:
+        self.check(name, settings, f"delete that stage's output ({done}) and every later "
+                                   f"stage's to run them again")
       return
     self.seconds.pop(name, None)
     start = time.perf_counter()
@@ -206,8 +211,8 @@ class StageTimes:
                          f"stage stopped by a signal has saved a checkpoint): run the same "
                          f"command again to resume it")
     self.seconds[name] = round(time.perf_counter() - start, 1)
-    if section is not None:
-      self.settings[name] = section
+    if settings is not None:
+      self.settings[name] = stage_section(settings, self.root)
 
     def write() -> None:  # a killed run leaves the last complete files
       write_json(self.settings_path, self.settings)
@@ -297,6 +302,14 @@ def rl_tasks(selection: SelectionConfig, stages: dict[str, Any],
   return path, report
 
 
+def trained(stages: Stages, seed: int) -> dict[str, Any]:
+  """Returns the settings the training stages of `seed` are reused under (`StageTimes`)."""
+  seed_stages = stages.of(seed)
+  return {f"seed {seed} sft": seed_stages["sft"],
+          f"seed {seed} dapo": {"dapo": seed_stages["dapo"],
+                                "selection": stages.settings.selection}}
+
+
 def run(config: Any, stage_configs: StageConfigs, seeds: int = 1) -> dict[str, Any]:
   """Distils once, then trains and evaluates `seeds` seeds (config.seed, config.seed + 1,
   ...); returns the results (also written as results.json and results.png).
@@ -327,8 +340,9 @@ def run_stages(stages: Stages, seeds: int = 1) -> dict[str, Any]:
   for seed in range(settings.seed, settings.seed + seeds):
     seed_stages = stages.of(seed)  # the tools spec exists now
     say(f"=== seed {seed}")
+    compared = trained(stages, seed)
     times.run(f"seed {seed} sft", seed_stages["sft"].export_dir,
-              lambda: sft.run(seed_stages["sft"]), seed_stages["sft"])
+              lambda: sft.run(seed_stages["sft"]), compared[f"seed {seed} sft"])
     rows = {"teacher": teacher,
             "sft": _metrics(seed_stages["eval_sft"], times, f"seed {seed} eval sft", world)}
 
@@ -337,7 +351,7 @@ def run_stages(stages: Stages, seeds: int = 1) -> dict[str, Any]:
       rl.run(dataclasses.replace(seed_stages["dapo"], tasks=tasks))
 
     times.run(f"seed {seed} dapo", seed_stages["dapo"].export_dir, train_rl,
-              {"dapo": seed_stages["dapo"], "selection": settings.selection})
+              compared[f"seed {seed} dapo"])
     rows["dapo"] = _metrics(seed_stages["eval_dapo"], times, f"seed {seed} eval dapo", world)
     per_seed[seed] = rows
   say("== results")

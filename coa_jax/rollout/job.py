@@ -44,12 +44,16 @@ def run(config: Any) -> dict[str, Any]:
   """Rolls out the tasks of config.tasks (a ConfigDict, checked by `rollout_settings`, or
   RolloutSettings); returns the summary it also writes."""
   settings = rollout_settings(config)
-  tasks = load_tasks(settings.tasks, settings.max_tasks, require_answer=False)
+  output_dir = settings.output_dir
+
+  def prepare() -> list:  # agreed: a host that cannot read the tasks would stop alone
+    os.makedirs(local(output_dir, "output_dir"), exist_ok=True)
+    return load_tasks(settings.tasks, settings.max_tasks, require_answer=False)
+
+  tasks = distributed.agreed(prepare, f"reading {settings.tasks}")
   tokenizer = agent.agent_tokenizer(settings)
   engine = agent.engine(settings, tokenizer)
-  output_dir = settings.output_dir
   hosts, host = jax.process_count(), jax.process_index()
-  os.makedirs(local(output_dir, "output_dir"), exist_ok=True)
   paths = {name: os.path.join(output_dir, name)
            for name in ("records.jsonl", "transcripts.txt", "summary.json")}
   if hosts > 1:

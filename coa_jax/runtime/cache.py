@@ -73,15 +73,15 @@ def write_jsonl(path: str, rows: Iterable[Any]) -> None:
   _write_atomically(path, lambda f: f.writelines(json.dumps(row) + "\n" for row in rows))
 
 
-def _first(value: Any) -> Any:
+def _first(value: Any, where: str) -> Any:
   """Returns process 0's `value` on every process (`value` itself on one)."""
-  return distributed.gather_json(value)[0] if jax.process_count() > 1 else value
+  return distributed.gather_json(value, where)[0] if jax.process_count() > 1 else value
 
 
 def exists(path: str) -> bool:
   """Returns whether `path` exists on process 0, on every process: a run or an evaluation that
   only one host found done would be skipped by it alone while its peers run collectives."""
-  return bool(_first(os.path.exists(path)))
+  return bool(_first(os.path.exists(path), f"checking {path}"))
 
 
 def check_shared(folder: str, what: str, wait_s: float = 10.0) -> None:
@@ -91,12 +91,12 @@ def check_shared(folder: str, what: str, wait_s: float = 10.0) -> None:
   for process 0's file for up to `wait_s` seconds (a network file system's cache)."""
   if jax.process_count() == 1:
     return
-  marker = os.path.join(folder, f".shared-{_first(os.urandom(6).hex())}")
+  marker = os.path.join(folder, f".shared-{_first(os.urandom(6).hex(), 'naming a file')}")
   distributed.agreed(lambda: jax.process_index() or write_json(marker, {}), f"writing {marker}")
   deadline = time.monotonic() + wait_s
   while not os.path.exists(marker) and time.monotonic() < deadline:
     time.sleep(0.2)
-  seen = distributed.gather_json(os.path.exists(marker))
+  seen = distributed.gather_json(os.path.exists(marker), f"looking for {marker}")
   distributed.agreed(lambda: jax.process_index() or os.remove(marker), f"removing {marker}")
   blind = [i for i, found in enumerate(seen) if not found]
   if blind:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, Callable, TypeVar
 
 import jax
@@ -61,21 +62,39 @@ def initialize_from_env() -> bool:
   return initialize(DistributedConfig(mode=os.environ.get(ENV, "off")))
 
 
-def gather_json(value: Any) -> list[Any]:
+class HostFailure(RuntimeError):
+  """Another process failed before a collective; this one stops with it."""
+
+
+def gather_json(value: Any, where: str = "") -> list[Any]:
   """Returns every process's `value` (anything JSON can hold), in process order. Every process
-  must call it (a collective); on one process it is [value]."""
+  must call it (a collective); on one process it is [value]. Each process sends where in the
+  code it gathers: when they differ (one host left a computation early, say, and gathers its
+  error while the others gather inside it), every process raises HostFailure naming each one's
+  gather (and `where`), where they would otherwise take each other's values and go on out of
+  step."""
   if jax.process_count() == 1:
     return [value]
-  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  data = np.frombuffer(json.dumps([_call_site(), where, value]).encode(), np.uint8)
   sizes = multihost_utils.process_allgather(np.array([data.size], np.int64)).reshape(-1)
   padded = np.zeros(int(sizes.max()), np.uint8)
   padded[:data.size] = data
-  rows = multihost_utils.process_allgather(padded)
-  return [json.loads(bytes(row[:int(size)])) for row, size in zip(rows, sizes)]
+  rows = [json.loads(bytes(row[:int(size)]))
+          for row, size in zip(multihost_utils.process_allgather(padded), sizes)]
+  if len({site for site, _, _ in rows}) > 1:
+    raise HostFailure("the processes are out of step: " + "; ".join(
+        f"process {i} gathers at {site}" + (f" ({tag})" if tag else "")
+        for i, (site, tag, _) in enumerate(rows)))
+  return [row for _, _, row in rows]
 
 
-class HostFailure(RuntimeError):
-  """Another process failed before a collective; this one stops with it."""
+def _call_site() -> str:
+  """Returns file:line of the nearest caller outside this module (the same on every process
+  that runs the same code to the same gather)."""
+  frame = sys._getframe(1)
+  while frame is not None and frame.f_code.co_filename == __file__:
+    frame = frame.f_back
+  return "?" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def agreed(fn: Callable[[], T], where: str) -> T:
@@ -92,7 +111,7 @@ def agreed(fn: Callable[[], T], where: str) -> T:
 def agreed_all(fn: Callable[[], T], where: str) -> list[T]:
   """Collective: as `agreed`, and returns every process's fn() (JSON values) in process order."""
   result, error = _attempt(fn)
-  reports = gather_json([_describe(error), None if error else result])
+  reports = gather_json([_describe(error), None if error else result], where)
   _raise_reported(error, [r for r, _ in reports], where)
   return [value for _, value in reports]
 
@@ -107,7 +126,7 @@ def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
 
 def _raise_together(error: BaseException | None, where: str) -> None:
   """Collective: raises on every process when `error` is set on any (see `agreed`)."""
-  _raise_reported(error, gather_json(_describe(error)), where)
+  _raise_reported(error, gather_json(_describe(error), where), where)
 
 
 def _describe(error: BaseException | None) -> str | None:

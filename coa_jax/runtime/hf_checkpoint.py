@@ -260,7 +260,8 @@ def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
 def load_checkpoint(folder: str, mesh: Mesh | None = None, vocab_size: int | None = None,
                     mean_init_ids: Sequence[int] = (),
                     **config_overrides: Any) -> tuple[ModelConfig, Any]:
-  """Returns (config, params) of an HF folder, params sharded over `mesh` (default: 1 device).
+  """Returns (config, params) of an HF folder, params sharded over `mesh` (default: this host's
+  first device).
 
   `vocab_size` grows the vocabulary to fit added tokens (e.g. `CoATokenizer.vocab_size`);
   new rows, and rows listed in `mean_init_ids`, start as the mean embedding. Other
@@ -269,8 +270,8 @@ def load_checkpoint(folder: str, mesh: Mesh | None = None, vocab_size: int | Non
   config = from_hf_config(read_hf_config(folder), **config_overrides)
   if vocab_size is not None and vocab_size > config.vocab_size:
     config = config.replace(vocab_size=vocab_size)
-  if mesh is None:
-    mesh = sharding_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  if mesh is None:  # this host's first device (the global first is only process 0's)
+    mesh = sharding_lib.make_mesh((1, 1, 1), devices=jax.local_devices()[:1])
   sharding_lib.check_model_fits_mesh(config, mesh)
   shardings = param_shardings(Transformer(config), mesh)
   return config, load_params(folder, config, shardings, mean_init_ids)

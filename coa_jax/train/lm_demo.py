@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from coa_jax.model import ConfigError, ModelSettings, Transformer
-from coa_jax.runtime import hf_checkpoint, sharding
+from coa_jax.runtime import distributed, hf_checkpoint, sharding
 from coa_jax.runtime.distributed import say
 from coa_jax.runtime.settings import build
 from coa_jax.train import optimizer
@@ -112,8 +112,10 @@ def run(config: Any) -> dict[str, Any]:
 
   export_dir = os.path.join(settings.workdir, "hf_export")
   hf_checkpoint.save_checkpoint(export_dir, model_config, state.params, dtype="float32")
-  _, reloaded = hf_checkpoint.load_checkpoint(export_dir, mesh, dtype=model_config.dtype,
-                                              param_dtype=model_config.param_dtype)
+  _, reloaded = distributed.agreed(  # a host that cannot read process 0's export stops them all
+      lambda: hf_checkpoint.load_checkpoint(export_dir, mesh, dtype=model_config.dtype,
+                                            param_dtype=model_config.param_dtype),
+      f"reloading {export_dir}")
   probe = counting_sequences(np.random.default_rng(1), 2 * mesh.size, 16, model_config.vocab_size)
   apply = jax.jit(model.apply)
   with sharding.activate(mesh):
