@@ -283,14 +283,17 @@ def rl_tasks(selection: SelectionConfig, stages: dict[str, Any],
   if not selection.enabled:
     return tasks_path, {"sampled": 0, "low": 0.0, "high": 1.0}
   evaluate = stages["eval_sft"]
-  key = {"model": file_fingerprint(evaluate.model.checkpoint),
-         "tasks": file_fingerprint(tasks_path), "max_tasks": selection.max_tasks,
-         "sampling": dataclasses.asdict(evaluate.sampling),
-         "rollout": dataclasses.asdict(evaluate.rollout),
-         "system_prompt": evaluate.system_prompt, "seed": evaluate.seed}
+  # process 0's key names the folder for every host (a folder's fingerprint holds its times)
+  key = _on_process_0(lambda: {
+      "model": file_fingerprint(evaluate.model.checkpoint),
+      "tasks": file_fingerprint(tasks_path), "max_tasks": selection.max_tasks,
+      "sampling": dataclasses.asdict(evaluate.sampling),
+      "rollout": dataclasses.asdict(evaluate.rollout),
+      "system_prompt": evaluate.system_prompt, "seed": evaluate.seed},
+      f"fingerprinting {evaluate.model.checkpoint} and {tasks_path}")
+  tasks = distributed.agreed(lambda: load_tasks(tasks_path), f"reading {tasks_path}")
   folder = os.path.join(os.path.dirname(stages["sft"].workdir.rstrip("/")),
                         "selection", f"k{selection.k}-{fingerprint(key)}")
-  tasks = load_tasks(tasks_path)
   kept, report = query_selection.select_tasks(
       selection, tasks, _sample_pass(evaluate, os.path.join(folder, "samples")),
       os.path.join(folder, "pass_rates.json"), key)
