@@ -1,5 +1,7 @@
 """The copy probe: which steps are copies, and exact / sampled rates against oracle models."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,3 +177,13 @@ def test_question_copies_are_bucketed_by_how_far_into_the_response_they_stand():
   far = diagnosis.question_copies_by_distance(Oracle(100.0, [factor_begin - 1]), None, [MIXED],
                                               TOKENIZER, 512)
   assert far == {"0+": {"exact": 2 / 3, "copies": 3}}  # the whole response is short
+
+
+def test_the_probes_say_how_many_trajectories_they_could_not_read(tmp_path, capsys):
+  from coa_jax import evaluation
+
+  path = tmp_path / "heldout_trajectories.jsonl"
+  path.write_text(json.dumps(TRAJECTORY.to_json()) + "\n{not json\n")
+  assert evaluation.probe_trajectories(str(path), TOKENIZER.tool_tags) == [TRAJECTORY]
+  assert f"probe data {path}: kept 1 of 2 examples; dropped 1 (bad_json: 1)" in (
+      capsys.readouterr().out)

@@ -137,20 +137,31 @@ def pass_at_1_by_page(world: WorldConfig, tasks_path: str, eval_dir: str) -> dic
   return pass_at_1_by(outcomes, page)
 
 
+def probe_trajectories(path: str, tool_tags: Sequence[str]) -> list[coa_format.Trajectory]:
+  """Returns the teacher's trajectories in `path` that a probe reads, saying how many it could
+  not read (a probe measured on fewer than the file holds, e.g. trajectories whose tools the
+  model has no tags for, says so)."""
+  from coa_jax.data import packing
+  from coa_jax.data.importers import DropCounter
+
+  counter = DropCounter()
+  trajectories = packing.load_source(path, counter, tuple(tool_tags))
+  if counter.kept < counter.total:
+    say(f"probe data {path}: {counter.summary()}")
+  return trajectories
+
+
 def near_miss_chance(world: WorldConfig, tasks_path: str, trajectories_path: str,
                      tokenizer: Any, model: Any, params: Any) -> dict[str, float]:
   """Returns the near-miss probe (`copy_probe.near_miss_chance`) of a model on the held-out
   tasks whose answer's page states a near-miss figure before the entity's own, from the
   teacher's held-out trajectories (`trajectories_path`) of the world `world` generates, checked
   against the task file."""
-  from coa_jax.data import packing
-  from coa_jax.data.importers import DropCounter
   from coa_jax.evaluation import copy_probe
 
   generated = World(world)
   _check_heldout(generated, tasks_path)
-  teacher = {t.question: t for t in packing.load_source(trajectories_path, DropCounter(),
-                                                         tokenizer.tool_tags)}
+  teacher = {t.question: t for t in probe_trajectories(trajectories_path, tokenizer.tool_tags)}
   pairs = []
   for task in generated.tasks["heldout"]:
     if generated.near_miss(task) == "before" and task["question"] in teacher:
@@ -239,11 +250,9 @@ def _copy_probe(engine: Any, tokenizer: Any, path: str, max_len: int,
                 temperature: float) -> dict[str, float]:
   """Returns the copy probe (coa_jax.copy_probe) of the engine's model on the trajectories in
   `path`, its sampled rates at the evaluation's temperature."""
-  from coa_jax.data import packing
-  from coa_jax.data.importers import DropCounter
   from coa_jax.evaluation import copy_probe
 
-  trajectories = packing.load_source(path, DropCounter(), tokenizer.tool_tags)
+  trajectories = probe_trajectories(path, tokenizer.tool_tags)
   examples = copy_probe.copy_examples(trajectories, tokenizer, max_len)
   return copy_probe.copy_accuracy(engine.sampler.model, engine.params, examples,
                                   temperature=temperature)

@@ -10,7 +10,6 @@ import os
 from typing import Any
 
 from coa_jax import evaluation, sft
-from coa_jax.data import DropCounter, load_source
 from coa_jax.data.tokenizer import load_tokenizer
 from coa_jax.model import Transformer
 from coa_jax.pipeline.job import StageConfigs, Stages, StageTimes, distill_stage
@@ -38,7 +37,7 @@ def copy_curve(config: Any, stage_configs: StageConfigs, seeds: int,
   tokenizer = load_tokenizer(train.tokenizer, train.model.checkpoint, train.tools)
   model_config, _ = load_model(train.model, tokenizer, sharding.make_mesh(train.mesh))
   model = Transformer(model_config)
-  heldout = load_source(evaluate.copy_probe, DropCounter(), tokenizer.tool_tags)
+  heldout = evaluation.probe_trajectories(evaluate.copy_probe, tokenizer.tool_tags)
   examples = evaluation.copy_examples(heldout, tokenizer, train.seq_len)
   curves: dict[int, list[dict[str, float]]] = {}
   for seed in range(first_seed, first_seed + seeds):
