@@ -350,8 +350,8 @@ def _model_outcomes(settings: EvaluationSettings, tasks: list[Task], rewarder: r
   try:
     outcomes = distributed.agreed(
         lambda: evaluate_rollouts(engine, tokenizer, mine, rewarder), "evaluation rollouts")
-  finally:
-    engine.tools.close()  # MCP servers stop with the job
+  finally:  # MCP servers stop with the job; agreed, as a gather follows
+    distributed.agreed(engine.tools.close, "closing the tools")
   outcomes = {task_id: [Sample(**s) for s in samples]
               for part in distributed.gather_json(
                   {t: [dataclasses.asdict(s) for s in v] for t, v in outcomes.items()})

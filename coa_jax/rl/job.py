@@ -71,8 +71,8 @@ def run(config: Any) -> dict[str, Any]:
                     tokenizer=trainer.tokenizer, export_files=files)
   try:
     result = run_loop(trainer, loop, trainer.abstract_checkpoint(), trainer.model_config)
-  finally:
-    trainer.close()
+  finally:  # agreed, as gathers follow
+    distributed.agreed(trainer.close, "closing the trainer's tools and endpoint")
   # The weakest isolation any host ran code under: the code tool's, and the code reward's.
   summary = dict(result.summary(), state=trainer.state,
                  sandbox_isolation=sandbox.weakest(distributed.gather_json(

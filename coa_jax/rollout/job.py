@@ -69,8 +69,8 @@ def run(config: Any) -> dict[str, Any]:
   try:
     records = distributed.agreed(
         lambda: _roll_out(engine, tokenizer, mine, settings.transcripts, paths, start), "rollouts")
-  finally:
-    engine.tools.close()  # MCP servers stop with the job
+  finally:  # MCP servers stop with the job; agreed, as a gather follows
+    distributed.agreed(engine.tools.close, "closing the tools")
   fields = ("finish_reason", "tool_calls", "tool_errors", "response_len", "turns")
   every = [types.SimpleNamespace(**row) for part in distributed.gather_json(
       [{f: getattr(r, f) for f in fields} for r in records]) for row in part]
