@@ -143,16 +143,16 @@ EXECUTION_KEYS = frozenset({"mesh", "log_every", "workers", "checkpoint", "xla_f
 def stage_section(settings: Any, output_dir: str) -> Any:
   """Returns a stage's settings as the plain values that decide its output: `EXECUTION_KEYS`
   left out, and paths under `output_dir` written relative to it (a run folder can move)."""
-  roots = sorted({output_dir.rstrip("/"), os.path.abspath(output_dir)}, key=len, reverse=True)
+  roots = [root for root in (output_dir.rstrip("/"), os.path.abspath(output_dir)) if root]
 
   def plain(value: Any) -> Any:
     if isinstance(value, dict):
       return {k: plain(v) for k, v in value.items() if k not in EXECUTION_KEYS}
     if isinstance(value, list):
       return [plain(v) for v in value]
-    if isinstance(value, str):
-      for root in roots:
-        value = value.replace(root, "<output_dir>")
+    for root in roots if isinstance(value, str) else ():
+      if value == root or value.startswith(root + "/"):
+        return "<output_dir>" + value[len(root):]
     return value
 
   return plain(json.loads(json.dumps(to_section(settings))))
