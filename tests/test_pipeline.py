@@ -60,7 +60,7 @@ def test_quick_pipeline_runs_every_stage(quick_run):
 
 def test_a_finished_stage_is_reused_only_with_the_settings_it_ran_with(quick_run):
   """Another mesh or log cadence reuses every stage; another SFT length on the same folder is
-  an error naming the setting, before anything runs (it reused the old model, silently)."""
+  an error naming the setting, before that stage runs (it reused the old model silently)."""
   tmp_path, config, results = quick_run
   moved = config.copy_and_resolve_references()
   moved.mesh = common.mesh(data=1, fsdp=-1, tensor=1)
