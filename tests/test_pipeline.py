@@ -58,6 +58,19 @@ def test_quick_pipeline_runs_every_stage(quick_run):
   assert again["stage_seconds"] == results["stage_seconds"]  # the times they took when they ran
 
 
+def test_a_stages_compared_settings_leave_out_how_it_runs_and_hold_paths_relative():
+  settings = {"model": {"checkpoint": "/base/qwen"}, "checkpoint": {"every": 100},
+              "mesh": {"fsdp": 2}, "train": {"log_every": 20, "steps": 9},
+              "data": {"path": "/runs/a/distill/trajectories.jsonl"}, "note": "/runs/ab"}
+  section = pipeline.stage_section(settings, "/runs/a/")
+  assert section == {"model": {"checkpoint": "/base/qwen"}, "train": {"steps": 9},
+                     "data": {"path": "<output_dir>/distill/trajectories.jsonl"},
+                     "note": "/runs/ab"}
+  moved = {**settings, "data": {"path": "/runs/b/distill/trajectories.jsonl"},
+           "checkpoint": {"every": 7}, "mesh": {"fsdp": 8}}
+  assert pipeline.stage_section(moved, "/runs/b") == section  # moved, on other hardware
+
+
 def test_a_finished_stage_is_reused_only_with_the_settings_it_ran_with(quick_run):
   """Another mesh or log cadence reuses every stage; another SFT length on the same folder is
   an error naming the setting, before that stage runs (it reused the old model silently)."""

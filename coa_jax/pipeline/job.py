@@ -135,19 +135,26 @@ class StageStopped(RuntimeError):
 
 
 # Settings of how a stage runs, not of what it makes: a finished stage is reused whatever they
-# are (a run resumed on another mesh, with other logging or checkpointing).
-EXECUTION_KEYS = frozenset({"mesh", "log_every", "workers", "checkpoint", "xla_flags", "topology",
-                            "eval_every", "track_prompts"})
+# are (a run resumed on another mesh, with other logging or checkpointing). The sections by name
+# (the model's `checkpoint`, a path to the weights it starts from, is not one), the values too.
+EXECUTION_SECTIONS = frozenset({"mesh", "checkpoint"})
+EXECUTION_VALUES = frozenset({"log_every", "workers", "xla_flags", "topology", "eval_every",
+                              "track_prompts"})
+
+
+def _execution(key: str, value: Any) -> bool:
+  return key in EXECUTION_VALUES or (key in EXECUTION_SECTIONS and isinstance(value, dict))
 
 
 def stage_section(settings: Any, output_dir: str) -> Any:
-  """Returns a stage's settings as the plain values that decide its output: `EXECUTION_KEYS`
-  left out, and paths under `output_dir` written relative to it (a run folder can move)."""
+  """Returns a stage's settings as the plain values that decide its output: the execution
+  settings left out (`EXECUTION_SECTIONS`, `EXECUTION_VALUES`), and paths under `output_dir`
+  written relative to it (a run folder can move)."""
   roots = [root for root in (output_dir.rstrip("/"), os.path.abspath(output_dir)) if root]
 
   def plain(value: Any) -> Any:
     if isinstance(value, dict):
-      return {k: plain(v) for k, v in value.items() if k not in EXECUTION_KEYS}
+      return {k: plain(v) for k, v in value.items() if not _execution(k, v)}
     if isinstance(value, list):
       return [plain(v) for v in value]
     for root in roots if isinstance(value, str) else ():
