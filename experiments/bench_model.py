@@ -44,7 +44,7 @@ def main(argv):
         f"{peak / 1e12:.3g} TFLOP/s ({source}); torch threads {torch.get_num_threads()}")
   b, t = config.batch_size, config.seq_len
   opt = build(OptimizerSettings, config.optimizer, "optimizer")
-  rows = []
+  rows, progress = [], bench.progress()
   for name, spec in config.models.items():
     if _MODELS.value and name not in _MODELS.value:
       continue
@@ -57,8 +57,10 @@ def main(argv):
     for _ in range(config.get("rounds", 1)):
       theirs.append(bench.torch_train_step_seconds(model_config, opt, b, t,
                                                    config.warmup_steps, steps))
+      progress(f"{name}: PyTorch {b * t / theirs[-1]:,.0f} tok/s; coa-jax next")
       ours.append(bench.jax_train_step_seconds(model_config, opt, b, t, config.warmup_steps,
                                                steps))
+      progress(f"{name}: coa-jax {b * t / ours[-1]:,.0f} tok/s")
     rates = [", ".join(f"{b * t / s:,.0f}" for s in runs) for runs in (theirs, ours)]
     rounds = f" (rounds: PyTorch {rates[0]}; coa-jax {rates[1]})" if len(ours) > 1 else ""
     theirs, ours = min(theirs), min(ours)

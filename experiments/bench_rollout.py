@@ -86,18 +86,23 @@ def bench_decode(config, bandwidth, peak, models=(), batches=()):
   work = bench.AgentDecode(**settings)
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   rows = []
+  progress = bench.progress()
   for name, spec in config.models.items():
     # rollouts decode LoRA's merged weights: the base model's cost
     if spec.get("lora_rank") or (models and name not in models):
       continue
     model_config = build_config(dict(spec, attention_impl="xla"))  # cached attention decodes
     params = init_params(Transformer(model_config), mesh, jax.random.key(0))
+    progress(f"{name}: weights initialised")
     with tempfile.TemporaryDirectory() as folder:
       hf_checkpoint.save_checkpoint(folder, model_config, params, dtype=model_config.dtype)
+      progress(f"{name}: exported for HF transformers")
       for batch in batches:
         prompts, observations = work.inputs(batch, model_config.vocab_size, seed=batch)
         ours_s, ours_ids = bench.jax_agent_decode(model_config, params, mesh, work, prompts,
                                                   observations, cache_size=_CACHE.value)
+        progress(f"{name} batch {batch}: coa-jax {batch * work.generated / ours_s:,.0f} tok/s "
+                 "(compiled and timed); HF generate next")
         hf_s, hf_ids = bench.hf_agent_decode(folder, model_config.dtype, work, prompts,
                                              observations, cache_size=_CACHE.value)
         tokens = batch * work.generated

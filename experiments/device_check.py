@@ -10,13 +10,13 @@ as wheels at the lock's versions in .whl/ (git ignores it):
   make device-check ARGS=--fetch_wheels
 
 There (one H100 or H200, its own python3 with JAX, PyTorch, transformers and peft; no
-network), through the device tool, about 8 minutes:
+network), through the device tool, about 9 minutes, then the rest on the same warm machine
+(a 15-minute lease: about 30 s to start, 570 s, then what is left less 30 s):
 
   run(command="python3 experiments/device_check.py --output_dir=$OUT", carry=[".whl"],
-      timeout_s=540)
-  # then, if device time is left, on the same warm machine: what the budget skipped
-  run(command="python3 experiments/device_check.py --output_dir=$OUT --budget_s=200 "
-      "--only=sft_7b_lora,profile_decode_b16,profile_train_1p5b", carry=[".whl"], timeout_s=240)
+      timeout_s=570)
+  run(command="python3 experiments/device_check.py --output_dir=$OUT --budget_s=240 "
+      "--only=<the steps the first call skipped>", carry=[".whl"], timeout_s=270)
 
 On this CPU, the same orchestration on tiny shapes (runs/device_check/):
 
@@ -28,16 +28,20 @@ and a compilation cache of its own, under its own time limit: its share, or what
 --budget_s. A step that no longer fits, fails or runs out of time is a row saying so,
 with its log's tail. The steps, in order of value (--only picks some):
   env                 the imports and the devices each framework sees
+  ceilings            experiments/gpu_ceilings.py: copy bandwidth, bf16 matmul rate and the
+                      1.5B's decode GEMMs (weights in separate or stacked arrays), in JAX
   decode_b16          experiments/bench_rollout.py at batch 16: tokens/s, of the HBM roofline,
-  decode_b128         against HF generate; and at batch 128
+                      against HF generate
+  profile_decode_b16  experiments/profile_step.py, traced here: its per-kernel table
   train_1p5b          experiments/bench_model.py: the 1.5B train step's MFU against HF
-  train_1p5b_lora     transformers; its LoRA step's against PEFT
+                      transformers
+  decode_b128         decode_b16's bench at batch 128
+  sft_7b_lora         experiments/device_fit.py: the 7B LoRA preset's step, MFU and memory
+  train_1p5b_lora     train_1p5b's bench on its LoRA step, against PEFT
   serve_1p5b          experiments/bench_serve.py: 16, 64 and 128 concurrent sessions of the
                       official openai client against the roofline, HF generate and the
                       offline sampler
-  sft_7b_lora         experiments/device_fit.py: the 7B LoRA preset's step, MFU and memory
-  profile_decode_b16  experiments/profile_step.py, traced here: per-kernel tables
-  profile_train_1p5b
+  profile_train_1p5b  the train step's per-kernel table
 Writes at most 7 files into --output_dir, none in a sub-folder (the device tool brings back 8
 of 16 MiB): device_check.json (every step's status and figures), device_check.md (the
 table), device_check.log (every step's output) and the two profiles' tables (.md and .json).
@@ -69,7 +73,7 @@ OUTPUT_FILES = 8  # what the device tool brings back from $OUT: 8 files of 16 Mi
 LOG_BYTES = 15 << 20
 
 _OUTPUT = flags.DEFINE_string("output_dir", "runs/device_check", "where the files go ($OUT)")
-_BUDGET = flags.DEFINE_float("budget_s", 480, "seconds for all the steps together")
+_BUDGET = flags.DEFINE_float("budget_s", 540, "seconds for all the steps together")
 _SMOKE = flags.DEFINE_bool("smoke", False, "the same steps on this CPU at tiny shapes")
 _ONLY = flags.DEFINE_list("only", [], "run these steps only (default: all, in order of value)")
 _WHEELS = flags.DEFINE_string("wheels", ".whl", "wheels to install where a package is missing")
@@ -131,6 +135,14 @@ class Step:
   keep: tuple[str, ...] = ()  # its files copied into the output folder
 
 
+# The order of value. On the H200 lent 2026-11-30 the 1.5B decode at batch 16 took 224 s (76 s
+# of them the weights' init, before sharding.init_params compiled one layer body) and timed out
+# at the 170 s share it had, as did the steps after it: a 15-minute lease takes what fits of
+# this list in a first call (--budget_s 540), then the rest in a second (--only).
+ORDER = ("env", "ceilings", "decode_b16", "profile_decode_b16", "train_1p5b", "decode_b128", "sft_7b_lora",
+         "train_1p5b_lora", "serve_1p5b", "profile_train_1p5b")
+
+
 def plan(smoke: bool, scratch: str) -> list[Step]:
   """Returns the steps in order of value: on a GPU at the issue's shapes, or (smoke) the same
   scripts on this CPU at tiny shapes."""
@@ -154,13 +166,16 @@ def plan(smoke: bool, scratch: str) -> list[Step]:
     profiles, profile_flags, where = ("decode_b16", "train_1p5b"), [], "gpu"
   steps = [Step("env", "environment: imports, devices", "env", ("-c", _ENV_CHECK, out("env")),
                 out("env"), 90, 10)]
+  steps.append(Step("ceilings", "what JAX reaches: copy, bf16 matmul, the 1.5B's decode GEMMs",
+                    "ceilings", ("experiments/gpu_ceilings.py", f"--output={out('ceilings')}",
+                                 *(["--smoke"] if smoke else [])), out("ceilings"), 60, 30))
   for batch, target in ((16, Target(of_roofline=0.6, ratio=3.0)), (128, Target(of_roofline=0.7))):
     steps.append(Step(
         f"decode_b{batch}", f"decode, batch {batch} ({model}, greedy, with extends)", "decode",
         ("experiments/bench_rollout.py", f"--config={bench_config}", f"--models={model}",
          f"--batches={batch}", "--skip_tools", "--skip_host_overhead",
          f"--output={out(f'decode_b{batch}')}", *decode_flags),
-        out(f"decode_b{batch}"), 170, 60, target, peer="HF generate"))
+        out(f"decode_b{batch}"), 230, 120, target, peer="HF generate"))
   for name, spec, extra, target, peer in (
       ("train_1p5b", model, train_flags, Target(mfu=0.45), "HF transformers"),
       ("train_1p5b_lora", lora, train_flags + lora_flags, Target(), "PEFT")):
@@ -168,7 +183,7 @@ def plan(smoke: bool, scratch: str) -> list[Step]:
         name, f"train step, {spec}", "train",
         ("experiments/bench_model.py", f"--config={bench_config}", f"--models={spec}",
          f"--output={out(name)}", *extra, *([f"--config.steps.{spec}=2"] if smoke else [])),
-        out(name), 120, 45, target, peer=peer))
+        out(name), 200, 120, target, peer=peer))
   serve = (["--preset=tiny", "--dtype=float32", "--sessions=2,4", "--max_tokens=8"] if smoke else
            [f"--preset={model}", "--dtype=bfloat16", "--sessions=16,64,128"])
   steps.append(Step(
@@ -188,7 +203,8 @@ def plan(smoke: bool, scratch: str) -> list[Step]:
         name, f"per-kernel profile, {target}, traced", "profile",
         ("experiments/profile_step.py", f"--target={target}",
          f"--output_dir={os.path.dirname(stem)}", *profile_flags),
-        f"{stem}.json", 100, 40, keep=(f"{stem}.md", f"{stem}.json")))
+        f"{stem}.json", 120, 60, keep=(f"{stem}.md", f"{stem}.json")))
+  steps.sort(key=lambda s: ORDER.index(s.name))
   # A compilation cache per step: a program it compiles twice (ahead of time for its memory
   # or HLO, then to run) compiles once; none shared, so those figures come from fresh compiles.
   return [dataclasses.replace(s, env=s.env + (
@@ -286,6 +302,16 @@ def _env_cells(figures: dict, cells: dict, step: Step) -> dict:
   return {}
 
 
+def _ceilings_cells(figures: dict, cells: dict, step: Step) -> dict:
+  chain = figures["gemm_chain"]["rows"]
+  cells["coa_jax"] = (f"copy {figures['copy_bytes_per_s'] / 1e9:,.0f} GB/s, bf16 matmul "
+                      f"{figures['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s; decode GEMMs' weight "
+                      "reads: " + ", ".join(f"{rows} rows {r['separate'] / 1e9:,.0f} GB/s "
+                                            f"({r['stacked'] / 1e9:,.0f} stacked)"
+                                            for rows, r in chain.items()))
+  return {}
+
+
 def _decode_cells(figures: dict, cells: dict, step: Step) -> dict:
   (r,) = figures["decode"]
   cells.update(
@@ -335,7 +361,7 @@ def _profile_cells(figures: dict, cells: dict, step: Step) -> dict:
   return {}
 
 
-_CELLS = dict(env=_env_cells, decode=_decode_cells, train=_train_cells, serve=_serve_cells,
+_CELLS = dict(env=_env_cells, ceilings=_ceilings_cells, decode=_decode_cells, train=_train_cells, serve=_serve_cells,
               preset=_preset_cells, profile=_profile_cells)
 
 

@@ -110,8 +110,8 @@ def test_a_step_runs_under_its_share_or_what_is_left_and_is_skipped_below_its_mi
 def test_the_plan_runs_the_issues_benches_in_order_of_value_and_keeps_few_files(smoke):
   steps = device_check.plan(smoke, "/scratch")
   assert [s.name for s in steps] == [
-      "env", "decode_b16", "decode_b128", "train_1p5b", "train_1p5b_lora", "serve_1p5b",
-      "sft_7b_lora", "profile_decode_b16", "profile_train_1p5b"]
+      "env", "ceilings", "decode_b16", "profile_decode_b16", "train_1p5b", "decode_b128",
+      "sft_7b_lora", "train_1p5b_lora", "serve_1p5b", "profile_train_1p5b"]
   for step in steps[1:]:
     assert (ROOT / step.argv[0]).is_file() and step.output.startswith("/scratch/")
   by_name = {s.name: s for s in steps}
@@ -136,3 +136,13 @@ def test_the_plan_runs_the_issues_benches_in_order_of_value_and_keeps_few_files(
   # brings back, with room for none more
   kept = [os.path.basename(k) for s in steps for k in s.keep]
   assert len(set(kept)) == len(kept) and 3 + len(kept) < device_check.OUTPUT_FILES
+
+
+def test_the_ceilings_step_runs_here_at_small_shapes_and_reads_as_a_row(tmp_path):
+  (step,) = [s for s in device_check.plan(True, str(tmp_path)) if s.name == "ceilings"]
+  env = device_check.step_environment(str(tmp_path / "site"))
+  (result,) = device_check.run_steps([step], time.monotonic() + 120, str(tmp_path), env, _INFO)
+  assert result["status"] == "ok", result["tail"]
+  assert set(result["figures"]["gemm_chain"]["rows"]) == {"16", "128"}
+  (row,) = json.loads((tmp_path / "device_check.json").read_text())["rows"]
+  assert row["coa_jax"].startswith("copy ") and "16 rows " in row["coa_jax"], row

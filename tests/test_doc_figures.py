@@ -102,6 +102,13 @@ def test_the_pod_fit_line_is_the_pod_fit_report():
           f"XLA-estimated MFU") in _readme("More, one line each")
 
 
+def test_the_gpu_line_is_the_h200_decode_results():
+  (row,) = _results("gpu_h200", "decode_b16.json")["decode"]
+  assert (f"1.5B decode at batch {row['batch']} on the H200: {row['ours_tokens_per_s']:,.0f} "
+          f"tok/s, {row['ratio']:.2f}x HF `generate`, {row['ours_of_roofline']:.1%} of the HBM "
+          f"roofline") in _readme("More, one line each")
+
+
 def test_the_quick_starts_times_are_the_timing_file():
   timing = _results("pipeline_time", "results.json")
   text = " ".join(_readme("Quick start").split())

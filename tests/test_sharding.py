@@ -1,5 +1,8 @@
 """Sharding on 8 fake CPU devices: results equal one device, params follow the rules table."""
 
+import dataclasses
+
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -124,6 +127,14 @@ def test_the_reference_step_is_one_clipped_adamw_step(reference):
   want = {name: adamw(name, w, _flat(grads)[name]) for name, w in _flat(before).items()}
   for name, w in _flat(after).items():
     np.testing.assert_allclose(w, want[name], atol=1e-6, err_msg=name)
+
+
+def test_init_params_compiles_one_layer_body_to_the_same_weights(single_device_mesh):
+  model = Transformer(dataclasses.replace(CONFIG, scan_unroll=CONFIG.num_layers))
+  want = jax.jit(lambda r: nn.unbox(model.init(jax.random.split(r)[0],
+                                               sharding.init_ids())["params"]))(jax.random.key(0))
+  got = sharding.init_params(model, single_device_mesh, jax.random.key(0))
+  _assert_trees_close(got, want, atol=0)
 
 
 def test_optimizer_moments_are_sharded_like_their_params():

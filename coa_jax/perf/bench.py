@@ -34,6 +34,13 @@ def time_calls(fn: Callable[[], Any], warmup: int, steps: int) -> float:
   return float(np.median(times))
 
 
+def progress() -> Callable[[str], None]:
+  """Returns a printer of timestamped lines (seconds since this call): a benchmark cut short by
+  its time limit shows which stage it was in."""
+  start = time.perf_counter()
+  return lambda what: print(f"[{time.perf_counter() - start:6.1f} s] {what}", flush=True)
+
+
 def matmul_peak_flops(n: int = 2048) -> dict[str, float]:
   """Returns the measured float32 FLOP/s of an n x n matmul in JAX and in PyTorch."""
   return matmul_flops(n, n, n)

@@ -295,5 +295,10 @@ def param_shardings(model: nn.Module, mesh: Mesh) -> Any:
 def init_params(model: nn.Module, mesh: Mesh, rng: jax.Array) -> Any:
   """Returns freshly initialized parameters, created directly in their shardings."""
   shardings = param_shardings(model, mesh)
+  config = getattr(model, "config", None)
+  if isinstance(config, ModelConfig) and config.scan_unroll > 1:
+    # Unrolling the layer loop changes no weight; one layer body compiles about 10x faster
+    # (the 1.5B's init: 4 s against 41 s on a CPU, and 76 s on an H200 before this).
+    model = model.clone(config=dataclasses.replace(config, scan_unroll=1))
   init = lambda r: nn.unbox(model.init(jax.random.split(r)[0], init_ids())["params"])
   return bind_mesh(jax.jit(init, out_shardings=shardings), mesh)(rng)

@@ -1,0 +1,97 @@
+"""What JAX itself reaches on this device, the ceilings the decode and train figures are read
+against (docs/benchmarks.md#measured-on-one-h200-2026-11-30):
+
+  python experiments/gpu_ceilings.py [--output=ceilings.json]   # on a GPU, about 30 s
+  python experiments/gpu_ceilings.py --smoke                     # this CPU, small shapes
+
+1. copy: a jitted elementwise op over a float32 array, bytes read and written over the time;
+2. matmul: a square bf16 matrix product, FLOPs over the time;
+3. decode GEMMs: the 1.5B model's MLP weights (28 layers of 1536 x 8960 and 8960 x 1536 in
+   bf16, 1.54 GB) multiplied in a chain by M rows (16 and 128: the decode batch), all inside one
+   program (20 passes in a loop, so no dispatch between kernels), weight bytes over the time;
+   once with each layer's weights in arrays of their own (as the sampler decodes on GPUs) and
+   once with them stacked and scanned over (as the model trains), every layer unrolled.
+Each figure is the median of 5 timed calls after one compiling call.
+"""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+_OUTPUT = flags.DEFINE_string("output", "", "the figures (JSON); default: printed only")
+_SMOKE = flags.DEFINE_bool("smoke", False, "small shapes (a CPU)")
+
+PASSES = 20
+
+
+def _seconds(fn, *args) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(5):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return sorted(times)[2]
+
+
+def copy_bytes_per_s(n: int) -> float:
+  x = jnp.ones((n,), jnp.float32)
+  return 2 * x.nbytes / _seconds(jax.jit(lambda x: x * 1.0001), x)
+
+
+def matmul_flops_per_s(n: int) -> float:
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  return 2 * n ** 3 / _seconds(jax.jit(lambda a: a @ a), a)
+
+
+def gemm_chain_bytes_per_s(rows: int, layers: int, d: int, f: int, stacked: bool) -> float:
+  """Weight bytes read per second by `rows` x d activations through `layers` pairs of
+  d x f and f x d bf16 weights, PASSES times in one program."""
+  keys = jax.random.split(jax.random.key(1), 2 * layers)
+  up = [jax.random.normal(k, (d, f), jnp.bfloat16) for k in keys[:layers]]
+  down = [jax.random.normal(k, (f, d), jnp.bfloat16) for k in keys[layers:]]
+  if stacked:
+    up, down = jnp.stack(up), jnp.stack(down)
+    one_pass = lambda h, up, down: jax.lax.scan(
+        lambda h, w: ((h @ w[0]) @ w[1], None), h, (up, down), unroll=layers)[0]
+  else:
+    def one_pass(h, up, down):
+      for u, v in zip(up, down):
+        h = (h @ u) @ v
+      return h
+  h = jax.random.normal(jax.random.key(2), (rows, d), jnp.bfloat16)
+  fn = jax.jit(lambda h, up, down: jax.lax.fori_loop(0, PASSES,
+                                                       lambda _, h: one_pass(h, up, down), h))
+  return PASSES * 2 * layers * d * f * 2 / _seconds(fn, h, up, down)
+
+
+def main(argv):
+  del argv
+  copy_n, matmul_n, (layers, d, f) = ((1 << 22, 1024, (4, 256, 1024)) if _SMOKE.value else
+                                      (1 << 30, 8192, (28, 1536, 8960)))
+  device = jax.devices()[0]
+  figures = dict(device=device.device_kind, jax=jax.__version__,
+                 copy_bytes_per_s=copy_bytes_per_s(copy_n),
+                 matmul_flops_per_s=matmul_flops_per_s(matmul_n),
+                 gemm_chain=dict(layers=layers, hidden=d, intermediate=f, rows={}))
+  print(f"{device.device_kind}, JAX {jax.__version__}")
+  print(f"copy (read + write, float32): {figures['copy_bytes_per_s'] / 1e9:,.0f} GB/s")
+  print(f"bf16 matmul {matmul_n}^3: {figures['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s")
+  for rows in (16, 128):
+    row = {}
+    for layout in ("separate", "stacked"):
+      row[layout] = gemm_chain_bytes_per_s(rows, layers, d, f, layout == "stacked")
+      print(f"GEMM chain, {rows} rows, {layers} x ({d}x{f}, {f}x{d}) bf16, weights {layout}: "
+            f"{row[layout] / 1e9:,.0f} GB/s of weight reads", flush=True)
+    figures["gemm_chain"]["rows"][str(rows)] = row
+  if _OUTPUT.value:
+    with open(_OUTPUT.value, "w") as fh:
+      json.dump(figures, fh, indent=2)
+    print(f"wrote {_OUTPUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
