@@ -308,7 +308,10 @@ def _ceilings_cells(figures: dict, cells: dict, step: Step) -> dict:
                       f"{figures['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s; decode GEMMs' weight "
                       "reads: " + ", ".join(f"{rows} rows {r['separate'] / 1e9:,.0f} GB/s "
                                             f"({r['stacked'] / 1e9:,.0f} stacked)"
-                                            for rows, r in chain.items()))
+                                            for rows, r in chain.items())
+                      + "; the MLP's: " + ", ".join(
+                          f"{rows} rows {r['separate'] / 1e9:,.0f} GB/s ({r['merged'] / 1e9:,.0f} "
+                          "gate and up merged)" for rows, r in figures["mlp"]["rows"].items()))
   return {}
 
 
