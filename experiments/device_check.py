@@ -136,11 +136,11 @@ class Step:
 
 
 # The order of value. On the H200 lent 2026-11-30 the 1.5B decode at batch 16 took 224 s (76 s
-# of them the weights' init, before sharding.init_params compiled one layer body) and timed out
+# of them the weights' init, before sharding.initializer rolled the layer loop) and timed out
 # at the 170 s share it had, as did the steps after it: a 15-minute lease takes what fits of
 # this list in a first call (--budget_s 540), then the rest in a second (--only).
-ORDER = ("env", "ceilings", "decode_b16", "profile_decode_b16", "train_1p5b", "decode_b128", "sft_7b_lora",
-         "train_1p5b_lora", "serve_1p5b", "profile_train_1p5b")
+ORDER = ("env", "ceilings", "decode_b16", "profile_decode_b16", "train_1p5b", "decode_b128",
+         "sft_7b_lora", "train_1p5b_lora", "serve_1p5b", "profile_train_1p5b")
 
 
 def plan(smoke: bool, scratch: str) -> list[Step]:
@@ -364,8 +364,9 @@ def _profile_cells(figures: dict, cells: dict, step: Step) -> dict:
   return {}
 
 
-_CELLS = dict(env=_env_cells, ceilings=_ceilings_cells, decode=_decode_cells, train=_train_cells, serve=_serve_cells,
-              preset=_preset_cells, profile=_profile_cells)
+_CELLS = dict(env=_env_cells, ceilings=_ceilings_cells, decode=_decode_cells,
+              train=_train_cells, serve=_serve_cells, preset=_preset_cells,
+              profile=_profile_cells)
 
 
 def markdown(info: dict, rows: list[dict], results: list[dict]) -> str:

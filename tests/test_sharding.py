@@ -129,12 +129,16 @@ def test_the_reference_step_is_one_clipped_adamw_step(reference):
     np.testing.assert_allclose(w, want[name], atol=1e-6, err_msg=name)
 
 
-def test_init_params_compiles_one_layer_body_to_the_same_weights(single_device_mesh):
+def test_init_compiles_one_layer_body_to_the_same_weights(single_device_mesh):
   model = Transformer(dataclasses.replace(CONFIG, scan_unroll=CONFIG.num_layers))
+  assert sharding.initializer(model).config.scan_unroll == 1
   want = jax.jit(lambda r: nn.unbox(model.init(jax.random.split(r)[0],
                                                sharding.init_ids())["params"]))(jax.random.key(0))
   got = sharding.init_params(model, single_device_mesh, jax.random.key(0))
   _assert_trees_close(got, want, atol=0)
+  tx = optimizer.make_optimizer(_opt_config())
+  state = state_lib.init_state(model, tx, single_device_mesh, jax.random.key(0))
+  _assert_trees_close(state.params, want, atol=0)
 
 
 def test_optimizer_moments_are_sharded_like_their_params():

@@ -281,6 +281,16 @@ def init_ids(batch_size: int = 1, seq_len: int = 8) -> jax.Array:
   return jnp.zeros((batch_size, seq_len), jnp.int32)
 
 
+def initializer(model: nn.Module) -> nn.Module:
+  """Returns the model whose `init` makes `model`'s weights: the same model with its layer loop
+  rolled (the same weights; one layer body compiles about 10x faster than 28 unrolled: the
+  1.5B's init took 76 s on an H200, and compiles in 4 s against 41 s on a CPU)."""
+  config = getattr(model, "config", None)
+  if isinstance(config, ModelConfig) and config.scan_unroll > 1:
+    return model.clone(config=dataclasses.replace(config, scan_unroll=1))
+  return model
+
+
 def abstract_params(model: nn.Module) -> Any:
   """Returns the model's parameter shapes as boxed ShapeDtypeStructs (logical names attached)."""
   return jax.eval_shape(lambda rng: model.init(rng, init_ids())["params"],
@@ -295,10 +305,6 @@ def param_shardings(model: nn.Module, mesh: Mesh) -> Any:
 def init_params(model: nn.Module, mesh: Mesh, rng: jax.Array) -> Any:
   """Returns freshly initialized parameters, created directly in their shardings."""
   shardings = param_shardings(model, mesh)
-  config = getattr(model, "config", None)
-  if isinstance(config, ModelConfig) and config.scan_unroll > 1:
-    # Unrolling the layer loop changes no weight; one layer body compiles about 10x faster
-    # (the 1.5B's init: 4 s against 41 s on a CPU, and 76 s on an H200 before this).
-    model = model.clone(config=dataclasses.replace(config, scan_unroll=1))
-  init = lambda r: nn.unbox(model.init(jax.random.split(r)[0], init_ids())["params"])
+  init = lambda r: nn.unbox(initializer(model).init(jax.random.split(r)[0],
+                                                   init_ids())["params"])
   return bind_mesh(jax.jit(init, out_shardings=shardings), mesh)(rng)

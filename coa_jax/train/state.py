@@ -71,7 +71,8 @@ def abstract_placed_params(model: nn.Module, mesh: Mesh) -> Any:
 
 def _boxed_state(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array):
   init_rng, run_rng = jax.random.split(rng)
-  params, frozen = _split_frozen(model.init(init_rng, init_ids())["params"], model.config)
+  params, frozen = _split_frozen(sharding.initializer(model).init(init_rng, init_ids())["params"],
+                                 model.config)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                     rng=jax.random.key_data(run_rng), frozen=frozen)
 
@@ -111,7 +112,8 @@ def state_from_params(params: Any, tx: optax.GradientTransformation, model: nn.M
   def make(p, f, r):
     init_rng, run_rng = jax.random.split(r)
     if model.config.lora_rank:  # (the compiler drops the base weights' unused init)
-      _, adapters = lora.split(nn.unbox(model.init(init_rng, init_ids())["params"]))
+      _, adapters = lora.split(nn.unbox(sharding.initializer(model).init(
+          init_rng, init_ids())["params"]))
       rows = [name for name in lora.TOKEN_ROWS if name in adapters]
       p = lora.combine(p, {**adapters, **lora.base_token_rows(f, model.config, rows)})
     return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
