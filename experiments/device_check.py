@@ -311,7 +311,8 @@ def _ceilings_cells(figures: dict, cells: dict, step: Step) -> dict:
                                             for rows, r in chain.items())
                       + "; the MLP's: " + ", ".join(
                           f"{rows} rows {r['separate'] / 1e9:,.0f} GB/s ({r['merged'] / 1e9:,.0f} "
-                          "gate and up merged)" for rows, r in figures["mlp"]["rows"].items()))
+                          "gate and up merged)" for rows, r in figures["mlp"]["rows"].items())
+                      + f"; {figures['kernel_seconds'] * 1e6:.2f} us per tiny kernel")
   return {}
 
 

@@ -14,6 +14,9 @@ against (docs/benchmarks.md#measured-on-one-h200-2026-11-30):
 4. the 1.5B's MLP as the model runs it (gate and up GEMMs, silu, their product, down GEMM,
    residual; 2.31 GB of weights) at 16 and 128 rows, per-layer arrays: gate and up as two
    arrays, or merged into one GEMM of twice the width (fewer, larger kernels).
+5. kernel latency: 512 dependent tiny GEMMs (16 x 128 by 128 x 128, each its own kernel) in a
+   loop inside one program, microseconds per kernel: the floor under a decode step of a few
+   hundred small kernels (about 520 a step for the 1.5B by the ahead-of-time profile).
 Each figure is the median of 5 timed calls after one compiling call.
 """
 
@@ -90,6 +93,20 @@ def mlp_bytes_per_s(rows: int, layers: int, d: int, f: int, merged: bool) -> flo
   return PASSES * 3 * layers * d * f * 2 / _seconds(fn, h, gate_up, down)
 
 
+def kernel_seconds(kernels: int = 512, width: int = 128) -> float:
+  """Seconds per kernel of `kernels` dependent tiny GEMMs, PASSES times in one program."""
+  ws = [jax.random.normal(jax.random.key(i), (width, width), jnp.bfloat16) / width ** 0.5
+        for i in range(kernels)]
+
+  def one_pass(h, ws):
+    for w in ws:
+      h = h @ w
+    return h
+  h = jax.random.normal(jax.random.key(0), (16, width), jnp.bfloat16)
+  fn = jax.jit(lambda h, ws: jax.lax.fori_loop(0, PASSES, lambda _, h: one_pass(h, ws), h))
+  return _seconds(fn, h, ws) / (PASSES * kernels)
+
+
 def main(argv):
   del argv
   copy_n, matmul_n, (layers, d, f) = ((1 << 22, 1024, (4, 256, 1024)) if _SMOKE.value else
@@ -117,6 +134,8 @@ def main(argv):
       print(f"MLP, {rows} rows, gate and up {layout}: {row[layout] / 1e9:,.0f} GB/s of weight "
             "reads", flush=True)
     figures["mlp"]["rows"][str(rows)] = row
+  figures["kernel_seconds"] = kernel_seconds(64 if _SMOKE.value else 512)
+  print(f"dependent tiny GEMMs: {figures['kernel_seconds'] * 1e6:.2f} us per kernel", flush=True)
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w") as fh:
       json.dump(figures, fh, indent=2)

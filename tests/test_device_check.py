@@ -143,6 +143,7 @@ def test_the_ceilings_step_runs_here_at_small_shapes_and_reads_as_a_row(tmp_path
   env = device_check.step_environment(str(tmp_path / "site"))
   (result,) = device_check.run_steps([step], time.monotonic() + 120, str(tmp_path), env, _INFO)
   assert result["status"] == "ok", result["tail"]
-  assert set(result["figures"]["gemm_chain"]["rows"]) == {"16", "128"}
+  assert set(result["figures"]["gemm_chain"]["rows"]) == set(result["figures"]["mlp"]["rows"]) == {
+      "16", "128"} and result["figures"]["kernel_seconds"] > 0
   (row,) = json.loads((tmp_path / "device_check.json").read_text())["rows"]
   assert row["coa_jax"].startswith("copy ") and "16 rows " in row["coa_jax"], row
