@@ -303,16 +303,15 @@ def _env_cells(figures: dict, cells: dict, step: Step) -> dict:
 
 
 def _ceilings_cells(figures: dict, cells: dict, step: Step) -> dict:
-  chain = figures["gemm_chain"]["rows"]
-  cells["coa_jax"] = (f"copy {figures['copy_bytes_per_s'] / 1e9:,.0f} GB/s, bf16 matmul "
+  tb = lambda bytes_per_s: f"{bytes_per_s / 1e12:.3g} TB/s"
+  chain = ", ".join(f"{rows} rows {tb(r['separate'])} ({tb(r['stacked'])} stacked)"
+                    for rows, r in figures["gemm_chain"]["rows"].items())
+  mlp = ", ".join(f"{rows} rows {tb(r['separate'])} ({tb(r['merged'])} gate and up merged)"
+                  for rows, r in figures["mlp"]["rows"].items())
+  cells["coa_jax"] = (f"copy {tb(figures['copy_bytes_per_s'])}, bf16 matmul "
                       f"{figures['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s; decode GEMMs' weight "
-                      "reads: " + ", ".join(f"{rows} rows {r['separate'] / 1e9:,.0f} GB/s "
-                                            f"({r['stacked'] / 1e9:,.0f} stacked)"
-                                            for rows, r in chain.items())
-                      + "; the MLP's: " + ", ".join(
-                          f"{rows} rows {r['separate'] / 1e9:,.0f} GB/s ({r['merged'] / 1e9:,.0f} "
-                          "gate and up merged)" for rows, r in figures["mlp"]["rows"].items())
-                      + f"; {figures['kernel_seconds'] * 1e6:.2f} us per tiny kernel")
+                      f"reads: {chain}; the MLP's: {mlp}; "
+                      f"{figures['kernel_seconds'] * 1e6:.2f} us per tiny kernel")
   return {}
 
 

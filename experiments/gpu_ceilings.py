@@ -117,21 +117,21 @@ def main(argv):
                  matmul_flops_per_s=matmul_flops_per_s(matmul_n),
                  gemm_chain=dict(layers=layers, hidden=d, intermediate=f, rows={}))
   print(f"{device.device_kind}, JAX {jax.__version__}")
-  print(f"copy (read + write, float32): {figures['copy_bytes_per_s'] / 1e9:,.0f} GB/s")
+  print(f"copy (read + write, float32): {figures['copy_bytes_per_s'] / 1e12:.3g} TB/s")
   print(f"bf16 matmul {matmul_n}^3: {figures['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s")
   for rows in (16, 128):
     row = {}
     for layout in ("separate", "stacked"):
       row[layout] = gemm_chain_bytes_per_s(rows, layers, d, f, layout == "stacked")
       print(f"GEMM chain, {rows} rows, {layers} x ({d}x{f}, {f}x{d}) bf16, weights {layout}: "
-            f"{row[layout] / 1e9:,.0f} GB/s of weight reads", flush=True)
+            f"{row[layout] / 1e12:.3g} TB/s of weight reads", flush=True)
     figures["gemm_chain"]["rows"][str(rows)] = row
   figures["mlp"] = dict(layers=layers, hidden=d, intermediate=f, rows={})
   for rows in (16, 128):
     row = {}
     for layout in ("separate", "merged"):
       row[layout] = mlp_bytes_per_s(rows, layers, d, f, layout == "merged")
-      print(f"MLP, {rows} rows, gate and up {layout}: {row[layout] / 1e9:,.0f} GB/s of weight "
+      print(f"MLP, {rows} rows, gate and up {layout}: {row[layout] / 1e12:.3g} TB/s of weight "
             "reads", flush=True)
     figures["mlp"]["rows"][str(rows)] = row
   figures["kernel_seconds"] = kernel_seconds(64 if _SMOKE.value else 512)
