@@ -93,7 +93,7 @@ def bench_decode(config, bandwidth, peak, models=(), batches=()):
       continue
     model_config = build_config(dict(spec, attention_impl="xla"))  # cached attention decodes
     params = init_params(Transformer(model_config), mesh, jax.random.key(0))
-    progress(f"{name}: weights initialised")
+    progress(f"{name}: weights initialized")
     with tempfile.TemporaryDirectory() as folder:
       hf_checkpoint.save_checkpoint(folder, model_config, params, dtype=model_config.dtype)
       progress(f"{name}: exported for HF transformers")
