@@ -67,6 +67,17 @@ def test_a_chat_returns_the_models_own_tokens_and_log_probs(client):
   assert choice.message.content == TOKENIZER.decode(ids)
 
 
+@pytest.mark.parametrize("top", [0, 2])
+def test_a_completions_top_logprobs_hold_its_likeliest_tokens_and_the_sampled_one(client, top):
+  out = client.completions.create(model=MODEL, prompt=QUESTION, temperature=1.0, seed=5,
+                                  max_tokens=8, logprobs=top).choices[0].logprobs
+  assert len(out.tokens) == len(out.top_logprobs) == 8
+  for token, logprob, entries in zip(out.tokens, out.token_logprobs, out.top_logprobs):
+    assert entries[token] == logprob and len(entries) <= top + 1
+    if top and "\ufffd" not in entries:  # (no two tokens decoding to the same part character)
+      assert len(entries) >= top
+
+
 def test_streaming_gives_the_same_text_as_a_whole_response(client):
   kwargs = dict(model=MODEL, messages=MESSAGES, temperature=1.0, seed=7, max_tokens=20)
   whole = client.chat.completions.create(**kwargs)

@@ -106,9 +106,16 @@ class TextChoices:
     if self.body.logprobs is None:
       return None
     decode = lambda i: self.server.tokenizer.decode([i])
+    tops = []
+    for k in range(start, end):
+      # As OpenAI's legacy API: the `logprobs` likeliest tokens and the sampled one (up to
+      # logprobs + 1 entries; logprobs=0 keeps no top list: the sampled token alone). Where two
+      # tokens decode to the same text (a part of a character), the sampled one's entry stays.
+      top = {decode(t): value for t, value in (sample.top[k] if k < len(sample.top) else ())}
+      top[decode(sample.ids[k])] = sample.logprobs[k]
+      tops.append(top)
     return {"tokens": [decode(i) for i in sample.ids[start:end]],
-            "token_logprobs": sample.logprobs[start:end],
-            "top_logprobs": [{decode(i): lp for i, lp in step} for step in sample.top[start:end]]}
+            "token_logprobs": sample.logprobs[start:end], "top_logprobs": tops}
 
   def response(self, job: Any, handle: Handle) -> dict:
     choices = []
