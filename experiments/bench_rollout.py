@@ -72,14 +72,16 @@ _EVALUATION = flags.DEFINE_bool("evaluation_only", False, "run part 4 (the main 
                                 "evaluation rollouts, active rows alone vs the whole batch) only")
 _PIPELINE = flags.DEFINE_string("pipeline_dir", "runs/pipeline_tiny",
                                 "the main job's output folder, for part 4")
+_SKIP_HF = flags.DEFINE_bool("skip_hf", False, "part 1 without HF generate (coa-jax alone)")
 _CACHE = flags.DEFINE_integer("cache_size", 0, "KV cache slots of part 1's decodes, both sides "
                               "(default: the bucket that fits the work; a rollout's cache is "
                               "sized for its longest sample)")
 
 
-def bench_decode(config, bandwidth, peak, models=(), batches=()):
+def bench_decode(config, bandwidth, peak, models=(), batches=(), peer=True):
   """Returns a row of figures per (model, batch): `models` of the config (default all but the
-  LoRA ones), at `batches` (default the config's)."""
+  LoRA ones), at `batches` (default the config's); HF `generate` on the same work too, with
+  `peer`."""
   settings = config.decode.to_dict()
   batches = list(batches or settings["batches"])
   del settings["batches"]
@@ -95,18 +97,17 @@ def bench_decode(config, bandwidth, peak, models=(), batches=()):
     params = init_params(Transformer(model_config), mesh, jax.random.key(0))
     progress(f"{name}: weights initialized")
     with tempfile.TemporaryDirectory() as folder:
-      hf_checkpoint.save_checkpoint(folder, model_config, params, dtype=model_config.dtype)
-      progress(f"{name}: exported for HF transformers")
+      if peer:
+        hf_checkpoint.save_checkpoint(folder, model_config, params, dtype=model_config.dtype)
+        progress(f"{name}: exported for HF transformers")
       for batch in batches:
         prompts, observations = work.inputs(batch, model_config.vocab_size, seed=batch)
         ours_s, ours_ids = bench.jax_agent_decode(model_config, params, mesh, work, prompts,
                                                   observations, cache_size=_CACHE.value)
-        progress(f"{name} batch {batch}: coa-jax {batch * work.generated / ours_s:,.0f} tok/s "
-                 "(compiled and timed); HF generate next")
-        hf_s, hf_ids = bench.hf_agent_decode(folder, model_config.dtype, work, prompts,
-                                             observations, cache_size=_CACHE.value)
         tokens = batch * work.generated
-        ours, theirs = tokens / ours_s, tokens / hf_s
+        ours = tokens / ours_s
+        progress(f"{name} batch {batch}: coa-jax {ours:,.0f} tok/s (compiled and timed)"
+                 + ("; HF generate next" if peer else ""))
         step_bytes = bench.decode_step_bytes(model_config, batch, work.mean_filled_slots)
         bounds = {"memory": step_bytes / bandwidth,
                   "compute": 2 * model_config.num_params() * batch / peak}
@@ -114,18 +115,23 @@ def bench_decode(config, bandwidth, peak, models=(), batches=()):
         roofline = batch / bounds[bound]  # tokens/s at the binding limit
         row = dict(model=name, params=model_config.num_params(), batch=batch,
                    dtype=model_config.dtype, **dataclasses.asdict(work),
-                   cache_size=_CACHE.value or None,
-                   ours_tokens_per_s=ours, hf_tokens_per_s=theirs, ratio=ours / theirs,
+                   cache_size=_CACHE.value or None, ours_tokens_per_s=ours,
                    step_bytes=step_bytes, bound=bound, roofline_tokens_per_s=roofline,
-                   ours_of_roofline=ours / roofline, hf_of_roofline=theirs / roofline,
-                   ours_of_bandwidth=ours * bounds["memory"] / batch,
-                   same_tokens=float((ours_ids == hf_ids).mean()))
+                   ours_of_roofline=ours / roofline,
+                   ours_of_bandwidth=ours * bounds["memory"] / batch)
+        line = (f"{name:>12} batch {batch:3d}: coa-jax {ours:9,.0f} tok/s ({ours / roofline:6.1%} "
+                f"of the roofline, {bound}-bound; {step_bytes / 1e9:.3g} GB a step, "
+                f"{row['ours_of_bandwidth']:.1%} of the bandwidth)")
+        if peer:
+          hf_s, hf_ids = bench.hf_agent_decode(folder, model_config.dtype, work, prompts,
+                                               observations, cache_size=_CACHE.value)
+          theirs = tokens / hf_s
+          row.update(hf_tokens_per_s=theirs, ratio=ours / theirs, hf_of_roofline=theirs / roofline,
+                     same_tokens=float((ours_ids == hf_ids).mean()))
+          line += (f"  HF generate {theirs:9,.0f} tok/s ({theirs / roofline:6.1%})  ratio "
+                   f"{ours / theirs:.2f}x  same tokens {row['same_tokens']:.0%}")
         rows.append(row)
-        print(f"{name:>12} batch {batch:3d}: coa-jax {ours:9,.0f} tok/s ({ours / roofline:6.1%} "
-              f"of the roofline, {bound}-bound; {step_bytes / 1e9:.3g} GB a step, "
-              f"{row['ours_of_bandwidth']:.1%} of the bandwidth)  HF generate {theirs:9,.0f} "
-              f"tok/s ({theirs / roofline:6.1%})  ratio {ours / theirs:.2f}x  same tokens "
-              f"{row['same_tokens']:.0%}", flush=True)
+        print(line, flush=True)
   return rows
 
 
@@ -312,7 +318,8 @@ def main(argv):
         f"them, greedy")
   figures = dict(device=jax.devices()[0].device_kind, bandwidth_bytes_per_s=bandwidth,
                  bandwidth_source=source, peak_flops=peak, peak_source=peak_source,
-                 decode=bench_decode(config, bandwidth, peak, _MODELS.value, _BATCHES.value))
+                 decode=bench_decode(config, bandwidth, peak, _MODELS.value, _BATCHES.value,
+                                     peer=not _SKIP_HF.value))
   if not _SKIP_HOST.value:
     figures["host_overhead"] = bench_host_overhead()
   if jax.devices()[0].platform == "cpu":

@@ -33,6 +33,8 @@ with its log's tail. The steps, in order of value (--only picks some):
   decode_b16          experiments/bench_rollout.py at batch 16: tokens/s, of the HBM roofline,
                       against HF generate
   profile_decode_b16  experiments/profile_step.py, traced here: its per-kernel table
+  decode_b16_graphs   decode_b16's coa-jax side with the decode loop as CUDA graphs (XLA's
+                      command buffers for while loops and conditionals too)
   train_1p5b          experiments/bench_model.py: the 1.5B train step's MFU against HF
                       transformers
   decode_b128         decode_b16's bench at batch 128
@@ -139,8 +141,12 @@ class Step:
 # of them the weights' init, before sharding.initializer rolled the layer loop) and timed out
 # at the 170 s share it had, as did the steps after it: a 15-minute lease takes what fits of
 # this list in a first call (--budget_s 540), then the rest in a second (--only).
-ORDER = ("env", "ceilings", "decode_b16", "profile_decode_b16", "train_1p5b", "decode_b128",
-         "sft_7b_lora", "train_1p5b_lora", "serve_1p5b", "profile_train_1p5b")
+ORDER = ("env", "ceilings", "decode_b16", "profile_decode_b16", "decode_b16_graphs",
+         "train_1p5b", "decode_b128", "sft_7b_lora", "train_1p5b_lora", "serve_1p5b",
+         "profile_train_1p5b")
+# XLA's default command buffer types, and loops and conditionals.
+GRAPHS_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
+                "CONDITIONAL")
 
 
 def plan(smoke: bool, scratch: str) -> list[Step]:
@@ -169,13 +175,21 @@ def plan(smoke: bool, scratch: str) -> list[Step]:
   steps.append(Step("ceilings", "what JAX reaches: copy, bf16 matmul, the 1.5B's decode GEMMs",
                     "ceilings", ("experiments/gpu_ceilings.py", f"--output={out('ceilings')}",
                                  *(["--smoke"] if smoke else [])), out("ceilings"), 60, 30))
+  decode = lambda name, batch, *extra: (
+      "experiments/bench_rollout.py", f"--config={bench_config}", f"--models={model}",
+      f"--batches={batch}", "--skip_tools", "--skip_host_overhead", f"--output={out(name)}",
+      *decode_flags, *extra)
   for batch, target in ((16, Target(of_roofline=0.6, ratio=3.0)), (128, Target(of_roofline=0.7))):
     steps.append(Step(
         f"decode_b{batch}", f"decode, batch {batch} ({model}, greedy, with extends)", "decode",
-        ("experiments/bench_rollout.py", f"--config={bench_config}", f"--models={model}",
-         f"--batches={batch}", "--skip_tools", "--skip_host_overhead",
-         f"--output={out(f'decode_b{batch}')}", *decode_flags),
-        out(f"decode_b{batch}"), 230, 120, target, peer="HF generate"))
+        decode(f"decode_b{batch}", batch), out(f"decode_b{batch}"), 230, 120, target,
+        peer="HF generate"))
+  # Whether the decode pays a fixed cost per kernel: its whole loop as CUDA graphs.
+  steps.append(Step(
+      "decode_b16_graphs", "decode_b16, coa-jax alone, with XLA's command buffers (CUDA "
+      "graphs) for the decode loop too (while loops and conditionals)", "decode",
+      decode("decode_b16_graphs", 16, "--skip_hf"), out("decode_b16_graphs"), 120, 60,
+      Target(of_roofline=0.6), env=(("XLA_FLAGS", GRAPHS_FLAGS),)))
   for name, spec, extra, target, peer in (
       ("train_1p5b", model, train_flags, Target(mfu=0.45), "HF transformers"),
       ("train_1p5b_lora", lora, train_flags + lora_flags, Target(), "PEFT")):
@@ -317,14 +331,13 @@ def _ceilings_cells(figures: dict, cells: dict, step: Step) -> dict:
 
 def _decode_cells(figures: dict, cells: dict, step: Step) -> dict:
   (r,) = figures["decode"]
-  cells.update(
-      coa_jax=f"{r['ours_tokens_per_s']:,.0f} tok/s, {r['ours_of_roofline']:.1%} of the roofline "
-              f"({r['bound']}-bound: {r['step_bytes'] / 1e9:.3g} GB a step at "
-              f"{figures['bandwidth_bytes_per_s'] / 1e12:.3g} TB/s)",
-      peer=f"{r['hf_tokens_per_s']:,.0f} tok/s {step.peer} ({r['hf_of_roofline']:.1%} of the "
-           f"roofline)",
-      ratio=f"{r['ratio']:.2f}x")
-  return dict(of_roofline=r["ours_of_roofline"], ratio=r["ratio"])
+  cells["coa_jax"] = (f"{r['ours_tokens_per_s']:,.0f} tok/s, {r['ours_of_roofline']:.1%} of the "
+                      f"roofline ({r['bound']}-bound: {r['step_bytes'] / 1e9:.3g} GB a step at "
+                      f"{figures['bandwidth_bytes_per_s'] / 1e12:.3g} TB/s)")
+  if "hf_tokens_per_s" in r:  # (--skip_hf: coa-jax alone)
+    cells.update(peer=f"{r['hf_tokens_per_s']:,.0f} tok/s {step.peer} ({r['hf_of_roofline']:.1%} "
+                      f"of the roofline)", ratio=f"{r['ratio']:.2f}x")
+  return dict(of_roofline=r["ours_of_roofline"], ratio=r.get("ratio"))
 
 
 def _train_cells(figures: dict, cells: dict, step: Step) -> dict:

@@ -110,13 +110,15 @@ def test_a_step_runs_under_its_share_or_what_is_left_and_is_skipped_below_its_mi
 def test_the_plan_runs_the_issues_benches_in_order_of_value_and_keeps_few_files(smoke):
   steps = device_check.plan(smoke, "/scratch")
   assert [s.name for s in steps] == [
-      "env", "ceilings", "decode_b16", "profile_decode_b16", "train_1p5b", "decode_b128",
-      "sft_7b_lora", "train_1p5b_lora", "serve_1p5b", "profile_train_1p5b"]
+      "env", "ceilings", "decode_b16", "profile_decode_b16", "decode_b16_graphs", "train_1p5b",
+      "decode_b128", "sft_7b_lora", "train_1p5b_lora", "serve_1p5b", "profile_train_1p5b"]
   for step in steps[1:]:
     assert (ROOT / step.argv[0]).is_file() and step.output.startswith("/scratch/")
   by_name = {s.name: s for s in steps}
   assert "--batches=16" in by_name["decode_b16"].argv
   assert "--batches=128" in by_name["decode_b128"].argv
+  graphs = by_name["decode_b16_graphs"]
+  assert "--skip_hf" in graphs.argv and "WHILE" in dict(graphs.env)["XLA_FLAGS"]
   assert "--config=configs/sft_qwen2_5_7b_lora_gpu.py" in by_name["sft_7b_lora"].argv
   assert dict(by_name["sft_7b_lora"].env)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == ".95"
   caches = {dict(s.env)["JAX_COMPILATION_CACHE_DIR"] for s in steps}  # one a step, none shared
@@ -147,3 +149,14 @@ def test_the_ceilings_step_runs_here_at_small_shapes_and_reads_as_a_row(tmp_path
       "16", "128"} and result["figures"]["kernel_seconds"] > 0
   (row,) = json.loads((tmp_path / "device_check.json").read_text())["rows"]
   assert row["coa_jax"].startswith("copy ") and "16 rows " in row["coa_jax"], row
+
+
+def test_a_decode_without_its_peer_is_a_row_against_the_roofline_alone(tmp_path):
+  figures = _decode_figures(0.65, 3.2)
+  for key in ("hf_tokens_per_s", "hf_of_roofline", "ratio"):
+    del figures["decode"][0][key]
+  steps = [_step(tmp_path, "alone", _writes(figures), target=device_check.Target(of_roofline=0.6))]
+  device_check.run_steps(steps, time.monotonic() + 60, str(tmp_path), dict(os.environ), _INFO)
+  (row,) = json.loads((tmp_path / "device_check.json").read_text())["rows"]
+  assert (row["peer"], row["ratio"], row["met"]) == ("-", "-", "yes")
+  assert row["coa_jax"].startswith("19,200 tok/s, 65.0% of the roofline")
