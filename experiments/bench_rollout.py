@@ -94,7 +94,8 @@ def bench_decode(config, bandwidth, peak, models=(), batches=(), peer=True):
     if spec.get("lora_rank") or (models and name not in models):
       continue
     model_config = build_config(dict(spec, attention_impl="xla"))  # cached attention decodes
-    params = init_params(Transformer(model_config), mesh, jax.random.key(0))
+    params = jax.block_until_ready(init_params(Transformer(model_config), mesh,
+                                               jax.random.key(0)))
     progress(f"{name}: weights initialized")
     with tempfile.TemporaryDirectory() as folder:
       if peer:

@@ -144,9 +144,8 @@ class Step:
 ORDER = ("env", "ceilings", "decode_b16", "profile_decode_b16", "decode_b16_graphs",
          "train_1p5b", "decode_b128", "sft_7b_lora", "train_1p5b_lora", "serve_1p5b",
          "profile_train_1p5b")
-# XLA's default command buffer types, and loops and conditionals.
-GRAPHS_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
-                "CONDITIONAL")
+# XLA's default command buffer types, and loops and conditionals ("+": added to the defaults).
+GRAPHS_FLAGS = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 
 
 def plan(smoke: bool, scratch: str) -> list[Step]:
@@ -174,7 +173,7 @@ def plan(smoke: bool, scratch: str) -> list[Step]:
                 out("env"), 90, 10)]
   steps.append(Step("ceilings", "what JAX reaches: copy, bf16 matmul, the 1.5B's decode GEMMs",
                     "ceilings", ("experiments/gpu_ceilings.py", f"--output={out('ceilings')}",
-                                 *(["--smoke"] if smoke else [])), out("ceilings"), 60, 30))
+                                 *(["--smoke"] if smoke else [])), out("ceilings"), 90, 30))
   decode = lambda name, batch, *extra: (
       "experiments/bench_rollout.py", f"--config={bench_config}", f"--models={model}",
       f"--batches={batch}", "--skip_tools", "--skip_host_overhead", f"--output={out(name)}",
@@ -234,7 +233,7 @@ def run_step(step: Step, limit_s: float, log, env: dict) -> dict:
   log.write(f"\n===== {step.name} (limit {limit_s:.0f} s): {' '.join(shown)}\n")
   log.flush()
   offset, start = log.tell(), time.monotonic()
-  proc = subprocess.Popen([sys.executable, *step.argv], cwd=ROOT, env={**env, **dict(step.env)},
+  proc = subprocess.Popen([sys.executable, *step.argv], cwd=ROOT, env=step_variables(env, step),
                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
   try:
     rc = proc.wait(timeout=limit_s)
@@ -256,6 +255,16 @@ def run_step(step: Step, limit_s: float, log, env: dict) -> dict:
       status, tail = "failed", f"{tail}\n(exit 0 but no figures: {e})"
   return dict(name=step.name, status=status, seconds=seconds, limit_s=limit_s, rc=rc,
               tail=tail, figures=figures)
+
+
+def step_variables(env: dict, step: Step) -> dict:
+  """Returns `env` with the step's own variables: its XLA_FLAGS after the inherited ones (where
+  both set a flag, the step's wins), the others in place of the inherited."""
+  own = dict(step.env)
+  merged = {**env, **own}
+  if "XLA_FLAGS" in own and env.get("XLA_FLAGS"):
+    merged["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {own['XLA_FLAGS']}"
+  return merged
 
 
 def log_tail(path: str, offset: int, lines: int = 25, width: int = 400) -> str:

@@ -57,8 +57,8 @@ def gemm_chain_bytes_per_s(rows: int, layers: int, d: int, f: int, stacked: bool
   """Weight bytes read per second by `rows` x d activations through `layers` pairs of
   d x f and f x d bf16 weights, PASSES times in one program."""
   keys = jax.random.split(jax.random.key(1), 2 * layers)
-  up = [jax.random.normal(k, (d, f), jnp.bfloat16) for k in keys[:layers]]
-  down = [jax.random.normal(k, (f, d), jnp.bfloat16) for k in keys[layers:]]
+  up = [jax.random.normal(k, (d, f), jnp.bfloat16) * d ** -0.5 for k in keys[:layers]]
+  down = [jax.random.normal(k, (f, d), jnp.bfloat16) * f ** -0.5 for k in keys[layers:]]
   if stacked:
     up, down = jnp.stack(up), jnp.stack(down)
     one_pass = lambda h, up, down: jax.lax.scan(

@@ -118,7 +118,12 @@ def test_the_plan_runs_the_issues_benches_in_order_of_value_and_keeps_few_files(
   assert "--batches=16" in by_name["decode_b16"].argv
   assert "--batches=128" in by_name["decode_b128"].argv
   graphs = by_name["decode_b16_graphs"]
-  assert "--skip_hf" in graphs.argv and "WHILE" in dict(graphs.env)["XLA_FLAGS"]
+  assert "--skip_hf" in graphs.argv and "+WHILE" in dict(graphs.env)["XLA_FLAGS"]
+  # the step's XLA flags come after the inherited ones, which they do not drop
+  inherited = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "HOME": "/root"}
+  env = device_check.step_variables(inherited, graphs)
+  assert env["XLA_FLAGS"] == f"{inherited['XLA_FLAGS']} {device_check.GRAPHS_FLAGS}"
+  assert env["HOME"] == "/root" and env["JAX_COMPILATION_CACHE_DIR"].startswith("/scratch/")
   assert "--config=configs/sft_qwen2_5_7b_lora_gpu.py" in by_name["sft_7b_lora"].argv
   assert dict(by_name["sft_7b_lora"].env)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == ".95"
   caches = {dict(s.env)["JAX_COMPILATION_CACHE_DIR"] for s in steps}  # one a step, none shared
