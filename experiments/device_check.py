@@ -88,9 +88,13 @@ import json, sys
 import jax
 import ml_collections, grain, peft, torch, transformers
 from coa_jax.perf import bench
+gpu = torch.cuda.is_available()
 info = dict(jax_devices=[f"{d.platform}: {d.device_kind}" for d in jax.devices()],
+            jax_runtime=jax.devices()[0].client.platform_version,  # CUDA's version on a GPU
             torch_device=bench.torch_device(),
-            torch_gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+            torch_gpu=torch.cuda.get_device_name(0) if gpu else None,
+            torch_cuda=torch.version.cuda if gpu else None,
+            torch_cudnn=torch.backends.cudnn.version() if gpu else None)
 print(info)
 with open(sys.argv[1], "w") as f:
   json.dump(info, f)
@@ -320,8 +324,11 @@ def row(step: Step, result: dict) -> dict:
 
 
 def _env_cells(figures: dict, cells: dict, step: Step) -> dict:
-  cells["coa_jax"] = (f"JAX: {', '.join(figures['jax_devices'])}; PyTorch: "
-                      f"{figures['torch_gpu'] or figures['torch_device']}")
+  torch_cuda = (f" (CUDA {figures['torch_cuda']}, cuDNN {figures['torch_cudnn']})"
+                if figures.get("torch_cuda") else "")
+  cells["coa_jax"] = (f"JAX: {', '.join(figures['jax_devices'])} "
+                      f"({figures.get('jax_runtime', '?')}); PyTorch: "
+                      f"{figures['torch_gpu'] or figures['torch_device']}{torch_cuda}")
   return {}
 
 

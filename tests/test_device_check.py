@@ -145,6 +145,17 @@ def test_the_plan_runs_the_issues_benches_in_order_of_value_and_keeps_few_files(
   assert len(set(kept)) == len(kept) and 3 + len(kept) < device_check.OUTPUT_FILES
 
 
+def test_the_env_step_runs_here_and_names_the_devices_and_runtimes(tmp_path):
+  (step,) = [s for s in device_check.plan(True, str(tmp_path)) if s.name == "env"]
+  env = device_check.step_environment(str(tmp_path / "site"))
+  (result,) = device_check.run_steps([step], time.monotonic() + 120, str(tmp_path), env, _INFO)
+  assert result["status"] == "ok", result["tail"]
+  assert result["figures"]["jax_runtime"] and result["figures"]["torch_cuda"] is None  # a CPU
+  (row,) = json.loads((tmp_path / "device_check.json").read_text())["rows"]
+  assert row["coa_jax"].startswith("JAX: cpu: cpu") and row["coa_jax"].endswith(
+      f" ({result['figures']['jax_runtime']}); PyTorch: cpu")
+
+
 def test_the_ceilings_step_runs_here_at_small_shapes_and_reads_as_a_row(tmp_path):
   (step,) = [s for s in device_check.plan(True, str(tmp_path)) if s.name == "ceilings"]
   env = device_check.step_environment(str(tmp_path / "site"))
