@@ -44,7 +44,8 @@ def tools(server):
 
 
 def server_pid(server: McpServer) -> int:
-  return int(server.call("pid", {}).observation)
+  # a call meant to answer gets 10 s whatever the server's short default for those meant not to
+  return int(server.call("pid", {}, timeout_s=10.0).observation)
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
@@ -96,7 +97,7 @@ def test_call_past_the_timeout_times_out_and_the_next_call_works():
     result = server_tools(quick, ["sleep"])["sleep"]('{"seconds": 30}')
     assert (result.ok, result.error_kind) == (False, base.TIMEOUT)
     assert result.elapsed_s < 5
-    assert quick.call("echo", {"text": "still here"}).observation == "still here"
+    assert quick.call("echo", {"text": "still here"}, timeout_s=10.0).observation == "still here"
 
 
 def test_crash_mid_call_is_an_error_and_the_next_call_restarts_the_server(server, tools):
@@ -113,7 +114,9 @@ def test_server_killed_between_calls_is_restarted_transparently(server):
   old_pid = server_pid(server)
   os.kill(old_pid, signal.SIGKILL)
   assert wait_gone(old_pid)
-  time.sleep(0.3)  # the session reads the end of the server's stdout
+  deadline = time.monotonic() + 10  # until the session has read the end of the server's stdout
+  while not server._connection.ended.is_set() and time.monotonic() < deadline:
+    time.sleep(0.02)
   result = server.call("echo", {"text": "fresh"})
   assert (result.ok, result.observation) == (True, "fresh")
 
@@ -205,18 +208,18 @@ def test_a_hung_server_is_restarted_after_restart_after_timeouts_calls_in_a_row(
 
 
 def test_an_answer_between_timeouts_starts_the_count_again():
-  with fixture_server(call_timeout_s=0.5, restart_after_timeouts=2) as slow:
+  with fixture_server(call_timeout_s=10.0, restart_after_timeouts=2) as slow:
     old_pid = server_pid(slow)
     for _ in range(2):
-      assert slow.call("sleep", {"seconds": 30}).error_kind == base.TIMEOUT
+      assert slow.call("sleep", {"seconds": 30}, timeout_s=0.5).error_kind == base.TIMEOUT
       assert slow.call("echo", {"text": "here"}).observation == "here"
     assert server_pid(slow) == old_pid
 
 
 def test_server_answering_garbage_fails_to_start_saying_so():
   command = [sys.executable, "-c", "import sys; print('hello', flush=True); sys.stdin.read()"]
-  with McpServer(command, start_timeout_s=1.0) as chatty:
-    with pytest.raises(McpError, match="no MCP handshake within 1 s.*not JSON-RPC: 'hello'"):
+  with McpServer(command, start_timeout_s=3.0) as chatty:
+    with pytest.raises(McpError, match="no MCP handshake within 3 s.*not JSON-RPC: 'hello'"):
       chatty.list_tools()
 
 

@@ -437,8 +437,8 @@ def test_a_worker_that_dies_or_hangs_is_replaced(one_worker):
   assert "the sandbox worker failed while running the program" in result.observation
   assert one_worker(ok).observation == "ok\n"
   # Stopped (it hangs): the run times out at the wall clock and the worker is replaced.
-  impatient = pooled(one_worker.isolation, dataclasses.replace(LIMITS, wall_timeout_s=1),
-                     workers=1)
+  impatient = pooled(one_worker.isolation, dataclasses.replace(LIMITS, wall_timeout_s=3),
+                     workers=1)  # time enough for a run that answers on a loaded machine
   assert impatient(ok).ok
   hanging = worker_processes(impatient)
   signal_all(hanging, signal.SIGSTOP)

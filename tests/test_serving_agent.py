@@ -128,14 +128,14 @@ class Slow(Tool):
 
 def test_an_agents_tool_calls_run_as_the_builtin_loop_runs_them():
   """On the rollout's tool workers, with its timeout and its error observations."""
-  config = RolloutConfig(group_size=1, tool_workers=2, tool_timeout_s=0.3)
+  config = RolloutConfig(group_size=1, tool_workers=2, tool_timeout_s=2.0)  # "0": well within
   pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers)
   context = AgentContext("policy", ToolRegistry({"slow": Slow()}), ("slow",), config, SYSTEM, pool)
   session = TrajectoryTools(context.tools, "a question")
   try:
     assert context.call_tool(session, "slow", "0").observation == "done"
-    late = context.call_tool(session, "slow", "2")
-    assert (late.ok, late.error_kind) == (False, "timeout") and "0.3 s" in late.observation
+    late = context.call_tool(session, "slow", "5")
+    assert (late.ok, late.error_kind) == (False, "timeout") and "2 s" in late.observation
     broken = context.call_tool(session, "slow", "raise")
     assert broken.error_kind == "tool_error" and "it broke" in broken.observation
     assert context.call_tool(session, "slow", "").error_kind == "bad_request"  # not run

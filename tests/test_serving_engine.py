@@ -132,31 +132,27 @@ def test_a_request_stops_at_its_own_stop_token_and_at_the_engines(mesh1, params,
 
 
 def test_cancelling_frees_the_row_within_a_round(mesh1, params):
-  e = engine(mesh1, params, slots=2, chunk=4).start()
-  try:
-    long = e.submit(Request(PROMPT, max_tokens=80, sampling=HOT))
-    first = long.events.get(timeout=60)
-    assert isinstance(first, Tokens)
-    long.cancel()
-    reasons = [ev.reason for ev in long.stream(timeout=60) if not isinstance(ev, Tokens)]
-    assert reasons == [CANCELLED]
-    assert e.in_flight == 0
-    assert len(e.generate(Request(PROMPT, 5, HOT, n=2), timeout=60).samples) == 2
-  finally:
-    e.close()
+  e = engine(mesh1, params, slots=2, chunk=4)  # driven here, round by round
+  long = e.submit(Request(PROMPT, max_tokens=80, sampling=HOT))
+  e.step()
+  assert isinstance(long.events.get_nowait(), Tokens)
+  long.cancel()
+  e.step()
+  assert long.done and e.in_flight == 0
+  assert [ev.reason for ev in long.stream(timeout=1) if not isinstance(ev, Tokens)] == [CANCELLED]
+  assert len(_drive(e, [e.submit(Request(PROMPT, 5, HOT, n=2))])[0].samples) == 2
 
 
 def test_a_request_past_its_deadline_ends_waiting_or_decoding(mesh1, params):
-  e = engine(mesh1, params, slots=1, chunk=2).start()
-  try:
-    slow = e.submit(Request(PROMPT, max_tokens=80, sampling=HOT,
-                            deadline=time.monotonic() + 1.0))
-    late = e.submit(Request(PROMPT, max_tokens=4, deadline=time.monotonic() - 1.0))
-    assert late.result(timeout=60).samples[0].finish_reason == DEADLINE
-    result = slow.result(timeout=60)
-    assert result.samples[0].finish_reason == DEADLINE and len(result.samples[0].ids) < 80
-  finally:
-    e.close()
+  e = engine(mesh1, params, slots=1, chunk=2)  # driven here: the deadline passes between rounds
+  deadline = time.monotonic() + 2.0
+  slow = e.submit(Request(PROMPT, max_tokens=80, sampling=HOT, deadline=deadline))
+  late = e.submit(Request(PROMPT, max_tokens=4, deadline=time.monotonic() - 1.0))
+  e.step()  # the late request ends waiting; the slow one takes the row and decodes a chunk
+  assert late.done and late.result(timeout=1).samples[0].finish_reason == DEADLINE
+  time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
+  (result,) = _drive(e, [slow])
+  assert result.samples[0].finish_reason == DEADLINE and 0 < len(result.samples[0].ids) < 80
 
 
 def test_bad_requests_a_full_queue_and_shutdown_are_refused_with_their_status(mesh1, params):

@@ -40,14 +40,15 @@ def shop(tmp_path_factory):
 
 
 def test_the_sql_tool_reads_only_within_its_limits(shop):
-  tool = sqlite_shop.Sql(shop[1]["sql"]["options"]["database"], max_rows=3, timeout_s=0.2)
+  database = shop[1]["sql"]["options"]["database"]
+  tool = sqlite_shop.Sql(database, max_rows=3, timeout_s=5.0)  # a stall is no timeout here
   assert tool("SELECT COUNT(*) FROM orders").observation.isdigit()
   rows = tool("SELECT * FROM orders").observation.splitlines()
   assert len(rows) == 4 and rows[-1] == "... (more than 3 rows)"
   assert tool("SELEC 1").error_kind == "bad_request"
   refused = tool("DELETE FROM orders")
   assert refused.error_kind == "bad_request" and "not authorized" in refused.observation
-  endless = tool("WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
+  endless = sqlite_shop.Sql(database, timeout_s=0.2)("WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
                  "SELECT COUNT(*) FROM n")
   assert endless.error_kind == "timeout" and endless.elapsed_s < 5
   with pytest.raises(ValueError, match="no database"):
