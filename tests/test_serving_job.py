@@ -5,8 +5,8 @@ With no grace, the engine ends the streams at once: each gets its last chunk and
 
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,30 +18,25 @@ import openai
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_serve_answers_and_stops_cleanly_on_sigterm_under_load(tmp_path):
-  port = free_port()
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   log = open(tmp_path / "serve.log", "w")
-  server = subprocess.Popen(
-      [sys.executable, "experiments/serve.py", "--config.model.checkpoint=", f"--config.port={port}",
+  server = subprocess.Popen(  # port 0: it serves on a free port and says which
+      [sys.executable, "experiments/serve.py", "--config.model.checkpoint=", "--config.port=0",
        "--config.batch_size=8", "--config.chunk=4", "--config.shutdown_grace_s=0",
        ], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-  url = f"http://127.0.0.1:{port}"
   try:
     for _ in range(600):
-      try:
-        with urllib.request.urlopen(url + "/health", timeout=1) as response:
-          if json.load(response)["status"] == "ok":
-            break
-      except OSError:
-        assert server.poll() is None, (tmp_path / "serve.log").read_text()
-        time.sleep(0.2)
+      printed = (tmp_path / "serve.log").read_text()
+      where = re.search(r" at (http://127\.0\.0\.1:(\d+))/v1\n", printed)
+      if where:
+        break
+      assert server.poll() is None, printed
+      time.sleep(0.2)
+    assert where and int(where.group(2)) > 0, printed
+    url = where.group(1)
+    with urllib.request.urlopen(url + "/health", timeout=10) as response:
+      assert json.load(response)["status"] == "ok"
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
     ends, streaming = [], threading.Semaphore(0)

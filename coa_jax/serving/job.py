@@ -82,11 +82,17 @@ def server(settings: ServeSettings) -> Server:
 
 class _Uvicorn(uvicorn.Server):
   """uvicorn, telling the API to refuse new requests (503) the moment a signal stops it, and
-  the engine to end what is still in flight `grace_s` later."""
+  the engine to end what is still in flight `grace_s` later; says where it serves once it
+  listens (the port it got, where the settings' is 0)."""
 
   def __init__(self, config: uvicorn.Config, state: Server, grace_s: float):
     super().__init__(config)
     self.state, self.grace_s = state, grace_s
+
+  async def startup(self, sockets=None):
+    await super().startup(sockets)
+    if self.started:
+      _say_where(self.state, self.config.host, self.servers[0].sockets[0].getsockname()[1])
 
   def handle_exit(self, sig, frame):
     if not self.state.closing:
@@ -113,6 +119,17 @@ class _Uvicorn(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def _say_where(state: Server, host: str, port: int) -> None:
+  url = f"http://{host}:{port}/v1"
+  engine = state.engine.settings
+  say(f"serving {state.model_name!r} ({engine.slots} rows of {engine.cache_size} tokens) at "
+      f"{url}\n"
+      f"  curl {url}/chat/completions -H 'Content-Type: application/json' -d "
+      f"'{{\"model\": \"{state.model_name}\", \"messages\": [{{\"role\": \"user\", "
+      f"\"content\": \"What is the population of City 12?\"}}]}}'\n"
+      f"  Python: openai.OpenAI(base_url=\"{url}\", api_key=\"none\")")
+
+
 def run(config: Any) -> None:
   settings = serve_settings(config)
   state = server(settings)
@@ -121,13 +138,6 @@ def run(config: Any) -> None:
                                  timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s)
                                  + CUT_MARGIN_S),
                   state, settings.shutdown_grace_s)
-  url = f"http://{settings.host}:{settings.port}/v1"
-  say(f"serving {state.model_name!r} ({settings.batch_size} rows of "
-      f"{settings.rollout.cache_size} tokens) at {url}\n"
-      f"  curl {url}/chat/completions -H 'Content-Type: application/json' -d "
-      f"'{{\"model\": \"{state.model_name}\", \"messages\": [{{\"role\": \"user\", "
-      f"\"content\": \"What is the population of City 12?\"}}]}}'\n"
-      f"  Python: openai.OpenAI(base_url=\"{url}\", api_key=\"none\")")
   try:
     http.run()
   finally:
