@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from conftest import FAST_COMPILE, PATIENT_COLLECTIVES
 from test_multihost import _free_port
 
 WORKER = os.path.join(os.path.dirname(__file__), "failure_worker.py")
@@ -31,7 +32,9 @@ DEADLINE_S = 120  # a pair that hangs is killed here; a failing pair ends in sec
     ("rl-batch", 1, "ValueError: task t sample 0: ids, loss_mask, logprobs and versions differ"),
 ])
 def test_one_process_failing_ends_both_with_its_error(tmp_path, scenario, failing, error):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE} "
+                       f"{PATIENT_COLLECTIVES}")
   port, logs, procs = str(_free_port()), [tmp_path / f"process-{i}.log" for i in range(2)], []
   for index, log in enumerate(logs):
     with open(log, "w") as f:

@@ -4,6 +4,8 @@ The embedding and LM-head rows of the tokens the tokenizer adds train beside the
 from an HF base learns to choose the CoA tags only so, PEFT reloads them with the same logits,
 and the pod fit counts them."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -30,8 +32,14 @@ def params():
   return nn.unbox(jax.jit(Transformer(LORA).init)(jax.random.key(0), IDS)["params"])
 
 
+@functools.cache
+def _apply(config):
+  """One jitted forward per config (a fresh lambda each call would compile again each call)."""
+  return jax.jit(lambda p: Transformer(config).apply({"params": p}, IDS))
+
+
 def _logits(config, params):
-  return jax.jit(lambda p: Transformer(config).apply({"params": p}, IDS))(params)
+  return _apply(config)(params)
 
 
 def test_adapters_sit_on_every_target_projection_with_b_at_zero(params):
@@ -67,15 +75,15 @@ def test_merged_adapters_give_the_unmerged_models_logits(params):
 
 def test_targets_choose_the_projections_and_dropout_needs_an_rng(params):
   config = LORA.replace(lora_targets=("q_proj", "down_proj"), lora_dropout=0.5)
-  variables = nn.unbox(Transformer(config).init(jax.random.key(0), IDS))
+  variables = nn.unbox(jax.jit(Transformer(config).init)(jax.random.key(0), IDS))
   _, adapters = lora.split(variables["params"])
   assert set(adapters["layers"]["attn"]) == {"q_proj"} and set(adapters["layers"]["mlp"]) == {
       "down_proj"}
   b_set = jax.tree_util.tree_map(lambda a: jnp.ones_like(a) * 0.1, adapters)
   full = lora.combine(lora.split(variables["params"])[0], b_set)
-  apply = lambda **rngs: Transformer(config).apply({"params": full}, IDS, rngs=rngs)  # noqa: E731
-  np.testing.assert_array_equal(apply(), apply())  # no rng: no dropout
-  assert not np.allclose(apply(dropout=jax.random.key(1)), apply())
+  apply = jax.jit(lambda rngs: Transformer(config).apply({"params": full}, IDS, rngs=rngs))
+  np.testing.assert_array_equal(apply({}), apply({}))  # no rng: no dropout
+  assert not np.allclose(apply({"dropout": jax.random.key(1)}), apply({}))
 
 
 def test_adapter_shardings_follow_their_kernels():
