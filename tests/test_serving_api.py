@@ -184,12 +184,14 @@ def test_the_error_matrix_answers_in_openais_shape_and_the_server_keeps_going(se
   assert post(url, base)[0] == 200
 
 
-def _wait_for(condition, timeout_s: float = 60.0) -> None:
-  """Waits until `condition()` holds; fails after `timeout_s`."""
+def _wait_for(condition, timeout_s: float = 60.0) -> bool:
+  """Returns whether `condition()` holds within `timeout_s` (polled)."""
   deadline = time.monotonic() + timeout_s
   while not condition():
-    assert time.monotonic() < deadline, "timed out waiting"
+    if time.monotonic() >= deadline:
+      return False
     time.sleep(0.05)
+  return True
 
 
 def test_a_full_queue_answers_429_and_shutdown_503(server):
@@ -220,7 +222,7 @@ def test_what_is_open_when_the_shutdown_grace_ends_finishes_with_length_at_once(
     threads = [threading.Thread(target=lambda k=k: ends.update({k: asks[k]()})) for k in asks]
     for thread in threads:
       thread.start()
-    _wait_for(lambda: idle.in_flight == 2)  # both requests queued before the grace ends
+    assert _wait_for(lambda: idle.in_flight == 2)  # both queued before the grace ends
     state.closing = state.cut = True
     for thread in threads:
       thread.join(60)
@@ -233,7 +235,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_rows(server, client):
   next(iter(stream))
   stream.close()
   engine = server[1].engine
-  _wait_for(lambda: engine.in_flight == 0)  # (a round may compile a longer window first)
+  assert _wait_for(lambda: engine.in_flight == 0)  # (a round may compile a longer window first)
 
 
 def test_a_completion_that_closes_a_tool_tag_is_a_tool_call():
