@@ -187,3 +187,25 @@ def test_the_probes_say_how_many_trajectories_they_could_not_read(tmp_path, caps
   assert evaluation.probe_trajectories(str(path), TOKENIZER.tool_tags) == [TRAJECTORY]
   assert f"probe data {path}: kept 1 of 2 examples; dropped 1 (bad_json: 1)" in (
       capsys.readouterr().out)
+
+
+def test_a_long_number_from_nowhere_is_traced_to_a_garbled_copy_or_a_training_figure(tmp_path):
+  from coa_jax.data.tasks import Task
+  from coa_jax.evaluation import diagnosis
+
+  assert diagnosis.edits("99649", "99169") == 2 and diagnosis.edits("99649", "12305") == 5
+  assert diagnosis.edits("", "12") == 2 and diagnosis.edits("1234", "234") == 1
+  tasks = {"m": Task("m", MIXED.question, {"family": "mixed"})}
+  right = "\n".join(f"<{s.tag}>\n{s.content}\n</{s.tag}>" for s in MIXED.steps)
+  samples = [right.replace("= 99649", "= 99169"),  # the page's figure, two digits garbled
+             right.replace("= 99649", "= 31337"),  # nothing seen is near it; training has it
+             right.replace("*20", "*16")]  # short: not counted
+  with open(tmp_path / "samples.jsonl", "w") as f:
+    f.write(json.dumps({"task_id": "m", "samples": [
+        {"text": text, "correct": False} for text in samples]}))
+  (tmp_path / "train.jsonl").write_text(json.dumps({"text": "population 31337 and 99169"}))
+  origins = diagnosis.invented_origins(str(tmp_path / "samples.jsonl"), tasks,
+                                       TOKENIZER.tool_tags, str(tmp_path / "train.jsonl"))
+  # the training text holds two of the 90,000 five-digit numbers
+  assert origins == {"numbers": 2, "near_seen": 0.5, "in_training": 1.0,
+                     "in_training_by_chance": pytest.approx(2 / 90000)}

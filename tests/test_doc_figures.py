@@ -47,6 +47,40 @@ def test_the_model_size_line_is_the_model_size_results():
   assert (f"the table above has {table['dapo']['pass@1']['mean']:.3f} over "
           f"{len(table['dapo']['pass@1']['values'])} seeds") in line
   assert f"the teacher's {big['teacher']['pass@1']['mean']:.3f}" in line
+  middle = summary["4x192"]
+  assert (f"a {middle['params'] / main['params']:.1f}x student matches the main job "
+          f"({_mean_sd(middle['dapo']['pass@1'])})") in line
+
+
+def test_the_model_size_seed_table_is_the_model_size_results():
+  """docs/experiments.md's per-seed, per-family rows of the larger sizes, and where the widest
+  one's numbers from nowhere come from."""
+  results = _results("model-size", "results.json")["results"]
+  with open(os.path.join(ROOT, "docs", "experiments.md")) as f:
+    page = f.read()
+  for name in ("4x192", "6x256"):
+    for seed, row in results[name].items():
+      for system in ("sft", "dapo"):
+        m = row[system]
+        head = f"{name.replace('x', ' x ')}, {seed}" if system == "sft" else ""
+        families = m["pass@1_by_family"]
+        cells = [m["pass@1"], families["arithmetic"], families["lookup"], families["mixed"],
+                 m["pass@3"]]
+        line = (f"| {head} | {system.upper()} | " + " | ".join(f"{v:.3f}" for v in cells) +
+                f" | {m['copy_exact']:.3f} / {m['call_exact']:.3f} / {m['question_exact']:.3f} | "
+                f"{m['invented_numbers']['all']:.3f} / {m['invented_numbers']['mixed']:.3f} |")
+        assert line.replace("|  |", "| |") in page, line
+  origins = {seed: models["sft"]["origins"]
+             for seed, models in _results("model-size", "diagnosis_6x256.json").items()}
+  text = " ".join(page.split())
+  for seed in ("0", "2"):
+    o = origins[seed]
+    assert (f"{o['near_seen']:.3f} ({round(o['near_seen'] * o['numbers'])} of {o['numbers']}, "
+            f"seed {seed})") in text
+  assert (f"{origins['0']['in_training']:.3f} and {origins['2']['in_training']:.3f} of them are "
+          f"numbers of the training trajectories, against "
+          f"{origins['0']['in_training_by_chance']:.3f} and "
+          f"{origins['2']['in_training_by_chance']:.3f}") in text
 
 
 def test_the_main_results_paragraph_is_the_ten_seed_results():

@@ -410,7 +410,10 @@ def test_results_keep_the_cells_in_their_order(tmp_path):
 
 
 def _recipe_rows(sft: float, dapo: float) -> dict:
-  metrics = lambda p: {"pass@1": p, "copy_exact": p, "tokens_per_task": 120.0, "avg@3": p}
+  metrics = lambda p: {"pass@1": p, "pass@3": p, "copy_exact": p, "call_exact": p,
+                       "question_exact": p, "tokens_per_task": 120.0, "avg@3": p,
+                       "pass@1_by_family": {"lookup": p, "mixed": p - 0.1},
+                       "invented_numbers": {"all": 0.05, "mixed": 0.1}}
   return {"teacher": {"pass@1": 0.997, "tokens_per_task": 245.0}, "sft": metrics(sft),
           "dapo": metrics(dapo)}
 
@@ -453,6 +456,7 @@ def test_recipe_cells_read_the_main_job_or_run_the_pipeline_in_their_own_folder(
   assert (seed_1, seeds, layers) == (1, 1, 6) and results[0]["params"] > 3 * main["params"]
   summary = recipe.summarize({"3x128": {"1": main}, "6x256": results})
   assert summary["6x256"]["dapo"]["pass@1"] == {"values": [0.95, 0.95], "mean": 0.95, "sd": 0.0}
+  assert summary["6x256"]["dapo"]["pass@1_by_family"]["mixed"]["mean"] == pytest.approx(0.85)
   assert recipe.table(summary).splitlines()[2:] == [
       "| 3x128 | 0.56M | 2,000 | 0.850 +- 0.000 | 0.920 +- 0.000 | 0.850 +- 0.000 | "
       "0.920 +- 0.000 | 120 +- 0 | 0.997 +- 0.000 |",

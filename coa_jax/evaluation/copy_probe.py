@@ -179,15 +179,27 @@ def invented_numbers(question: str, steps: Sequence[coa_format.Step]) -> list[tu
   writes and that neither the question nor any earlier step holds: a number from nowhere
   (`*16` for the question's `*20`). Where a plan invents a factor and the code repeats it, only
   the plan is named: the code copied it."""
+  return [(tag, number) for tag, number, _ in invented_numbers_seen(question, steps)]
+
+
+def invented_numbers_seen(question: str, steps: Sequence[coa_format.Step]
+                          ) -> list[tuple[str, str, frozenset[str]]]:
+  """`invented_numbers`, each with the numbers the question and the earlier steps held."""
   known = set(_NUMBER_RE.findall(question))
   invented = []
   for step in steps:
     text = _PLAN_NUMBERING_RE.sub(" ", step.content) if step.tag == "plan" else step.content
     numbers = _NUMBER_RE.findall(text)
     if step.tag == "plan" or step.is_tool:
-      invented += [(step.tag, n) for n in numbers if n not in known]
+      seen = frozenset(known)
+      invented += [(step.tag, n, seen) for n in numbers if n not in known]
     known.update(_NUMBER_RE.findall(step.content))
   return invented
+
+
+def numbers_in(text: str) -> set[str]:
+  """The numbers (digit runs) that `text` writes."""
+  return set(_NUMBER_RE.findall(text))
 
 
 # --- the near-miss probe -----------------------------------------------------------------------

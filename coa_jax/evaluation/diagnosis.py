@@ -4,7 +4,8 @@ family.
 For each seed and model (after SFT, after DAPO): the copy probe (observation -> answer, tool
 calls, question -> tool call; `copy_probe.copy_accuracy`) on the held-out teacher trajectories
 of each family, and the share of the evaluation's samples that write a number from nowhere in
-a plan or a tool call (`copy_probe.invented_numbers`), split by the step that first wrote it.
+a plan or a tool call (`copy_probe.invented_numbers`), split by the step that first wrote it,
+with where the long ones come from (a garbled copy of a number seen, a training figure).
 `experiments/diagnose.py` runs it over a run folder.
 """
 
@@ -95,30 +96,75 @@ def invented_by_step(samples_path: str, tasks: dict[str, Any],
           for group, c in sorted(counts.items())}
 
 
-def diagnose(stages_of: Callable[[int], dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
-  """Returns {seed: {model: {"probe": probe_by_family, "question_by_distance":
-  question_copies_by_distance, "invented": invented_by_step}}} of the finished seeds of a
-  pipeline run; `stages_of(seed)`: that seed's stage settings (`pipeline.Stages.of`)."""
+def edits(a: str, b: str) -> int:
+  """The Levenshtein distance of two strings: the fewest insertions, deletions and substitutions
+  that make one the other."""
+  row = list(range(len(b) + 1))
+  for i, x in enumerate(a, 1):
+    previous, row[0] = row[0], i
+    for j, y in enumerate(b, 1):
+      previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (x != y))
+  return row[-1]
+
+
+def invented_origins(samples_path: str, tasks: dict[str, Any], tool_tags: tuple[str, ...],
+                     training_path: str, min_digits: int = 4) -> dict[str, float]:
+  """Where the samples' numbers from nowhere of `min_digits` digits or more come from: the
+  share that lie within two edits of a number of at least 3 digits that the question or an
+  earlier step held (a garbled copy), the share that the training trajectories
+  (`training_path`) write, and the share a number drawn at random with as many digits would
+  have there (the training set's count of such numbers over all of them)."""
+  with open(training_path) as f:
+    training = copy_probe.numbers_in(f.read())
+  of_length = collections.Counter(len(n) for n in training if n[0] != "0")
+  counts = collections.Counter()
+  with open(samples_path) as f:
+    for line in f:
+      row = json.loads(line)
+      question = tasks[row["task_id"]].question
+      for sample in row["samples"]:
+        steps, _ = coa_format.parse(sample["text"], tool_tags)
+        for _, number, seen in copy_probe.invented_numbers_seen(question, steps):
+          if len(number) < min_digits:
+            continue
+          counts["numbers"] += 1
+          counts["near_seen"] += any(len(m) >= 3 and edits(number, m) <= 2 for m in seen)
+          counts["in_training"] += number in training
+          counts["chance"] += of_length[len(number)] / (9 * 10 ** (len(number) - 1))
+  n = max(counts["numbers"], 1)
+  return {"numbers": counts["numbers"], "near_seen": counts["near_seen"] / n,
+          "in_training": counts["in_training"] / n, "in_training_by_chance": counts["chance"] / n}
+
+
+def diagnose(stages_of: Callable[[int], dict[str, Any]], seeds: Sequence[int],
+             probes: bool = True) -> dict[str, Any]:
+  """Returns {seed: {model: {"invented": invented_by_step, "origins": invented_origins, and with
+  `probes` (which load the model) "probe": probe_by_family, "question_by_distance":
+  question_copies_by_distance}}} of the finished seeds of a pipeline run; `stages_of(seed)`:
+  that seed's stage settings (`pipeline.Stages.of`)."""
   out: dict[str, Any] = {}
   for seed in seeds:
     stages = stages_of(seed)
     out[str(seed)] = {}
     for name in MODELS:
       evaluate = stages[f"eval_{name}"]
-      if not os.path.exists(os.path.join(evaluate.output_dir, "samples.jsonl")):
+      samples = os.path.join(evaluate.output_dir, "samples.jsonl")
+      if not os.path.exists(samples):
         continue
       tokenizer = agent_tokenizer(evaluate)
-      model_config, params = load_model(evaluate.model, tokenizer,
-                                        sharding.make_mesh(evaluate.mesh))
-      model = Transformer(model_config)
-      trajectories = load_source(evaluate.copy_probe, DropCounter(), tokenizer.tool_tags)
-      max_len = evaluate.rollout.cache_size
       tasks = {t.id: t for t in load_tasks(evaluate.tasks, evaluate.max_tasks)}
-      out[str(seed)][name] = {
-          "probe": probe_by_family(model, params, trajectories, tokenizer, max_len,
-                                   evaluate.sampling.temperature),
-          "question_by_distance": question_copies_by_distance(model, params, trajectories,
-                                                              tokenizer, max_len),
-          "invented": invented_by_step(os.path.join(evaluate.output_dir, "samples.jsonl"),
-                                       tasks, tokenizer.tool_tags)}
+      parts = out[str(seed)][name] = {
+          "invented": invented_by_step(samples, tasks, tokenizer.tool_tags),
+          "origins": invented_origins(samples, tasks, tokenizer.tool_tags,
+                                      stages["sft"].data.path)}
+      if probes:
+        model_config, params = load_model(evaluate.model, tokenizer,
+                                          sharding.make_mesh(evaluate.mesh))
+        model = Transformer(model_config)
+        trajectories = load_source(evaluate.copy_probe, DropCounter(), tokenizer.tool_tags)
+        max_len = evaluate.rollout.cache_size
+        parts["probe"] = probe_by_family(model, params, trajectories, tokenizer, max_len,
+                                         evaluate.sampling.temperature)
+        parts["question_by_distance"] = question_copies_by_distance(
+            model, params, trajectories, tokenizer, max_len)
   return out

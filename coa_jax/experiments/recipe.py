@@ -7,8 +7,9 @@ next launch, every stage that finished (`pipeline.run`); a stage cut short runs 
 pipeline's SFT keeps a checkpoint only at its end).
 
 A result holds the model's parameter count, its SFT steps and, after SFT and after DAPO, the
-held-out pass@1, the copy probe and the tokens per task, with the teacher system's pass@1 and
-tokens.
+held-out pass@1 (all, and per task family), pass@3, the copy probe's three exact rates (answers,
+tool calls, question items), the share of samples writing a number from nowhere and the tokens
+per task, with the teacher system's pass@1 and tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from coa_jax.pipeline import Stages
 from coa_jax.runtime.cache import exists
 
 SYSTEMS = ("sft", "dapo")
-METRICS = ("pass@1", "copy_exact", "tokens_per_task")
+METRICS = ("pass@1", "pass@1_by_family", "pass@3", "copy_exact", "call_exact", "question_exact",
+           "invented_numbers", "tokens_per_task")
 
 
 def run_cell(stages: Stages, seed: int, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -62,19 +64,26 @@ def _main_job_rows(stages: Stages, seed: int) -> dict[str, Any]:
 
 def summarize(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
   """Returns, per cell, its parameter count, SFT steps and the mean +- sd over seeds of every
-  metric."""
+  metric (of a per-family metric, of each family's)."""
   summary = {}
   for name, by_seed in results.items():
     runs = list(by_seed.values())
-    if any("sft_steps" not in r for r in runs):
-      raise ConfigError(f"recipe cell {name}: a result cached by older code (no sft_steps); "
-                        f"delete its seed-*.json under <output_dir>/experiments/<experiment>/"
-                        f"cells/{name}/ to recompute it (its runs on disk are reused)")
+    if any("sft_steps" not in r or set(METRICS) - set(r["sft"]) for r in runs):
+      raise ConfigError(f"recipe cell {name}: a result cached by older code (without sft_steps or "
+                        f"a metric of {METRICS}); delete its seed-*.json under "
+                        f"<output_dir>/experiments/<experiment>/cells/{name}/ to recompute it "
+                        f"(its runs on disk are reused)")
     summary[name] = {"params": runs[0]["params"], "sft_steps": runs[0]["sft_steps"]}
     for system in ("teacher",) + SYSTEMS:
-      summary[name][system] = {m: mean_sd([r[system][m] for r in runs])
-                               for m in runs[0][system]}
+      summary[name][system] = _mean_sd_of([r[system] for r in runs])
   return summary
+
+
+def _mean_sd_of(values: list[Any]) -> Any:
+  """mean_sd of numbers; of mappings (a metric per task family), the mean_sd of each key."""
+  if isinstance(values[0], Mapping):
+    return {key: _mean_sd_of([value[key] for value in values]) for key in values[0]}
+  return mean_sd(values)
 
 
 def table(summary: Mapping[str, Any]) -> str:
