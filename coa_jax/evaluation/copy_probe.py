@@ -190,9 +190,10 @@ def invented_numbers_seen(question: str, steps: Sequence[coa_format.Step]
   for step in steps:
     text = _PLAN_NUMBERING_RE.sub(" ", step.content) if step.tag == "plan" else step.content
     numbers = _NUMBER_RE.findall(text)
-    if step.tag == "plan" or step.is_tool:
+    new = [n for n in numbers if n not in known] if step.tag == "plan" or step.is_tool else []
+    if new:  # the evaluation calls this per sample: the seen set is copied only when needed
       seen = frozenset(known)
-      invented += [(step.tag, n, seen) for n in numbers if n not in known]
+      invented += [(step.tag, n, seen) for n in new]
     known.update(_NUMBER_RE.findall(step.content))
   return invented
 
